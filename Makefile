@@ -1,0 +1,15 @@
+# One line per target. `generate` and `test` set up .venv themselves on a fresh machine.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat requirements-dev.txt pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: generate check check-generated lint test venv clean
+
+generate: $(STAMP) ; $(PY) -m bufc.codegen generate
+check: check-generated lint
+check-generated: $(STAMP) ; $(PY) -m bufc.codegen check
+lint: $(STAMP) ; $(VENV)/bin/ruff check codegen runtime tests bufc schema && $(VENV)/bin/ruff format --check codegen runtime tests bufc schema
+test: $(STAMP) ; $(PY) -m pytest
+venv: $(STAMP)
+$(STAMP): requirements-dev.txt pyproject.toml ; rm -f $(VENV)/.installed-* && (test -x $(PY) || python3 -m venv $(VENV)) && $(PY) -m pip install -q -r requirements-dev.txt && $(PY) -m pip install -q --no-deps --no-build-isolation -e . && touch $@
+clean: ; rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,11 @@
+"""bufc: a declarative buffer compiler for LLM inference runtimes.
+
+The distribution maps the repository's top-level folders onto subpackages:
+
+* ``bufc.codegen``   (``codegen/``)   the compiler: buffers.yaml -> generated modules;
+* ``bufc.runtime``   (``runtime/``)   the small torch library the generated modules call;
+* ``bufc.generated`` (``generated/``) one pregenerated module per model family;
+* ``bufc.schema``    (``schema/``)    the JSON Schema of buffers.yaml.
+"""
+
+__version__ = "0.1.0"

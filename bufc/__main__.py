@@ -1,0 +1,3 @@
+from bufc.codegen.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,188 @@
+"""Rendering: a FamilyPlan becomes Python source through one jinja2 template.
+
+All text that reaches the output is computed here from validated data: identifiers (checked
+against the schema's ASCII pattern), integers, ``repr`` of strings, table-driven dtype and
+memory tokens, and formulas printed from the IR. The template only lays them out. Every render
+is parsed with ``ast`` before it is returned.
+"""
+
+from __future__ import annotations
+
+import ast
+from importlib import resources
+from typing import Any
+
+import jinja2
+
+from . import expr as E
+from . import vocab
+from .model import Spec
+from .plan import FamilyPlan, PlannedTensor, lower_family
+
+FORMAT_VERSION = 1  # the runtime API the generated modules are written against
+MARKER = "@" + "generated"  # split so that grep finds only outputs
+
+
+def _environment() -> jinja2.Environment:
+    text = resources.files("bufc.codegen").joinpath("templates/family.py.j2").read_text("utf-8")
+    env = jinja2.Environment(
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["pyrepr"] = lambda v: repr(v)
+    env.globals["_source"] = text
+    return env
+
+
+def _construct(e: E.Expr) -> str:
+    return E.to_source(e, name=lambda n: f"c.{n}", call=lambda f: f"rt.{f}" if f == "cdiv" else f)
+
+
+def _step(e: E.Expr, sizes: set[str]) -> str:
+    return E.to_source(
+        e,
+        name=lambda n: f"s.{n}" if n in sizes else f"c.{n}",
+        call=lambda f: f"rt.{f}" if f == "cdiv" else f,
+    )
+
+
+def _tuple(items: list[str]) -> str:
+    return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+
+
+def _comment(text: str) -> str:
+    # docs are one line of printable ASCII (schema); strip anyway, defence in depth
+    return "".join(ch for ch in text if " " <= ch <= "~")
+
+
+def _tensor_context(pt: PlannedTensor, sizes: set[str], file: str) -> dict[str, Any]:
+    dtype = f"lambda c: c.{pt.dtype}" if pt.dtype_is_param else f"torch.{vocab.DTYPES[pt.dtype]}"
+    if pt.fill_kind == "rule":
+        fill = f"fills.{pt.fill_target}"
+    elif pt.fill_kind == "mirror":
+        fill = f"rt.Mirror({pt.fill_target!r})"
+    elif pt.fill_kind == "constant":
+        assert pt.constant is not None
+        fill = f"rt.Constant(lambda c: {_construct(pt.constant)})"
+    else:
+        fill = "rt.ENGINE"
+    shape = _tuple([_step(e, sizes) for e in pt.shape])
+    binds = []
+    for b in pt.bindings:
+        args = [repr(b.engine_name)]
+        if b.when is not None:
+            args.append(f"when=lambda c: {_construct(b.when)}")
+        binds.append((b.direction, f"rt.Bind({', '.join(args)})"))
+    return {
+        "name": pt.name,
+        "doc": _comment(pt.doc),
+        "where": f"{file}:{pt.loc.line}",
+        "dtype": dtype,
+        "memory": f"rt.{vocab.MEMORY_KINDS[pt.memory]}",
+        "capacity": f"lambda c: {_tuple([_construct(e) for e in pt.capacity])}",
+        "shape": f"lambda c, s: {shape}",
+        "fill": fill,
+        "pad": pt.pad,
+        "when": f"lambda c: {_construct(pt.when)}" if pt.when is not None else None,
+        "inputs": [b for d, b in binds if d == "input"],
+        "outputs": [b for d, b in binds if d == "output"],
+        "checked": pt.checked,
+    }
+
+
+def render_family(plan: FamilyPlan, file: str) -> str:
+    sizes = {z.name for z in plan.sizes}
+    flags = ", ".join(f"{k}={v!r}" for k, v in plan.flags)
+    params = []
+    for p in plan.parameters:
+        if p.kind == "dtype":
+            default = f"torch.{vocab.DTYPES[str(p.default)]}" if p.default is not None else None
+            params.append(
+                {
+                    "name": p.name,
+                    "type": "torch.dtype",
+                    "default": default,
+                    "doc": _comment(p.doc),
+                    "check": f"rt.check_dtype(self, {p.name!r})",
+                }
+            )
+        else:
+            default = str(int(p.default)) if p.default is not None else None
+            minimum = int(p.minimum) if p.minimum is not None else 0
+            params.append(
+                {
+                    "name": p.name,
+                    "type": "int",
+                    "default": default,
+                    "doc": _comment(p.doc),
+                    "check": f"rt.check_int(self, {p.name!r}, minimum={minimum})",
+                }
+            )
+    context = {
+        "marker": MARKER,
+        "file": file,
+        "family": plan.family.name,
+        "family_doc": _comment(plan.family.doc),
+        "flags": flags,
+        "flags_dict": "{" + ", ".join(f"{k!r}: {v!r}" for k, v in plan.flags) + "}",
+        "format_version": FORMAT_VERSION,
+        "params": params,
+        "derived": [
+            {
+                "name": d.name,
+                "doc": _comment(d.doc),
+                "value": E.to_source(
+                    d.value.expr,
+                    name=lambda n: f"self.{n}",
+                    call=lambda f: f"rt.{f}" if f == "cdiv" else f,
+                ),
+            }
+            for d in plan.derived
+        ],
+        "checks": [
+            {
+                "cond": E.to_source(
+                    c.require.expr,
+                    name=lambda n: f"self.{n}",
+                    call=lambda f: f"rt.{f}" if f == "cdiv" else f,
+                ),
+                "message": f"{_comment(c.message)} ({file}:{c.loc.line})",
+                "text": _comment(c.require.text),
+            }
+            for c in plan.checks
+        ],
+        "bounds": [
+            {"name": z.name, "bound": _construct(z.bound.expr)}
+            for z in plan.sizes
+            if z.bound is not None
+        ],
+        "tensors": [_tensor_context(pt, sizes, file) for pt in plan.tensors],
+    }
+    env = _environment()
+    source = env.from_string(env.globals["_source"]).render(**context)
+    ast.parse(source)  # defence in depth: never hand out something that is not Python
+    return source
+
+
+def render_init(spec: Spec, file: str) -> str:
+    names = [f.name for f in spec.families]
+    lines = [
+        f"# {MARKER} by bufc.codegen from {file}. DO NOT EDIT.",
+        "# Regenerate with: make generate",
+        '"""Pregenerated buffer modules, one per model family of buffers.yaml."""',
+        "",
+        f"FAMILIES = {tuple(names)!r}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def render_all(spec: Spec, file: str = "buffers.yaml") -> dict[str, str]:
+    """File name -> contents for everything under generated/."""
+    out = {"__init__.py": render_init(spec, file)}
+    for family in spec.families:
+        out[f"{family.name}.py"] = render_family(lower_family(spec, family), file)
+    return out

@@ -1,0 +1,149 @@
+"""Strict YAML loading with a position for every value.
+
+PyYAML's safe loader is lenient in ways that hurt a spec file: duplicate keys silently keep the
+last value, aliases allow billion-laughs documents, and YAML 1.1 turns a key like ``on`` into a
+boolean. This loader composes the node tree once, rejects all three, and returns plain data plus
+a side table mapping each JSON path to its 1-based ``Location``, so that later phases (JSON
+Schema, semantic checks) can point at the exact line and column.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import yaml
+
+from .errors import Collector, Location
+
+MAX_BYTES = 1 << 20  # a spec file is hand-written; anything larger is a mistake or an attack
+
+Path = tuple[str | int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    """Loaded spec data with positions: ``locs[path]`` is the value's start, ``key_locs[path]``
+    the start of the mapping key that introduced it."""
+
+    file: str
+    data: Any
+    locs: dict[Path, Location]
+    key_locs: dict[Path, Location]
+
+    def loc(self, path: Path) -> Location:
+        """The position of `path`, or of its nearest ancestor that has one."""
+        while path not in self.locs and path:
+            path = path[:-1]
+        return self.locs.get(path, Location(self.file, 1, 1))
+
+    def key_loc(self, path: Path) -> Location:
+        return self.key_locs.get(path) or self.loc(path)
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """SafeLoader that refuses anchors and aliases while composing."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:  # noqa: ANN401 - PyYAML API
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.MarkedYAMLError(
+                problem="aliases (*name) are not allowed in a buffer spec; write the value out",
+                problem_mark=event.start_mark,
+            )
+        event = self.peek_event()
+        if getattr(event, "anchor", None) is not None:
+            raise yaml.MarkedYAMLError(
+                problem="anchors (&name) are not allowed in a buffer spec; write the value out",
+                problem_mark=event.start_mark,
+            )
+        return super().compose_node(parent, index)
+
+
+def _mark(file: str, mark: Any) -> Location:
+    return Location(file, mark.line + 1, mark.column + 1)
+
+
+def load_text(text: str, file: str) -> Document:
+    """Parse `text` (the contents of `file`); raise SpecError with every problem found."""
+    errors = Collector()
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_BYTES:
+        errors.error(Location(file, 1, 1), f"file is larger than {MAX_BYTES} bytes")
+        errors.raise_if_any()
+    loader = _NoAliasLoader(text)
+    try:
+        root = loader.get_single_node()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        loc = _mark(file, mark) if mark else Location(file, 1, 1)
+        problem = exc.problem or "invalid YAML"
+        if "expected a single document" in (exc.context or ""):
+            problem = "only one YAML document is allowed (remove the '---' separator)"
+        errors.error(loc, problem)
+        errors.raise_if_any()
+    except yaml.YAMLError as exc:  # pragma: no cover - PyYAML raises marked errors for text
+        errors.error(Location(file, 1, 1), str(exc))
+        errors.raise_if_any()
+    finally:
+        loader.dispose()
+    if root is None:
+        errors.error(Location(file, 1, 1), "the file is empty; a spec needs at least 'version'")
+        errors.raise_if_any()
+
+    locs: dict[Path, Location] = {}
+    key_locs: dict[Path, Location] = {}
+    constructor = yaml.SafeLoader("")  # only used to resolve scalar values
+
+    def walk(node: yaml.Node, path: Path) -> Any:
+        loc = _mark(file, node.start_mark)
+        if isinstance(node, yaml.ScalarNode) and node.style in ("'", '"'):
+            loc = loc.shifted(1)  # point at the text, so formula columns line up
+        locs[path] = loc
+        if isinstance(node, yaml.MappingNode):
+            out: dict[str, Any] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    errors.error(
+                        _mark(file, key_node.start_mark), "merge keys (<<) are not allowed"
+                    )
+                    continue
+                if (
+                    not isinstance(key_node, yaml.ScalarNode)
+                    or key_node.tag != "tag:yaml.org,2002:str"
+                ):
+                    shown = key_node.value if isinstance(key_node, yaml.ScalarNode) else "..."
+                    errors.error(
+                        _mark(file, key_node.start_mark),
+                        f"key {shown!r} is not a string; quote it (YAML 1.1 reads on/off/yes/no "
+                        "as booleans)",
+                    )
+                    continue
+                key = key_node.value
+                if key in out:
+                    first = key_locs[(*path, key)]
+                    errors.error(
+                        _mark(file, key_node.start_mark),
+                        f"duplicate key '{key}' (first defined at line {first.line})",
+                    )
+                    continue
+                key_locs[(*path, key)] = _mark(file, key_node.start_mark)
+                out[key] = walk(value_node, (*path, key))
+            return out
+        if isinstance(node, yaml.SequenceNode):
+            return [walk(item, (*path, i)) for i, item in enumerate(node.value)]
+        try:
+            return constructor.construct_object(node, deep=True)
+        except yaml.YAMLError as exc:
+            errors.error(_mark(file, node.start_mark), f"bad scalar: {exc}")
+            return None
+
+    data = walk(root, ())
+    constructor.dispose()
+    errors.raise_if_any()
+    return Document(file=file, data=data, locs=locs, key_locs=key_locs)
+
+
+def load_file(path: str, display_name: str | None = None) -> Document:
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    return load_text(text, display_name or path)

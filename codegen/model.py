@@ -1,0 +1,255 @@
+"""The typed spec model: frozen dataclasses built from a schema-valid document.
+
+Building parses every formula into IR (``expr``); cross-entry rules (unknown names, binding
+times, cycles, engine-name ownership, capacity proofs) are checked afterwards in ``validate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from . import expr as E
+from .errors import Collector, Location
+from .load import Document, Path
+
+FillKind = Literal["rule", "mirror", "constant", "engine"]
+Direction = Literal["input", "output"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Formula:
+    """A parsed formula with its source text and position (for messages only)."""
+
+    text: str
+    expr: E.Expr
+    loc: Location
+
+    def at(self, col: int) -> Location:
+        return self.loc.shifted(col)
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    name: str
+    doc: str
+    values: tuple[str, ...] | None  # None: a boolean flag
+    loc: Location
+
+
+@dataclasses.dataclass(frozen=True)
+class Parameter:
+    name: str
+    doc: str
+    kind: Literal["int", "dtype"]
+    default: int | str | None
+    minimum: int | None
+    loc: Location
+
+
+@dataclasses.dataclass(frozen=True)
+class Derived:
+    name: str
+    doc: str
+    value: Formula
+    loc: Location
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    require: Formula
+    message: str
+    loc: Location
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSize:
+    name: str
+    doc: str
+    bound: Formula | None
+    loc: Location
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    doc: str
+    flags: tuple[tuple[str, str | bool], ...]
+    loc: Location
+    flag_locs: tuple[tuple[str, Location], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Fill:
+    kind: FillKind
+    target: str | None  # rule name / mirror source
+    value: Formula | None  # constant
+    loc: Location
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding:
+    direction: Direction
+    engine_name: str
+    when: Formula | None
+    loc: Location
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    name: str
+    doc: str
+    dtype: str | None
+    memory: str
+    capacity: tuple[Formula, ...] | None
+    shape: tuple[Formula, ...] | None
+    when: Formula | None
+    fill: Fill
+    pad: int | None
+    bind: tuple[Binding, ...]
+    loc: Location
+    field_locs: tuple[tuple[str, Location], ...] = ()
+
+    def field_loc(self, key: str) -> Location:
+        return dict(self.field_locs).get(key, self.loc)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    file: str
+    version: int
+    flags: tuple[Flag, ...]
+    parameters: tuple[Parameter, ...]
+    derived: tuple[Derived, ...]
+    checks: tuple[Check, ...]
+    sizes: tuple[StepSize, ...]
+    families: tuple[Family, ...]
+    tensors: tuple[Tensor, ...]
+
+    def tensor(self, name: str) -> Tensor:
+        return next(t for t in self.tensors if t.name == name)
+
+
+class _Builder:
+    def __init__(self, doc: Document) -> None:
+        self.doc = doc
+        self.errors = Collector()
+
+    def formula(self, value: Any, path: Path) -> Formula:
+        loc = self.doc.loc(path)
+        text = str(value) if type(value) is int else value
+        try:
+            parsed = E.parse(text)
+        except E.ExprError as exc:
+            self.errors.error(loc.shifted(exc.col), exc.message)
+            parsed = E.Int(0)
+        return Formula(text, parsed, loc)
+
+    def opt_formula(self, raw: dict[str, Any], key: str, path: Path) -> Formula | None:
+        return self.formula(raw[key], (*path, key)) if key in raw else None
+
+    def build(self) -> Spec:
+        d = self.doc.data
+        kl = self.doc.key_loc
+        flags = tuple(
+            Flag(n, r["doc"], tuple(r["values"]) if "values" in r else None, kl(("flags", n)))
+            for n, r in d.get("flags", {}).items()
+        )
+        for n, r in d.get("flags", {}).items():
+            if ("values" in r) == ("type" in r):
+                self.errors.error(
+                    kl(("flags", n)),
+                    f"flag '{n}' needs exactly one of 'values' (an enum flag) or 'type: bool'",
+                )
+        params = tuple(
+            Parameter(
+                n,
+                r["doc"],
+                r.get("type", "int"),
+                r.get("default"),
+                r.get("min"),
+                kl(("parameters", n)),
+            )
+            for n, r in d.get("parameters", {}).items()
+        )
+        derived = tuple(
+            Derived(
+                n, r["doc"], self.formula(r["value"], ("derived", n, "value")), kl(("derived", n))
+            )
+            for n, r in d.get("derived", {}).items()
+        )
+        checks = tuple(
+            Check(
+                self.formula(r["require"], ("checks", i, "require")),
+                r["message"],
+                self.doc.loc(("checks", i)),
+            )
+            for i, r in enumerate(d.get("checks", []))
+        )
+        sizes = tuple(
+            StepSize(n, r["doc"], self.opt_formula(r, "max", ("sizes", n)), kl(("sizes", n)))
+            for n, r in d.get("sizes", {}).items()
+        )
+        families = tuple(
+            Family(
+                n,
+                r["doc"],
+                tuple(r.get("flags", {}).items()),
+                kl(("families", n)),
+                tuple((f, kl(("families", n, "flags", f))) for f in r.get("flags", {})),
+            )
+            for n, r in d.get("families", {}).items()
+        )
+        tensors = tuple(self.tensor(r, ("tensors", i)) for i, r in enumerate(d.get("tensors", [])))
+        self.errors.raise_if_any()
+        return Spec(
+            self.doc.file, d["version"], flags, params, derived, checks, sizes, families, tensors
+        )
+
+    def dims(self, raw: dict[str, Any], key: str, path: Path) -> tuple[Formula, ...] | None:
+        if key not in raw:
+            return None
+        return tuple(self.formula(v, (*path, key, j)) for j, v in enumerate(raw[key]))
+
+    def tensor(self, raw: dict[str, Any], path: Path) -> Tensor:
+        fill_raw = raw["fill"]
+        fill_loc = self.doc.loc((*path, "fill"))
+        if fill_raw == "engine":
+            fill = Fill("engine", None, None, fill_loc)
+        elif "rule" in fill_raw:
+            fill = Fill("rule", fill_raw["rule"], None, self.doc.loc((*path, "fill", "rule")))
+        elif "mirror" in fill_raw:
+            fill = Fill("mirror", fill_raw["mirror"], None, self.doc.loc((*path, "fill", "mirror")))
+        else:
+            value = self.formula(fill_raw["constant"], (*path, "fill", "constant"))
+            fill = Fill("constant", None, value, value.loc)
+        binds = []
+        for j, b in enumerate(raw.get("bind", [])):
+            direction: Direction = "input" if "input" in b else "output"
+            binds.append(
+                Binding(
+                    direction,
+                    b[direction],
+                    self.opt_formula(b, "when", (*path, "bind", j)),
+                    self.doc.loc((*path, "bind", j, direction)),
+                )
+            )
+        return Tensor(
+            name=raw["name"],
+            doc=raw["doc"],
+            dtype=raw.get("dtype"),
+            memory=raw["memory"],
+            capacity=self.dims(raw, "capacity", path),
+            shape=self.dims(raw, "shape", path),
+            when=self.opt_formula(raw, "when", path),
+            fill=fill,
+            pad=raw.get("pad"),
+            bind=tuple(binds),
+            loc=self.doc.loc((*path, "name")),
+            field_locs=tuple((k, self.doc.key_loc((*path, k))) for k in raw),
+        )
+
+
+def build_spec(doc: Document) -> Spec:
+    """Turn a schema-valid document into the typed model (parse errors are located)."""
+    return _Builder(doc).build()

@@ -1,0 +1,196 @@
+"""Lowering: one family's view of the spec, with every generate-time decision taken.
+
+Flags are folded into every condition: tensors and bindings whose condition folds to false
+disappear, true conditions vanish, and what remains is a residual condition over construct-time
+parameters, evaluated once in the generated constructor. The plan also records which
+parameters and derived values the family actually uses, and which capacities are proven to
+hold every step shape (the rest get a run-time guard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import expr as E
+from .errors import Location
+from .model import Check, Derived, Family, Parameter, Spec, StepSize, Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedBinding:
+    direction: str
+    engine_name: str
+    when: E.Expr | None  # residual construct-time condition, None = always
+    loc: Location
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    doc: str
+    dtype: str  # a vocab dtype or a dtype parameter name
+    dtype_is_param: bool
+    memory: str
+    capacity: tuple[E.Expr, ...]
+    shape: tuple[E.Expr, ...]
+    when: E.Expr | None
+    fill_kind: str
+    fill_target: str | None
+    constant: E.Expr | None
+    pad: int | None
+    bindings: tuple[PlannedBinding, ...]
+    checked: bool  # capacity not proven at generate time: guard it every step
+    loc: Location
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyPlan:
+    family: Family
+    flags: tuple[tuple[str, str | bool], ...]
+    parameters: tuple[Parameter, ...]
+    derived: tuple[Derived, ...]
+    checks: tuple[Check, ...]
+    sizes: tuple[StepSize, ...]
+    tensors: tuple[PlannedTensor, ...]
+
+
+def _conj(a: E.Expr | None, b: E.Expr | None) -> E.Expr | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return E.BoolOp("and", (a, b))
+
+
+def _fold(cond: E.Expr | None, flags: dict[str, str | bool]) -> E.Expr | None:
+    """Fold flags; None means 'always'; E.FALSE means 'never'."""
+    if cond is None:
+        return None
+    folded = E.fold(cond, flags)
+    return None if folded == E.TRUE else folded
+
+
+def lower_family(spec: Spec, family: Family) -> FamilyPlan:
+    # local import: validate imports this module lazily, and proofs reuse its rewriting
+    from .validate import Checker
+
+    checker = Checker(spec)
+    checker.symbols()
+    flags = dict(family.flags)
+    by_name = {t.name: t for t in spec.tensors}
+    tensors: list[PlannedTensor] = []
+    for t in spec.tensors:
+        src: Tensor = by_name[t.fill.target] if t.fill.kind == "mirror" else t  # type: ignore[index]
+        own = t.when.expr if t.when else None
+        # a mirror exists only where its source does
+        when = _fold(
+            _conj(src.when.expr if src.when else None, own) if src is not t else own, flags
+        )
+        if when == E.FALSE:
+            continue
+        binds = []
+        for b in t.bind:
+            bw = _fold(b.when.expr if b.when else None, flags)
+            if bw != E.FALSE:
+                binds.append(PlannedBinding(b.direction, b.engine_name, bw, b.loc))
+        assert src.dtype is not None and src.capacity is not None and src.shape is not None
+        capacity = tuple(f.expr for f in src.capacity)
+        shape = tuple(f.expr for f in src.shape)
+        proven = True
+        for cap, step in zip(capacity, shape):
+            up = checker.upper(step)
+            if up is None or not E.provably_at_least(checker.shifted(cap), up):
+                proven = False
+        tensors.append(
+            PlannedTensor(
+                name=t.name,
+                doc=t.doc,
+                dtype=src.dtype,
+                dtype_is_param=src.dtype not in _dtypes(),
+                memory=t.memory,
+                capacity=capacity,
+                shape=shape,
+                when=when,
+                fill_kind=t.fill.kind,
+                fill_target=t.fill.target,
+                constant=t.fill.value.expr if t.fill.value else None,
+                pad=src.pad,
+                bindings=tuple(binds),
+                checked=not proven,
+                loc=t.loc,
+            )
+        )
+
+    # Which construct-time names does this family read?
+    used: set[str] = set()
+
+    def use(e: E.Expr | None) -> None:
+        if e is not None:
+            used.update(n.id for n in E.names(e))
+
+    for pt in tensors:
+        use(pt.when)
+        for e in (*pt.capacity, *pt.shape, pt.constant):
+            use(e)
+        for pb in pt.bindings:
+            use(pb.when)
+        if pt.dtype_is_param:
+            used.add(pt.dtype)
+    for z in spec.sizes:
+        use(z.bound.expr if z.bound else None)
+    derived_by_name = {d.name: d for d in spec.derived}
+
+    def close(names: set[str]) -> set[str]:
+        todo = list(names)
+        out = set(names)
+        while todo:
+            d = derived_by_name.get(todo.pop())
+            if d:
+                for n in E.names(d.value.expr):
+                    if n.id not in out:
+                        out.add(n.id)
+                        todo.append(n.id)
+        return out
+
+    used = close(used)
+    checks = []
+    for c in spec.checks:
+        needs = close({n.id for n in E.names(c.require.expr)})
+        params_needed = {n for n in needs if n not in derived_by_name}
+        if params_needed <= used:
+            checks.append(c)
+            used |= needs
+    return FamilyPlan(
+        family=family,
+        flags=tuple(family.flags),
+        parameters=tuple(p for p in spec.parameters if p.name in used),
+        derived=tuple(_topo(d for d in spec.derived if d.name in used)),
+        checks=tuple(checks),
+        sizes=spec.sizes,
+        tensors=tuple(tensors),
+    )
+
+
+def _dtypes() -> dict[str, str]:
+    from .vocab import DTYPES
+
+    return DTYPES
+
+
+def _topo(items: object) -> list[Derived]:
+    """Derived values in an order where each comes after the ones it reads."""
+    pending = list(items)  # type: ignore[call-overload]
+    names = {d.name for d in pending}
+    done: list[Derived] = []
+    placed: set[str] = set()
+    while pending:
+        for d in pending:
+            deps = {n.id for n in E.names(d.value.expr)} & names
+            if deps <= placed:
+                done.append(d)
+                placed.add(d.name)
+                pending.remove(d)
+                break
+        else:  # pragma: no cover - cycles are rejected by validate
+            raise ValueError("cycle in derived values")
+    return done

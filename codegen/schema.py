@@ -1,0 +1,113 @@
+"""Structural validation against ``schema/buffers.schema.json``, with located messages.
+
+jsonschema knows only JSON paths; we map each error back to ``FILE:LINE:COL`` through the
+loader's position table, and rewrite the few messages whose default text is unhelpful.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+import jsonschema
+from jsonschema.exceptions import ValidationError
+
+from .errors import Diagnostic, did_you_mean
+from .load import Document
+
+_FILL_HELP = "fill must be 'engine' or one of {rule: NAME}, {mirror: TENSOR}, {constant: FORMULA}"
+
+
+@lru_cache(maxsize=1)
+def schema() -> dict[str, Any]:
+    text = resources.files("bufc.schema").joinpath("buffers.schema.json").read_text("utf-8")
+    loaded: dict[str, Any] = json.loads(text)
+    return loaded
+
+
+def _describe(value: Any) -> str:
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "a mapping",
+        type(None): "nothing",
+    }.get(type(value), "a value")
+
+
+def _diagnostics(doc: Document, err: ValidationError) -> list[Diagnostic]:
+    path = tuple(err.absolute_path)
+    loc = doc.loc(path)
+    kind = err.validator
+    where = ".".join(str(p) for p in path) or "the document"
+    if kind == "additionalProperties" and isinstance(err.instance, dict):
+        allowed = set(err.schema.get("properties", {}))
+        out = []
+        for key in sorted(set(err.instance) - allowed):
+            hint = did_you_mean(key, allowed)
+            keys = ", ".join(sorted(allowed))
+            out.append(
+                Diagnostic(
+                    doc.key_loc((*path, key)),
+                    f"unknown key '{key}' in {where}{hint}; allowed keys: {keys}",
+                )
+            )
+        if out:
+            return out
+    if kind == "required":
+        missing = err.message.split("'")[1] if "'" in err.message else err.message
+        return [Diagnostic(loc, f"{where} is missing the required key '{missing}'")]
+    if kind == "enum":
+        options = [str(o) for o in err.validator_value]
+        hint = did_you_mean(str(err.instance), options)
+        return [Diagnostic(loc, f"{err.instance!r} is not one of {', '.join(options)}{hint}")]
+    if kind == "type":
+        want = (
+            err.validator_value if isinstance(err.validator_value, list) else [err.validator_value]
+        )
+        return [
+            Diagnostic(loc, f"{where} must be {' or '.join(want)}, not {_describe(err.instance)}")
+        ]
+    if kind == "pattern" and "propertyNames" in err.absolute_schema_path:
+        kind = "propertyNames"  # the instance is the offending key itself
+    if kind == "pattern":
+        if err.validator_value.startswith("^[a-z]"):
+            msg = f"{err.instance!r} is not a valid name: use a lower-case ASCII letter, then letters, digits or '_'"
+        elif err.validator_value.startswith("^[A-Za-z_]"):
+            msg = f"{err.instance!r} is not a valid engine tensor name"
+        else:
+            msg = f"{where} must be one line of printable ASCII"
+        return [Diagnostic(loc, msg)]
+    if kind == "propertyNames":
+        # the instance is the offending key; point at it
+        return [
+            Diagnostic(
+                doc.key_loc((*path, err.instance)),
+                f"{err.instance!r} is not a valid name: use a lower-case ASCII letter, "
+                "then letters, digits or '_'",
+            )
+        ]
+    if kind == "oneOf" and path and path[-1] == "fill":
+        return [Diagnostic(loc, _FILL_HELP)]
+    if kind == "oneOf":
+        return [
+            Diagnostic(
+                loc, "a binding names exactly one of 'input' or 'output' (plus an optional 'when')"
+            )
+        ]
+    if kind == "const":
+        return [Diagnostic(loc, f"{where} must be {err.validator_value!r}")]
+    return [Diagnostic(loc, f"{where}: {err.message}")]
+
+
+def check_document(doc: Document) -> list[Diagnostic]:
+    """Every schema violation in `doc`, located."""
+    validator = jsonschema.Draft202012Validator(schema())
+    out: list[Diagnostic] = []
+    for err in validator.iter_errors(doc.data):
+        out.extend(_diagnostics(doc, err))
+    return sorted(set(out))

@@ -1,0 +1,55 @@
+"""bufc.runtime: the small torch library every generated module calls.
+
+Generated modules are data (``TensorDecl`` records and a ``Config``); allocation, the per-step
+fill, the host-to-device copy and the engine IO views are implemented once, here.
+"""
+
+from __future__ import annotations
+
+from .batch import STEP_SIZES, Batch, StepSizes
+from .buffers import KV_CACHE_LENGTH_ROUND, RuntimeBuffers, Step
+from .config import ConfigBase, cdiv, check_dtype, check_int, require
+from .decl import DEVICE, ENGINE, HOST, PINNED, Bind, Constant, Mirror, SizeBound, TensorDecl
+from .errors import BatchError, ConfigError
+from .request import Request
+
+FORMAT_VERSION = 1
+"""The generated-module format this runtime implements; bumped on incompatible changes."""
+
+
+def check_format_version(version: int) -> None:
+    """Called at import by every generated module."""
+    if version != FORMAT_VERSION:
+        raise ImportError(
+            f"this generated module was written for bufc runtime format {version}, but the "
+            f"installed bufc.runtime implements format {FORMAT_VERSION}; run 'make generate'"
+        )
+
+
+__all__ = [
+    "DEVICE",
+    "ENGINE",
+    "FORMAT_VERSION",
+    "HOST",
+    "KV_CACHE_LENGTH_ROUND",
+    "PINNED",
+    "STEP_SIZES",
+    "Batch",
+    "BatchError",
+    "Bind",
+    "ConfigBase",
+    "ConfigError",
+    "Constant",
+    "Mirror",
+    "Request",
+    "RuntimeBuffers",
+    "SizeBound",
+    "Step",
+    "StepSizes",
+    "TensorDecl",
+    "cdiv",
+    "check_dtype",
+    "check_format_version",
+    "check_int",
+    "require",
+]

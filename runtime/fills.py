@@ -1,0 +1,222 @@
+"""The closed set of named fill rules that buffers.yaml may use (``fill: {rule: NAME}``).
+
+Each rule writes one step's values into the flat host buffer `out` (a numpy view of the
+tensor's capacity), starting at element 0, and returns how many elements it wrote. Rules
+read only the validated ``Batch``; a rule's ``check`` runs before any rule writes, so a bad
+batch leaves every buffer as it was. The semantics are the reference's setFromInputs
+(buffer-inventory.md §2.3); where the reference has a bug, the rule says so and does it right.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from .batch import Batch
+from .errors import BatchError
+
+GLM_MASK_TOKENS = (50260, 50263, 50264)  # [MASK], [sMASK], [gMASK] in GLM-10B's vocabulary
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    name: str
+    fill: Callable[[np.ndarray, Batch], int]
+    check: Callable[[Batch], None] | None = None
+
+    def __repr__(self) -> str:
+        return f"fills.{self.name}"
+
+
+def _token_ids(out: np.ndarray, b: Batch) -> int:
+    o = 0
+    for r, begin, chunk, drafts in zip(b.context, b.ctx_begin, b.ctx_chunk, b.ctx_drafts):
+        out[o : o + chunk] = r.prompt[begin : begin + chunk]
+        o += chunk
+        if drafts:
+            out[o : o + drafts] = r.draft_tokens
+            o += drafts
+    for r in b.generation:
+        drafts = r.draft_tokens or ()
+        for beam in r.generated:
+            out[o] = beam[-1]
+            o += 1
+            if drafts:
+                out[o : o + len(drafts)] = drafts
+                o += len(drafts)
+    return o
+
+
+def _ctx_default_positions(out: np.ndarray, b: Batch) -> int:
+    """begin, begin+1, ... for every context input token (drafts included); returns count."""
+    n = int(b.ctx_input_len.sum())
+    starts = np.cumsum(b.ctx_input_len) - b.ctx_input_len
+    out[:n] = np.arange(n) + np.repeat(b.ctx_begin - starts, b.ctx_input_len)
+    return n
+
+
+def _position_ids(out: np.ndarray, b: Batch) -> int:
+    o = _ctx_default_positions(out, b)
+    start = 0
+    for r, begin, chunk, drafts in zip(b.context, b.ctx_begin, b.ctx_chunk, b.ctx_drafts):
+        explicit = getattr(r, "position_ids", None)
+        if explicit is not None:
+            out[start : start + chunk] = explicit[begin : begin + chunk]
+            if drafts:
+                # Reference bug (§3.9): it appends no positions for the drafts of a last
+                # chunk, leaving the list short. Drafts continue after the last prompt position,
+                # matching how generation continues explicit positions.
+                out[start + chunk : start + chunk + drafts] = (
+                    np.arange(1, drafts + 1) + explicit[-1]
+                )
+        start += chunk + drafts
+    # generation: one position per beam (draft positions come from spec-decoding offsets)
+    g = 0
+    seq = b.seq_num_tokens - 1
+    for r, beams, max_gen in zip(b.generation, b.gen_beam_width, b.gen_max_generated):
+        explicit = getattr(r, "position_ids", None)
+        if explicit is not None:
+            out[o + g : o + g + beams] = explicit[-1] + max_gen
+        else:
+            out[o + g : o + g + beams] = seq[g : g + beams]
+        g += beams
+    return o + g
+
+
+def _reject_explicit_positions(b: Batch) -> None:
+    for kind, reqs in (("context", b.context), ("generation", b.generation)):
+        for i, r in enumerate(reqs):
+            if getattr(r, "position_ids", None) is not None:
+                raise BatchError(
+                    f"{kind} request {i} (seq_slot {r.seq_slot}): explicit position_ids are not "
+                    "supported by the ChatGLM/GLM two-row position layout"
+                )
+
+
+def _two_rows(out: np.ndarray, b: Batch, row1_last: np.ndarray, gen_row1: np.ndarray) -> int:
+    """Shared ChatGLM/GLM layout: row 1 then row 2, each [num_context_tokens + gen sequences].
+
+    Context rows: row 1 = 0..len-1 with its last entry replaced, row 2 = 0..0, 1. The context
+    position is ignored, as in the reference (these variants do not support chunking).
+    """
+    n_ctx = int(b.ctx_input_len.sum())
+    n = n_ctx + b.sizes.num_generation_sequences
+    row1, row2 = out[:n], out[n : 2 * n]
+    starts = np.cumsum(b.ctx_input_len) - b.ctx_input_len
+    row1[:n_ctx] = np.arange(n_ctx) - np.repeat(starts, b.ctx_input_len)
+    row2[:n_ctx] = 0
+    ends = starts + b.ctx_input_len - 1
+    row1[ends] = row1_last
+    row2[ends] = 1
+    row1[n_ctx:] = b.per_sequence(gen_row1)
+    row2[n_ctx:] = b.per_sequence(b.gen_max_generated + 1)
+    return 2 * n
+
+
+def _chatglm_position_ids(out: np.ndarray, b: Batch) -> int:
+    return _two_rows(out, b, b.ctx_input_len - 2, b.gen_prompt_len - 2)
+
+
+def _glm_check(b: Batch) -> None:
+    _reject_explicit_positions(b)
+    for i, r in enumerate(b.generation):
+        if getattr(r, "mask_position", None) is None:
+            raise BatchError(
+                f"generation request {i} (seq_slot {r.seq_slot}): mask_position is unset; GLM "
+                "sets it on the request during its context step"
+            )
+
+
+def _glm_position_ids(out: np.ndarray, b: Batch) -> int:
+    masks = np.empty(len(b.context), dtype=np.int64)
+    mask_ids = np.array(GLM_MASK_TOKENS)
+    for i, (r, begin, chunk, drafts) in enumerate(
+        zip(b.context, b.ctx_begin, b.ctx_chunk, b.ctx_drafts)
+    ):
+        # search this step's input tokens of the request (chunk, then drafts on a last chunk)
+        tokens = np.concatenate(
+            (
+                np.asarray(r.prompt[begin : begin + chunk]),
+                np.asarray(r.draft_tokens[:drafts] if drafts else [], dtype=np.int64),
+            )
+        )
+        hits = np.flatnonzero(np.isin(tokens, mask_ids))
+        masks[i] = hits[0] if hits.size else b.sizes.max_context_length
+        r.mask_position = int(masks[i])
+    gen_masks = np.array([r.mask_position for r in b.generation], dtype=np.int64)
+    return _two_rows(out, b, masks, gen_masks)
+
+
+def _context_lengths(out: np.ndarray, b: Batch) -> int:
+    n_ctx, n = b.sizes.num_context_requests, b.sizes.num_sequences
+    out[:n_ctx] = b.ctx_input_len
+    out[n_ctx:n] = b.per_sequence(b.gen_prompt_len + b.gen_drafts)
+    return n
+
+
+def _sequence_lengths(out: np.ndarray, b: Batch) -> int:
+    n_ctx, n = b.sizes.num_context_requests, b.sizes.num_sequences
+    out[:n_ctx] = b.ctx_begin + b.ctx_input_len
+    out[n_ctx:n] = b.per_sequence(b.gen_prompt_len + b.gen_drafts + b.gen_max_generated)
+    return n
+
+
+def _past_key_value_lengths(out: np.ndarray, b: Batch) -> int:
+    n = b.sizes.num_sequences
+    out[:n] = b.past_key_value_lengths()
+    return n
+
+
+def _request_types(out: np.ndarray, b: Batch) -> int:
+    n_ctx, n = b.sizes.num_context_requests, b.sizes.num_sequences
+    out[:n_ctx] = 0
+    out[n_ctx:n] = 1
+    return n
+
+
+def _last_token_ids(out: np.ndarray, b: Batch) -> int:
+    # logit groups: a context chunk is one group plus one per draft; every generation token
+    # (each beam, each draft) is its own group. last_token_ids is their inclusive prefix sum.
+    groups = np.ones(b.sizes.num_logits, dtype=np.int64)
+    heads = np.cumsum(1 + b.ctx_drafts) - (1 + b.ctx_drafts)
+    groups[heads] = b.ctx_chunk
+    np.cumsum(groups, out=out[: b.sizes.num_logits])
+    return b.sizes.num_logits
+
+
+def _seq_slots(out: np.ndarray, b: Batch) -> int:
+    n = b.sizes.num_requests
+    out[:n] = b.seq_slot
+    return n
+
+
+token_ids = Rule("token_ids", _token_ids)
+position_ids = Rule("position_ids", _position_ids)
+chatglm_position_ids = Rule(
+    "chatglm_position_ids", _chatglm_position_ids, _reject_explicit_positions
+)
+glm_position_ids = Rule("glm_position_ids", _glm_position_ids, _glm_check)
+context_lengths = Rule("context_lengths", _context_lengths)
+sequence_lengths = Rule("sequence_lengths", _sequence_lengths)
+past_key_value_lengths = Rule("past_key_value_lengths", _past_key_value_lengths)
+request_types = Rule("request_types", _request_types)
+last_token_ids = Rule("last_token_ids", _last_token_ids)
+seq_slots = Rule("seq_slots", _seq_slots)
+
+RULES = {
+    r.name: r
+    for r in (
+        token_ids,
+        position_ids,
+        chatglm_position_ids,
+        glm_position_ids,
+        context_lengths,
+        sequence_lengths,
+        past_key_value_lengths,
+        request_types,
+        last_token_ids,
+        seq_slots,
+    )
+}

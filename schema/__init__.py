@@ -1,0 +1,1 @@
+"""The JSON Schema of buffers.yaml, shipped as package data (``buffers.schema.json``)."""
