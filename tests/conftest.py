@@ -1,0 +1,85 @@
+"""Shared helpers: small configs for each family and hypothesis strategies for batches."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/reference.py
+
+from bufc.runtime import Request  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+FAMILIES = ("gpt", "chatglm", "glm")
+GLM_MASK_IDS = (50260, 50263, 50264)
+
+BASE = dict(
+    max_batch_size=8,
+    max_beam_width=3,
+    max_num_tokens=512,
+    max_draft_tokens=3,
+    vocab_size=1000,
+    hidden_size=32,
+    num_layers=4,
+    max_attention_window=4096,
+)
+
+
+def family(name: str):
+    return importlib.import_module(f"bufc.generated.{name}")
+
+
+def make_buffers(name: str, device: str = "cpu", **overrides):
+    mod = family(name)
+    return mod.RuntimeBuffers(mod.Config(**{**BASE, **overrides}), device=device)
+
+
+@pytest.fixture(params=FAMILIES)
+def family_name(request):
+    return request.param
+
+
+# --------------------------------------------------------------------------- strategies
+tokens = st.integers(min_value=0, max_value=60000) | st.sampled_from(GLM_MASK_IDS)
+
+
+@st.composite
+def context_request(draw, variant: str, slot: int, max_beam: int = 3, max_drafts: int = 3):
+    prompt = draw(st.lists(tokens, min_size=1, max_size=40))
+    begin = draw(st.integers(0, len(prompt) - 1))
+    chunk = draw(st.none() | st.integers(1, len(prompt) - begin))
+    drafts = draw(st.lists(tokens, max_size=max_drafts))
+    beam = 1 if drafts else draw(st.integers(1, max_beam))
+    explicit = None
+    if variant == "gpt" and draw(st.booleans()):
+        explicit = draw(st.lists(st.integers(0, 5000), min_size=len(prompt), max_size=len(prompt)))
+    return Request(seq_slot=slot, prompt=prompt, beam_width=beam, context_position=begin,
+                   context_chunk_size=chunk, draft_tokens=drafts, position_ids=explicit)
+
+
+@st.composite
+def generation_request(draw, variant: str, slot: int, max_beam: int = 3, max_drafts: int = 3):
+    prompt = draw(st.lists(tokens, min_size=1, max_size=30))
+    drafts = draw(st.lists(tokens, max_size=max_drafts))
+    beam = 1 if drafts else draw(st.integers(1, max_beam))
+    generated = [draw(st.lists(tokens, min_size=1, max_size=12)) for _ in range(beam)]
+    explicit = None
+    if variant == "gpt" and draw(st.booleans()):
+        explicit = draw(st.lists(st.integers(0, 5000), min_size=len(prompt), max_size=len(prompt)))
+    mask = draw(st.integers(0, len(prompt))) if variant == "glm" else None
+    return Request(seq_slot=slot, prompt=prompt, beam_width=beam, generated=generated,
+                   draft_tokens=drafts, position_ids=explicit, mask_position=mask)
+
+
+@st.composite
+def batch(draw, variant: str, max_requests: int = 8):
+    n_ctx = draw(st.integers(0, max_requests))
+    n_gen = draw(st.integers(0, max_requests - n_ctx))
+    slots = draw(st.permutations(range(64)))[: n_ctx + n_gen]
+    ctx = [draw(context_request(variant, slots[i])) for i in range(n_ctx)]
+    gen = [draw(generation_request(variant, slots[n_ctx + i])) for i in range(n_gen)]
+    return ctx, gen
