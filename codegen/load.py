@@ -133,8 +133,10 @@ def load_text(text: str, file: str) -> Document:
             return [walk(item, (*path, i)) for i, item in enumerate(node.value)]
         try:
             return constructor.construct_object(node, deep=True)
-        except yaml.YAMLError as exc:
-            errors.error(_mark(file, node.start_mark), f"bad scalar: {exc}")
+        except yaml.YAMLError:
+            errors.error(
+                _mark(file, node.start_mark), f"tag '{node.tag}' is not allowed in a buffer spec"
+            )
             return None
 
     data = walk(root, ())

@@ -43,7 +43,10 @@ def _diagnostics(doc: Document, err: ValidationError) -> list[Diagnostic]:
     path = tuple(err.absolute_path)
     loc = doc.loc(path)
     kind = err.validator
-    where = ".".join(str(p) for p in path) or "the document"
+    where = (
+        "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+        or "the document"
+    )
     if kind == "additionalProperties" and isinstance(err.instance, dict):
         allowed = set(err.schema.get("properties", {}))
         out = []
@@ -69,9 +72,15 @@ def _diagnostics(doc: Document, err: ValidationError) -> list[Diagnostic]:
         want = (
             err.validator_value if isinstance(err.validator_value, list) else [err.validator_value]
         )
-        return [
-            Diagnostic(loc, f"{where} must be {' or '.join(want)}, not {_describe(err.instance)}")
-        ]
+        names = {
+            "string": "a string",
+            "integer": "an integer",
+            "object": "a mapping",
+            "array": "a list",
+            "boolean": "true or false",
+        }
+        expected = " or ".join(names.get(w, w) for w in want)
+        return [Diagnostic(loc, f"{where} must be {expected}, not {_describe(err.instance)}")]
     if kind == "pattern" and "propertyNames" in err.absolute_schema_path:
         kind = "propertyNames"  # the instance is the offending key itself
     if kind == "pattern":

@@ -42,7 +42,7 @@ CONSTRUCT = frozenset({"parameter", "derived"})
 DERIVED = Context("a derived value", CONSTRUCT, "int")
 CHECK = Context("a check", CONSTRUCT, "bool")
 SIZE_BOUND = Context("a size bound", CONSTRUCT, "int")
-WHEN = Context("a condition", CONSTRUCT | {"flag"}, "bool")
+WHEN = Context("'when'", CONSTRUCT | {"flag"}, "bool")
 CAPACITY = Context("a capacity (fixed at construction)", CONSTRUCT, "int")
 SHAPE = Context("a step shape", CONSTRUCT | {"size"}, "int")
 CONSTANT = Context("a constant fill (written at construction)", CONSTRUCT, "int")
@@ -107,7 +107,8 @@ class Checker:
                 )
                 ok = False
             elif kind not in ctx.kinds:
-                allowed = ", ".join(sorted(KIND_TEXT[k] + "s" for k in ctx.kinds))
+                kinds = sorted(KIND_TEXT[k] + "s" for k in ctx.kinds)
+                allowed = ", ".join(kinds[:-1]) + " and " + kinds[-1]
                 self.errors.error(
                     f.at(n.col),
                     f"'{n.id}' is a {KIND_TEXT[kind]}; {ctx.what} may use only {allowed}",
@@ -116,8 +117,14 @@ class Checker:
         if ok:
             got = self.infer(f, f.expr)
             if got is not None and got != ctx.result:
-                want = "an integer" if ctx.result == "int" else "a condition"
-                self.errors.error(f.loc, f"{ctx.what} must be {want}: '{f.text}'")
+                want = (
+                    "an integer"
+                    if ctx.result == "int"
+                    else "a condition (a comparison, a flag, and/or/not)"
+                )
+                self.errors.error(
+                    f.loc, f"{ctx.what} must be {want}, got {self.describe(got)}: '{f.text}'"
+                )
 
     def infer(self, f: Formula, e: E.Expr) -> str | None:
         """'int', 'bool', 'str' or 'enum:<flag>'; None after reporting an error."""
@@ -384,7 +391,7 @@ class Checker:
                 f"fill rules run on the host: make '{t.name}' pinned and add a "
                 "device tensor with fill: {mirror: " + t.name + "}",
             )
-        if t.dtype is not None and t.dtype not in rule.dtypes:
+        if t.dtype in vocab.DTYPES and t.dtype not in rule.dtypes:
             self.errors.error(
                 t.field_loc("dtype"),
                 f"fill rule '{name}' writes {' or '.join(rule.dtypes)}, not {t.dtype}",

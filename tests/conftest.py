@@ -57,8 +57,15 @@ def context_request(draw, variant: str, slot: int, max_beam: int = 3, max_drafts
     explicit = None
     if variant == "gpt" and draw(st.booleans()):
         explicit = draw(st.lists(st.integers(0, 5000), min_size=len(prompt), max_size=len(prompt)))
-    return Request(seq_slot=slot, prompt=prompt, beam_width=beam, context_position=begin,
-                   context_chunk_size=chunk, draft_tokens=drafts, position_ids=explicit)
+    return Request(
+        seq_slot=slot,
+        prompt=prompt,
+        beam_width=beam,
+        context_position=begin,
+        context_chunk_size=chunk,
+        draft_tokens=drafts,
+        position_ids=explicit,
+    )
 
 
 @st.composite
@@ -71,8 +78,15 @@ def generation_request(draw, variant: str, slot: int, max_beam: int = 3, max_dra
     if variant == "gpt" and draw(st.booleans()):
         explicit = draw(st.lists(st.integers(0, 5000), min_size=len(prompt), max_size=len(prompt)))
     mask = draw(st.integers(0, len(prompt))) if variant == "glm" else None
-    return Request(seq_slot=slot, prompt=prompt, beam_width=beam, generated=generated,
-                   draft_tokens=drafts, position_ids=explicit, mask_position=mask)
+    return Request(
+        seq_slot=slot,
+        prompt=prompt,
+        beam_width=beam,
+        generated=generated,
+        draft_tokens=drafts,
+        position_ids=explicit,
+        mask_position=mask,
+    )
 
 
 @st.composite

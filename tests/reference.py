@@ -11,7 +11,9 @@ from __future__ import annotations
 GLM_MASK_IDS = (50260, 50263, 50264)
 
 
-def reference_step(variant: str, ctx: list, gen: list, *, vocab_size: int, world_size: int = 1) -> dict:
+def reference_step(
+    variant: str, ctx: list, gen: list, *, vocab_size: int, world_size: int = 1
+) -> dict:
     # ---- setBufferSizes
     num_ctx = len(ctx)
     ctx_logits = num_ctx
@@ -148,4 +150,6 @@ def _begin(r) -> int:
 
 
 def _chunk(r) -> int:
-    return len(r.prompt) - r.context_position if r.context_chunk_size is None else r.context_chunk_size
+    return (
+        len(r.prompt) - r.context_position if r.context_chunk_size is None else r.context_chunk_size
+    )

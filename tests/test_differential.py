@@ -18,8 +18,16 @@ def assert_step_matches(name: str, buffers, ctx, gen) -> None:
     step = buffers.prepare_step(ctx, gen)
     got = {k: v.tolist() for k, v in step.inputs.items()}
     assert {k: getattr(step.sizes, k) for k in want["sizes"]} == want["sizes"]
-    for key in ("input_ids", "context_lengths", "host_context_lengths", "sequence_length",
-                "host_request_types", "host_past_key_value_lengths", "last_token_ids", "position_ids"):
+    for key in (
+        "input_ids",
+        "context_lengths",
+        "host_context_lengths",
+        "sequence_length",
+        "host_request_types",
+        "host_past_key_value_lengths",
+        "last_token_ids",
+        "position_ids",
+    ):
         assert got[key] == want[key], key
     n = step.sizes.num_requests
     assert buffers.tensors["host_seq_slots"][:n].tolist() == want["seq_slots"]
