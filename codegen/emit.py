@@ -54,8 +54,13 @@ def _tuple(items: list[str]) -> str:
 
 
 def _comment(text: str) -> str:
-    # docs are one line of printable ASCII (schema); strip anyway, defence in depth
-    return "".join(ch for ch in text if " " <= ch <= "~")
+    """Text safe inside a ``#`` comment or a triple-quoted docstring.
+
+    Docs are one line of printable ASCII (the schema); control characters are dropped anyway,
+    and backslashes and quotes are escaped so a doc can never close its docstring.
+    """
+    text = "".join(ch for ch in text if " " <= ch <= "~")
+    return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
 def _tensor_context(pt: PlannedTensor, sizes: set[str], file: str) -> dict[str, Any]:

@@ -416,12 +416,21 @@ def fold(expr: Expr, known: Mapping[str, int | bool | str]) -> Expr:
     if isinstance(expr, (BinOp, Compare)):
         left, right = fold(expr.left, known), fold(expr.right, known)
         folded = type(expr)(expr.op, left, right)
-        return const(evaluate(folded, {})) if is_const(left) and is_const(right) else folded
+        return _const_or(folded, const) if is_const(left) and is_const(right) else folded
     if isinstance(expr, Call):
         args = tuple(fold(a, known) for a in expr.args)
         folded_call = Call(expr.fn, args)
-        return const(evaluate(folded_call, {})) if all(map(is_const, args)) else folded_call
+        return _const_or(folded_call, const) if all(map(is_const, args)) else folded_call
     raise TypeError(f"not an expression: {expr!r}")
+
+
+def _const_or(expr: Expr, const: Callable[[int | bool | str], Expr]) -> Expr:
+    """The value of a constant expression, or the expression itself if it divides by zero
+    (left for the evaluation that raises to report)."""
+    try:
+        return const(evaluate(expr, {}))
+    except ZeroDivisionError:
+        return expr
 
 
 # -------------------------------------------------------------------------------- printing

@@ -8,7 +8,6 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-
 from bufc.codegen import SpecError, compile_text
 
 BASE = textwrap.dedent(
