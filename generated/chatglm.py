@@ -2,9 +2,11 @@
 # Regenerate with: make generate
 """Runtime buffers of the chatglm family: ChatGLM-6B with two-row (2D) position ids.
 
-Generated for the flags model_variant='chatglm'. This module is data: each tensor's dtype, memory, shapes,
-fill and engine bindings, with construct-time formulas as small lambdas over the Config `c` and
-step sizes `s`. All behaviour lives in bufc.runtime.
+Flags: model_variant='chatglm'.
+
+This module is data: each tensor's dtype, memory, shapes, fill and engine bindings, with
+construct-time formulas as small lambdas over the Config `c` and the step sizes `s`. All
+behaviour lives in bufc.runtime.
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 # Regenerate with: make generate
 """Runtime buffers of the glm family: GLM-10B with two-row position ids and a mask position.
 
-Generated for the flags model_variant='glm'. This module is data: each tensor's dtype, memory, shapes,
-fill and engine bindings, with construct-time formulas as small lambdas over the Config `c` and
-step sizes `s`. All behaviour lives in bufc.runtime.
+Flags: model_variant='glm'.
+
+This module is data: each tensor's dtype, memory, shapes, fill and engine bindings, with
+construct-time formulas as small lambdas over the Config `c` and the step sizes `s`. All
+behaviour lives in bufc.runtime.
 """
 
 from __future__ import annotations

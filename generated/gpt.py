@@ -2,9 +2,11 @@
 # Regenerate with: make generate
 """Runtime buffers of the gpt family: GPT-style decoder with one row of position ids (GPT, Llama, ChatGLM2/3, ...).
 
-Generated for the flags model_variant='gpt'. This module is data: each tensor's dtype, memory, shapes,
-fill and engine bindings, with construct-time formulas as small lambdas over the Config `c` and
-step sizes `s`. All behaviour lives in bufc.runtime.
+Flags: model_variant='gpt'.
+
+This module is data: each tensor's dtype, memory, shapes, fill and engine bindings, with
+construct-time formulas as small lambdas over the Config `c` and the step sizes `s`. All
+behaviour lives in bufc.runtime.
 """
 
 from __future__ import annotations

@@ -1,0 +1,89 @@
+"""`pip install .` gives one distribution, import name bufc, usable from outside the repo."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    target = tmp_path_factory.mktemp("site")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    return target
+
+
+def test_no_generic_top_level_names(installed):
+    top = {p.name for p in installed.iterdir() if not p.name.endswith((".dist-info", ".egg-info"))}
+    assert "bufc" in top
+    assert not top & {"runtime", "codegen", "generated", "schema", "tests"}
+
+
+def test_installed_copy_works_from_outside_the_repository(installed, tmp_path):
+    script = """
+import bufc, bufc.codegen, bufc.runtime
+from bufc.generated import gpt
+from bufc.runtime import Request
+assert bufc.__file__.startswith(TARGET), bufc.__file__
+assert gpt.__file__.startswith(TARGET), gpt.__file__
+config = gpt.Config(max_batch_size=4, max_num_tokens=64, vocab_size=50, hidden_size=8,
+                    num_layers=2, max_attention_window=64)
+step = gpt.RuntimeBuffers(config).prepare_step([Request(seq_slot=0, prompt=[1, 2, 3])], [])
+assert step.inputs["input_ids"].tolist() == [1, 2, 3]
+from bufc.codegen.schema import schema
+assert schema()["title"] == "bufc buffer spec"
+print("ok")
+""".replace("TARGET", repr(str(installed)))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-c",
+            f"import sys; sys.path.insert(0, {str(installed)!r})\n" + script,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "ok\n"
+
+
+def test_installed_copy_validates_a_spec_outside_the_repository(installed, tmp_path):
+    (tmp_path / "buffers.yaml").write_text((REPO / "buffers.yaml").read_text())
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-c",
+            f"import sys; sys.path.insert(0, {str(installed)!r}); from bufc.codegen.cli import main; "
+            "raise SystemExit(main(['validate', 'buffers.yaml']))",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "buffers.yaml: ok\n"

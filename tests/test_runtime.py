@@ -1,0 +1,298 @@
+"""The generated modules' API: construction, step views, bad input, pipeline roles."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from bufc.runtime import BatchError, ConfigError, Request
+from conftest import BASE, family, make_buffers
+
+
+def snapshot(buffers) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in buffers.tensors.items()}
+
+
+def assert_unchanged(before, buffers) -> None:
+    for name, t in buffers.tensors.items():
+        assert torch.equal(before[name], t), name
+
+
+def ctx(slot=0, n=10, **kw):
+    return Request(seq_slot=slot, prompt=list(range(100, 100 + n)), **kw)
+
+
+def gen(slot=1, n=5, generated=((7, 8),), **kw):
+    return Request(
+        seq_slot=slot,
+        prompt=list(range(200, 200 + n)),
+        generated=[list(g) for g in generated],
+        beam_width=len(generated),
+        **kw,
+    )
+
+
+# ------------------------------------------------------------------------------ construction
+def test_config_is_frozen_and_has_exactly_the_family_parameters(family_name):
+    mod = family(family_name)
+    config = mod.Config(**BASE)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_batch_size = 3
+    fields = {f.name for f in dataclasses.fields(config) if f.init}
+    assert fields == {
+        *BASE,
+        "tp_size",
+        "pp_size",
+        "pp_rank",
+        "sink_token_length",
+        "model_dtype",
+        "logits_dtype",
+    }
+    assert config.vocab_size_padded == 1000 and config.max_num_logits == 8 * 4
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"max_batch_size": 0}, "max_batch_size must be at least 1, got 0"),
+        ({"max_batch_size": 2.0}, "max_batch_size must be an int, got 2.0"),
+        ({"max_batch_size": True}, "max_batch_size must be an int, got True"),
+        ({"pp_size": 2, "pp_rank": 2}, "pp_rank must be below pp_size (buffers.yaml:"),
+        ({"num_layers": 3, "pp_size": 2}, "num_layers must split evenly over the pipeline ranks"),
+        ({"model_dtype": "float17"}, "model_dtype must be a torch.dtype or one of"),
+    ],
+)
+def test_config_errors(overrides, message):
+    with pytest.raises(ConfigError, match=None) as exc:
+        family("gpt").Config(**{**BASE, **overrides})
+    assert message in str(exc.value)
+
+
+def test_unknown_config_field_is_a_type_error():
+    with pytest.raises(TypeError):
+        family("gpt").Config(**BASE, use_lora=True)
+
+
+def test_everything_is_allocated_at_capacity():
+    b = make_buffers("gpt")
+    assert b.tensors["input_ids"].shape == (512,)
+    assert b.tensors["logits"].shape == (32, 1000)
+    assert b.tensors["logits"].dtype == torch.float32
+    assert b.tensors["host_context_lengths"].shape == (24,)
+    assert "host_chatglm_position_ids" not in b.tensors  # no trace of other families' tensors
+    assert b.tensors["host_max_attention_window_sizes"].tolist() == [4096] * 4
+    assert b.tensors["host_sink_token_length"].tolist() == [0]
+
+
+def test_generated_module_has_no_trace_of_other_families():
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(family("gpt")))
+    assert not [
+        n for n in ast.walk(tree) if isinstance(n, (ast.If, ast.IfExp))
+    ]  # no run-time flag checks
+    names = {
+        n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    }
+    assert not any("chatglm" in n or n == "model_variant ==" for n in names)
+
+
+# ---------------------------------------------------------------------------------- steps
+def test_step_views_share_the_capacity_storage_every_step():
+    b = make_buffers("gpt")
+    ptrs = {k: v.untyped_storage().data_ptr() for k, v in b.tensors.items()}
+    for ctx_reqs, gen_reqs in ([[ctx(0)], []], [[], [gen(1)]], [[ctx(0, 30)], [gen(1), gen(2)]]):
+        step = b.prepare_step(ctx_reqs, gen_reqs)
+        for views in (step.inputs, step.outputs):
+            for name, view in views.items():
+                assert view.untyped_storage().data_ptr() in ptrs.values(), name
+    assert {k: v.untyped_storage().data_ptr() for k, v in b.tensors.items()} == ptrs
+
+
+def test_engine_io_names():
+    b = make_buffers("chatglm")
+    step = b.prepare_step([ctx(0, 4)], [gen(1)])
+    assert sorted(step.inputs) == sorted(
+        [
+            "input_ids",
+            "position_ids",
+            "host_context_lengths",
+            "context_lengths",
+            "sequence_length",
+            "host_request_types",
+            "host_past_key_value_lengths",
+            "last_token_ids",
+            "host_max_attention_window_sizes",
+            "host_sink_token_length",
+        ]
+    )
+    assert list(step.outputs) == ["logits"]
+    assert step.inputs["position_ids"].tolist() == [[0, 1, 2, 2, 3], [0, 0, 0, 1, 3]]
+
+
+def test_empty_step():
+    step = make_buffers("gpt").prepare_step([], [])
+    assert step.inputs["input_ids"].shape == (0,)
+    assert step.outputs["logits"].shape == (0, 1000)
+    assert step.max_kv_cache_length_rounded == 0
+
+
+def test_rows_past_a_smaller_step_hold_their_pad_value():
+    b = make_buffers("gpt")
+    b.prepare_step([ctx(0, 20)], [gen(1)])
+    b.prepare_step([], [gen(1)])
+    assert b.tensors["host_input_ids"][1:25].tolist() == [0] * 24
+    assert b.tensors["input_ids"][1:25].tolist() == [0] * 24  # the device copy too
+
+
+def test_max_kv_cache_length_rounding_and_cuda_graph_preparation():
+    b = make_buffers("gpt")
+    long_gen = Request(seq_slot=3, prompt=list(range(300)), generated=[[1] * 10])
+    step = b.prepare_step([], [gen(1), long_gen])
+    assert step.max_kv_cache_length_rounded == 512  # ceil(309 / 256) * 256
+    b.prepare_for_cuda_graph(max_sequence_length=400)
+    assert b.tensors["host_past_key_value_lengths"][:2].tolist() == [399, 399]
+    b.prepare_for_cuda_graph(max_sequence_length=4096)
+    assert b.tensors["host_past_key_value_lengths"][:2].tolist() == [512, 512]
+
+
+def test_cuda_graph_preparation_needs_a_generation_only_step():
+    b = make_buffers("gpt")
+    with pytest.raises(BatchError, match="needs a prepared step"):
+        b.prepare_for_cuda_graph(100)
+    b.prepare_step([ctx(0)], [gen(1)])
+    with pytest.raises(
+        BatchError, match="needs a generation-only step; the last step had 1 context"
+    ):
+        b.prepare_for_cuda_graph(100)
+
+
+def test_glm_stores_the_mask_position_on_the_request_and_uses_it_in_generation():
+    b = make_buffers("glm")
+    r = Request(seq_slot=0, prompt=[5, 6, 50263, 7])
+    b.prepare_step([r], [])
+    assert r.mask_position == 2
+    r.generated = [[9]]
+    step = b.prepare_step([], [r])
+    assert step.inputs["position_ids"].tolist() == [[2], [2]]
+
+
+# ------------------------------------------------------------------------------ bad input
+BAD = [
+    ([ctx(0, 600)], [], "num_context_tokens = 600 exceeds its capacity 512"),
+    ([ctx(i, 2) for i in range(9)], [], "num_context_requests = 9 exceeds its capacity 8"),
+    (
+        [ctx(0, context_position=4, context_chunk_size=7)],
+        [],
+        "context request 0 (seq_slot 0): context_chunk_size 7 at context_position 4 runs past the prompt of 10 tokens",
+    ),
+    (
+        [ctx(0, context_position=10)],
+        [],
+        "context request 0 (seq_slot 0): context_position 10 is outside the prompt",
+    ),
+    (
+        [],
+        [gen(1, generated=((1,), (2,)), draft_tokens=[5])],
+        "generation request 0 (seq_slot 1): draft tokens need beam_width 1, got 2",
+    ),
+    (
+        [ctx(0, beam_width=2, draft_tokens=[5])],
+        [],
+        "context request 0 (seq_slot 0): draft tokens need beam_width 1, got 2",
+    ),
+    (
+        [],
+        [Request(seq_slot=1, prompt=[1, 2], generated=[[]])],
+        "a generation request needs at least one generated token per beam",
+    ),
+    ([], [Request(seq_slot=1, prompt=[1, 2])], "'generated' has 0 beams, beam_width is 1"),
+    ([ctx(0, generated=[[3]])], [], "a context request must not have generated tokens"),
+    ([ctx(-1)], [], "context request 0 (seq_slot -1): seq_slot must not be negative"),
+    (
+        [ctx(3)],
+        [gen(3)],
+        "generation request 0 (seq_slot 3): seq_slot 3 is also used by context request 0 (seq_slot 3)",
+    ),
+    ([ctx(None)], [], "seq_slot must be an integer, got None"),
+    ([ctx(0, draft_tokens=[1, 2, 3, 4])], [], "4 draft tokens exceed max_draft_tokens=3"),
+    ([], [gen(1, generated=((1,),) * 4)], "beam_width 4 is outside 1..3 (max_beam_width)"),
+    ([ctx(0, position_ids=[1, 2])], [], "2 position_ids for a prompt of 10 tokens"),
+    ([Request(seq_slot=0, prompt=[])], [], "the prompt is empty"),
+]
+
+
+@pytest.mark.parametrize(("context", "generation", "message"), BAD)
+def test_bad_batches_raise_and_leave_the_buffers_as_they_were(context, generation, message):
+    b = make_buffers("gpt")
+    b.prepare_step([ctx(5, 7)], [gen(6)])
+    before = snapshot(b)
+    with pytest.raises(BatchError) as exc:
+        b.prepare_step(context, generation)
+    assert message in str(exc.value)
+    assert_unchanged(before, b)
+
+
+@pytest.mark.parametrize("name", ["chatglm", "glm"])
+def test_explicit_position_ids_are_rejected_by_two_row_families(name):
+    b = make_buffers(name)
+    before = snapshot(b)
+    with pytest.raises(
+        BatchError, match="explicit position_ids are not supported by the ChatGLM/GLM"
+    ):
+        b.prepare_step([ctx(0, position_ids=list(range(10)))], [])
+    assert_unchanged(before, b)
+
+
+def test_glm_generation_without_a_mask_position_is_rejected():
+    with pytest.raises(BatchError, match="mask_position is unset"):
+        make_buffers("glm").prepare_step([], [gen(1)])
+
+
+def test_logits_capacity_is_enforced():
+    b = make_buffers(
+        "gpt", max_beam_width=1, max_draft_tokens=1, max_batch_size=2, max_num_tokens=64
+    )
+    with pytest.raises(BatchError, match="num_generation_requests = 3 exceeds its capacity 2"):
+        b.prepare_step([], [gen(1), gen(2), gen(3)])
+
+
+# ----------------------------------------------------------------------- pipeline roles
+def io(name, **cfg):
+    b = make_buffers(name, **cfg)
+    step = b.prepare_step([ctx(0)], [gen(1)])
+    return step, b
+
+
+def test_single_rank_binds_input_ids_and_logits():
+    step, b = io("gpt")
+    assert "input_ids" in step.inputs and "logits" in step.outputs
+    assert "hidden_states" not in b.tensors
+
+
+def test_first_middle_and_last_pipeline_ranks():
+    first, _ = io("gpt", pp_size=4, pp_rank=0)
+    middle, mb = io("gpt", pp_size=4, pp_rank=1)
+    last, _ = io("gpt", pp_size=4, pp_rank=3)
+    assert "input_ids" in first.inputs and "hidden_states_input" not in first.inputs
+    assert list(first.outputs) == ["hidden_states_output"]
+    assert "input_ids" not in middle.inputs and "host_input_ids" not in mb.tensors
+    assert "hidden_states_input" in middle.inputs and list(middle.outputs) == [
+        "hidden_states_output"
+    ]
+    # on middle ranks one tensor is both the input and the output, as in the reference
+    assert (
+        middle.inputs["hidden_states_input"].data_ptr()
+        == middle.outputs["hidden_states_output"].data_ptr()
+    )
+    assert middle.inputs["hidden_states_input"].shape == (11, 32)
+    assert middle.inputs["hidden_states_input"].dtype == torch.float16
+    assert "hidden_states_input" in last.inputs and list(last.outputs) == ["logits"]
+    assert mb.tensors["host_max_attention_window_sizes"].shape == (1,)  # 4 layers over 4 ranks
+
+
+def test_vocabulary_is_padded_to_the_world_size():
+    step, _ = io("gpt", vocab_size=1001, tp_size=2, pp_size=2, pp_rank=1)
+    assert step.outputs["logits"].shape == (2, 1004)
