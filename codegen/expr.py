@@ -284,21 +284,25 @@ def parse(src: str) -> Expr:
 
 
 # ------------------------------------------------------------------------------- traversal
-def names(expr: Expr) -> Iterator[Name]:
-    """Every Name node, left to right."""
-    if isinstance(expr, Name):
-        yield expr
-    elif isinstance(expr, (Neg, Not)):
-        yield from names(expr.operand)
+def walk(expr: Expr) -> Iterator[Expr]:
+    """Every node of `expr`, parents before children, left to right."""
+    yield expr
+    if isinstance(expr, (Neg, Not)):
+        yield from walk(expr.operand)
     elif isinstance(expr, (BinOp, Compare)):
-        yield from names(expr.left)
-        yield from names(expr.right)
+        yield from walk(expr.left)
+        yield from walk(expr.right)
     elif isinstance(expr, Call):
         for a in expr.args:
-            yield from names(a)
+            yield from walk(a)
     elif isinstance(expr, BoolOp):
         for a in expr.operands:
-            yield from names(a)
+            yield from walk(a)
+
+
+def names(expr: Expr) -> Iterator[Name]:
+    """Every Name node, left to right."""
+    return (n for n in walk(expr) if isinstance(n, Name))
 
 
 def cdiv(a: int, b: int) -> int:

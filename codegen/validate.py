@@ -114,6 +114,9 @@ class Checker:
                     f"'{n.id}' is a {KIND_TEXT[kind]}; {ctx.what} may use only {allowed}",
                 )
                 ok = False
+        if ok and _divides_by_zero(f.expr):
+            self.errors.error(f.loc, f"'{f.text}' divides by zero")
+            ok = False
         if ok:
             got = self.infer(f, f.expr)
             if got is not None and got != ctx.result:
@@ -470,6 +473,23 @@ class Checker:
                         )
                     else:
                         seen[key] = pt.name
+
+
+def _divides_by_zero(e: E.Expr) -> bool:
+    """True when a divisor is a constant zero (after folding what is constant)."""
+    for node in E.walk(e):
+        divisor = (
+            node.right
+            if isinstance(node, E.BinOp) and node.op == "//"
+            else (node.args[1] if isinstance(node, E.Call) and node.fn == "cdiv" else None)
+        )
+        if divisor is not None and not list(E.names(divisor)):
+            try:
+                if E.evaluate(divisor, {}) == 0:
+                    return True
+            except ZeroDivisionError:
+                return True
+    return False
 
 
 def check_spec(spec: Spec) -> None:

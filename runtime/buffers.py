@@ -114,7 +114,8 @@ class RuntimeBuffers:
             if b.when is None or b.when(c)
         )
         self._past_kv = next((n for n, r in rules if r is past_key_value_lengths), None)
-        self._copy_done: torch.cuda.Event | None = None
+        # recorded after each step's copy; waited on before the host rewrites the staging arena
+        self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
         self._last: Batch | None = None
 
     # ------------------------------------------------------------------------- helpers
@@ -174,8 +175,7 @@ class RuntimeBuffers:
             self._high_water[name] = n
         if self._host_arena.numel():
             self._device_arena.copy_(self._host_arena, non_blocking=True)
-            if self.device.type == "cuda":
-                self._copy_done = torch.cuda.Event()
+            if self._copy_done is not None:
                 self._copy_done.record()
         self._last = batch
         return Step(

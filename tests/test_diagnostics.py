@@ -506,6 +506,11 @@ def test_all_errors_are_reported_sorted():
     ]
 
 
+def test_division_by_a_constant_zero():
+    text = BASE.replace('capacity: ["max_num_tokens"]', 'capacity: ["max_num_tokens // (2 - 2)"]')
+    assert diagnostics(text) == ["buffers.yaml:18:17: 'max_num_tokens // (2 - 2)' divides by zero"]
+
+
 def test_file_too_large():
     assert diagnostics("#" * (1 << 20) + "\n") == [
         "buffers.yaml:1:1: file is larger than 1048576 bytes"

@@ -81,6 +81,7 @@ def test_polynomial_equality_is_sound(e, env):
 @settings(max_examples=200, deadline=None)
 @given(conds, envs)
 def test_folding_some_names_keeps_the_value(e, env):
+    assume(safe(lambda: E.evaluate(e, env)) is not ZeroDivisionError)  # validate rejects those
     folded = E.fold(e, {"a": env["a"]})
     assert safe(lambda: E.evaluate(folded, env)) == safe(lambda: E.evaluate(e, env))
     assert set(n.id for n in E.names(folded)) <= {"b", "c"}

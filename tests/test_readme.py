@@ -16,7 +16,13 @@ def test_readme_usage_example_runs_and_its_comments_are_true():
     with contextlib.redirect_stdout(out):
         exec(compile(block, "README.md", "exec"), {})  # noqa: S102 - our own README
     printed = out.getvalue().splitlines()
-    assert printed == ["514", "[511, 4, 4]", "[512, 513, 514]", "torch.Size([3, 32000])", "[87] 768"]
+    assert printed == [
+        "514",
+        "[511, 4, 4]",
+        "[512, 513, 514]",
+        "torch.Size([3, 32000])",
+        "[87] 768",
+    ]
     comments = [line.split("#", 1)[1] for line in block.splitlines() if line.startswith("print(")]
     for got, comment in zip(printed, comments, strict=True):
         assert comment.strip().startswith(got), (got, comment)

@@ -1,0 +1,103 @@
+"""GPU behaviour: pinned staging, one stream-ordered copy, no per-step allocations, stable
+addresses under CUDA graphs. Skipped without CUDA; run by hand on the H200 (see README)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import batch, make_buffers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bufc.runtime import Request
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.sampled_from(["gpt", "chatglm", "glm"]).flatmap(
+        lambda n: st.tuples(st.just(n), st.lists(batch(n), min_size=1, max_size=3))
+    )
+)
+def test_cuda_steps_equal_cpu_steps(case):
+    name, batches = case
+    cpu, gpu = make_buffers(name), make_buffers(name, device="cuda")
+    for ctx, gen in batches:
+        want = cpu.prepare_step(copy.deepcopy(ctx), copy.deepcopy(gen))
+        got = gpu.prepare_step(ctx, gen)
+        for key, view in got.inputs.items():
+            assert view.device.type == ("cpu" if key.startswith("host_") else "cuda"), key
+            assert torch.equal(view.cpu(), want.inputs[key]), key
+        assert got.outputs["logits"].shape == want.outputs["logits"].shape
+
+
+def test_memory_kinds():
+    b = make_buffers("gpt", device="cuda")
+    assert b.tensors["host_input_ids"].is_pinned() and b.tensors["host_context_lengths"].is_pinned()
+    assert b.tensors["input_ids"].is_cuda and b.tensors["logits"].is_cuda
+    assert (
+        not b.tensors["host_request_types"].is_cuda
+        and not b.tensors["host_request_types"].is_pinned()
+    )
+
+
+def test_back_to_back_steps_never_overwrite_a_copy_in_flight():
+    b = make_buffers("gpt", device="cuda", max_num_tokens=1 << 16, max_batch_size=8)
+    long = [Request(seq_slot=i, prompt=[i + 1] * 8000) for i in range(8)]
+    kept = []
+    for i in range(6):
+        reqs = long if i % 2 == 0 else [Request(seq_slot=0, prompt=[99] * 3)]
+        step = b.prepare_step(reqs, [])
+        kept.append(step.inputs["input_ids"].clone())  # stream-ordered after the copy
+    torch.cuda.synchronize()
+    for i, ids in enumerate(kept):
+        expected = (
+            torch.repeat_interleave(torch.arange(1, 9), 8000)
+            if i % 2 == 0
+            else torch.full((3,), 99)
+        )
+        assert torch.equal(ids.cpu(), expected.to(torch.int32)), i
+
+
+def test_no_device_allocations_per_step():
+    b = make_buffers("gpt", device="cuda")
+    reqs = (
+        [Request(seq_slot=0, prompt=list(range(50)))],
+        [Request(seq_slot=1, prompt=[1, 2], generated=[[3]])],
+    )
+    b.prepare_step(*reqs)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for _ in range(20):
+        b.prepare_step(*reqs)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+
+
+def test_a_captured_graph_reads_each_new_step_through_the_same_buffers():
+    b = make_buffers("gpt", device="cuda")
+
+    def decode_batch(base: int):
+        return [
+            Request(seq_slot=i, prompt=[1] * (10 + i), generated=[[base + i]]) for i in range(4)
+        ]
+
+    step = b.prepare_step([], decode_batch(100))
+    ids, pos = step.inputs["input_ids"], step.inputs["position_ids"]
+    out = torch.empty(4, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(ids.to(torch.int64) * 1000 + pos)
+    for base in (200, 300):
+        step = b.prepare_step([], decode_batch(base))
+        assert step.inputs["input_ids"].data_ptr() == ids.data_ptr()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert out.tolist() == [(base + i) * 1000 + 10 + i for i in range(4)]
