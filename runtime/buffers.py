@@ -113,6 +113,9 @@ class RuntimeBuffers:
             for b in d.outputs
             if b.when is None or b.when(c)
         )
+        self._views: dict[str, dict[tuple[int, ...], torch.Tensor]] = {
+            name: {} for name in self._flat
+        }
         self._past_kv = next((n for n, r in rules if r is past_key_value_lengths), None)
         # recorded after each step's copy; waited on before the host rewrites the staging arena
         self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -124,8 +127,13 @@ class RuntimeBuffers:
         return arena[offset : offset + self._numel[name] * dtype.itemsize].view(dtype)
 
     def _view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        # the reference's reshape: the step tensor is the leading part of the capacity
-        return self._flat[name][: math.prod(shape)].view(shape)
+        # the reference's reshape: the step tensor is the leading part of the capacity. Views
+        # are cached per shape, so a repeated shape hands out the very same tensor object.
+        cache = self._views[name]
+        view = cache.get(shape)
+        if view is None:
+            view = cache[shape] = self._flat[name][: math.prod(shape)].view(shape)
+        return view
 
     @property
     def input_names(self) -> tuple[str, ...]:

@@ -38,15 +38,19 @@ def _token_ids(out: np.ndarray, b: Batch) -> int:
         if drafts:
             out[o : o + drafts] = r.draft_tokens
             o += drafts
-    for r in b.generation:
-        drafts = r.draft_tokens or ()
-        for beam in r.generated:
-            out[o] = beam[-1]
-            o += 1
-            if drafts:
-                out[o : o + len(drafts)] = drafts
-                o += len(drafts)
-    return o
+    # generation: per beam, its last token then the request's drafts (drafts imply one beam)
+    n = o + b.sizes.num_generation_tokens
+    if not b.gen_drafts.any():
+        out[o:n] = b.seq_last_token
+        return n
+    starts = o + np.cumsum(b.gen_beam_width + b.gen_drafts) - (b.gen_beam_width + b.gen_drafts)
+    beam_in_request = np.arange(len(b.seq_last_token)) - np.repeat(
+        np.cumsum(b.gen_beam_width) - b.gen_beam_width, b.gen_beam_width
+    )
+    out[np.repeat(starts, b.gen_beam_width) + beam_in_request] = b.seq_last_token
+    for j in np.flatnonzero(b.gen_drafts):
+        out[starts[j] + 1 : starts[j] + 1 + b.gen_drafts[j]] = b.generation[j].draft_tokens
+    return n
 
 
 def _ctx_default_positions(out: np.ndarray, b: Batch) -> int:
@@ -59,30 +63,37 @@ def _ctx_default_positions(out: np.ndarray, b: Batch) -> int:
 
 def _position_ids(out: np.ndarray, b: Batch) -> int:
     o = _ctx_default_positions(out, b)
-    start = 0
-    for r, begin, chunk, drafts in zip(b.context, b.ctx_begin, b.ctx_chunk, b.ctx_drafts):
-        explicit = getattr(r, "position_ids", None)
-        if explicit is not None:
-            out[start : start + chunk] = explicit[begin : begin + chunk]
-            if drafts:
-                # Reference bug (§3.9): it appends no positions for the drafts of a last
-                # chunk, leaving the list short. Drafts continue after the last prompt position,
-                # matching how generation continues explicit positions.
-                out[start + chunk : start + chunk + drafts] = (
-                    np.arange(1, drafts + 1) + explicit[-1]
+    # generation: one position per beam, its token count - 1 (drafts take their positions
+    # from the spec-decoding offsets, as in the reference)
+    n = o + b.sizes.num_generation_sequences
+    out[o:n] = b.seq_num_tokens - 1
+    if b.explicit_positions:  # requests with explicit position ids (rare): patch their rows
+        ctx_starts = np.cumsum(b.ctx_input_len) - b.ctx_input_len
+        seq_starts = o + np.cumsum(b.gen_beam_width) - b.gen_beam_width
+        n_ctx = len(b.context)
+        for i in b.explicit_positions:
+            if i < n_ctx:
+                r, begin, chunk, drafts = (
+                    b.context[i],
+                    b.ctx_begin[i],
+                    b.ctx_chunk[i],
+                    b.ctx_drafts[i],
                 )
-        start += chunk + drafts
-    # generation: one position per beam (draft positions come from spec-decoding offsets)
-    g = 0
-    seq = b.seq_num_tokens - 1
-    for r, beams, max_gen in zip(b.generation, b.gen_beam_width, b.gen_max_generated):
-        explicit = getattr(r, "position_ids", None)
-        if explicit is not None:
-            out[o + g : o + g + beams] = explicit[-1] + max_gen
-        else:
-            out[o + g : o + g + beams] = seq[g : g + beams]
-        g += beams
-    return o + g
+                start = ctx_starts[i]
+                out[start : start + chunk] = r.position_ids[begin : begin + chunk]
+                # Reference bug (§3.9): it appends no positions for the drafts of a last chunk,
+                # leaving the list short. Drafts continue after the last prompt position, as
+                # generation continues explicit positions.
+                out[start + chunk : start + chunk + drafts] = (
+                    np.arange(1, drafts + 1) + r.position_ids[-1]
+                )
+            else:
+                g = i - n_ctx
+                r, start = b.generation[g], seq_starts[g]
+                out[start : start + b.gen_beam_width[g]] = (
+                    r.position_ids[-1] + b.gen_max_generated[g]
+                )
+    return n
 
 
 def _reject_explicit_positions(b: Batch) -> None:

@@ -239,3 +239,14 @@ def test_a_stale_runtime_format_fails_at_import():
 
     with pytest.raises(ImportError, match="run 'make generate'"):
         rt.check_format_version(rt.FORMAT_VERSION + 1)
+
+
+def test_schema_is_a_valid_draft_2020_12_schema_and_the_spec_points_editors_at_it():
+    import jsonschema
+    from bufc.codegen.schema import schema
+
+    jsonschema.Draft202012Validator.check_schema(schema())
+    assert schema()["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    first = (REPO / "buffers.yaml").read_text().splitlines()[0]
+    assert first == "# yaml-language-server: $schema=./schema/buffers.schema.json"
+    assert (REPO / "schema" / "buffers.schema.json").exists()
