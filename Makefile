@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements-dev.txt pyproject.toml | ck
 generate: $(STAMP) ; $(PY) -m bufc.codegen generate
 check: check-generated lint
 check-generated: $(STAMP) ; $(PY) -m bufc.codegen check
-lint: $(STAMP) ; $(VENV)/bin/ruff check codegen runtime tests bufc schema && $(VENV)/bin/ruff format --check codegen runtime tests bufc schema
+lint: $(STAMP) ; $(VENV)/bin/ruff check codegen runtime tests bufc schema bench && $(VENV)/bin/ruff format --check codegen runtime tests bufc schema bench
 test: $(STAMP) ; $(PY) -m pytest
 venv: $(STAMP)
 $(STAMP): requirements-dev.txt pyproject.toml ; rm -f $(VENV)/.installed-* && (test -x $(PY) || python3 -m venv $(VENV)) && $(PY) -m pip install -q -r requirements-dev.txt && $(PY) -m pip install -q --no-deps --no-build-isolation -e . && touch $@

@@ -79,10 +79,10 @@ def main() -> None:
     )
     print(f"{'case':32} {'bufc median':>12} {'(IQR)':>8} {'reference':>10} {'ratio':>7}")
     for name, (ctx, gen) in cases.items():
-        ours = summary(timed(lambda: buffers.prepare_step(ctx, gen), args.repeats))
+        ours = summary(timed(lambda ctx=ctx, gen=gen: buffers.prepare_step(ctx, gen), args.repeats))
         ref = summary(
             timed(
-                lambda: reference_step("gpt", ctx, gen, vocab_size=32000),
+                lambda ctx=ctx, gen=gen: reference_step("gpt", ctx, gen, vocab_size=32000),
                 max(20, args.repeats // 4),
             )
         )
