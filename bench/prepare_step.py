@@ -17,9 +17,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from reference import reference_step  # noqa: E402
+
 from bufc.generated import gpt  # noqa: E402
 from bufc.runtime import Request  # noqa: E402
-from reference import reference_step  # noqa: E402
 
 
 def decode(n: int) -> tuple[list, list]:

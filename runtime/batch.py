@@ -18,19 +18,6 @@ import numpy as np
 
 from .errors import BatchError
 
-STEP_SIZES = (
-    "num_context_requests",
-    "num_context_tokens",
-    "num_generation_requests",
-    "num_generation_sequences",
-    "num_generation_tokens",
-    "num_logits",
-    "num_sequences",
-    "num_tokens",
-    "num_requests",
-    "max_context_length",
-)
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepSizes:
@@ -46,6 +33,9 @@ class StepSizes:
     num_tokens: int
     num_requests: int
     max_context_length: int
+
+
+STEP_SIZES = tuple(f.name for f in dataclasses.fields(StepSizes))
 
 
 def _i64(values: Sequence[int]) -> np.ndarray:

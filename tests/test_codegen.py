@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO
+
 from bufc.codegen import compile_file, emit, files
 from bufc.codegen.cli import main
-from conftest import REPO
 
 MINI = REPO / "tests" / "cases" / "mini"
 
@@ -243,6 +244,7 @@ def test_a_stale_runtime_format_fails_at_import():
 
 def test_schema_is_a_valid_draft_2020_12_schema_and_the_spec_points_editors_at_it():
     import jsonschema
+
     from bufc.codegen.schema import schema
 
     jsonschema.Draft202012Validator.check_schema(schema())
@@ -250,3 +252,18 @@ def test_schema_is_a_valid_draft_2020_12_schema_and_the_spec_points_editors_at_i
     first = (REPO / "buffers.yaml").read_text().splitlines()[0]
     assert first == "# yaml-language-server: $schema=./schema/buffers.schema.json"
     assert (REPO / "schema" / "buffers.schema.json").exists()
+
+
+def test_the_compilers_closed_tables_match_the_runtime():
+    import torch
+
+    from bufc import runtime as rt
+    from bufc.codegen import vocab
+    from bufc.runtime import fills
+
+    assert vocab.STEP_SIZES == rt.STEP_SIZES
+    assert set(vocab.FILL_RULES) == set(fills.RULES)
+    for name, dtype in vocab.DTYPES.items():
+        assert getattr(torch, dtype).itemsize == vocab.DTYPE_BYTES[name]
+    assert set(vocab.MEMORY_KINDS.values()) == {"DEVICE", "HOST", "PINNED"}
+    assert {getattr(rt, k) for k in vocab.MEMORY_KINDS.values()} == set(vocab.MEMORY_KINDS)

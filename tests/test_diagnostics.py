@@ -8,6 +8,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+
 from bufc.codegen import SpecError, compile_text
 
 BASE = textwrap.dedent(

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from bufc.codegen import expr as E
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+
+from bufc.codegen import expr as E
 
 NAMES = ("a", "b", "c")
 

@@ -7,10 +7,11 @@ import copy
 
 import pytest
 import torch
-from bufc.runtime import Request
 from conftest import batch, make_buffers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from bufc.runtime import Request
 
 pytestmark = [
     pytest.mark.gpu,

@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 import torch
-from bufc.runtime import BatchError, ConfigError, Request
 from conftest import BASE, family, make_buffers
+
+from bufc.runtime import BatchError, ConfigError, Request
 
 
 def snapshot(buffers) -> dict[str, torch.Tensor]:
