@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import expr as E
+from . import vocab
 from .errors import Location
 from .model import Check, Derived, Family, Parameter, Spec, StepSize, Tensor
 
@@ -129,6 +130,8 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
             used.update(n.id for n in E.names(e))
 
     for pt in tensors:
+        if pt.fill_kind == "rule":
+            used.update(vocab.FILL_RULES[pt.fill_target or ""].needs)
         use(pt.when)
         for e in (*pt.capacity, *pt.shape, pt.constant):
             use(e)

@@ -62,6 +62,7 @@ class FillRule:
     doc: str
     dtypes: tuple[str, ...]
     shape: tuple[str, ...]
+    needs: tuple[str, ...] = ()  # construct-time names the rule reads from the Config
 
 
 _INT = ("int32", "int64")
@@ -90,4 +91,10 @@ FILL_RULES: dict[str, FillRule] = {
         "1-based index of each logit row's last token", _INT, ("num_logits",)
     ),
     "seq_slots": FillRule("decoder slot of each request", _INT, ("num_requests",)),
+    "kv_cache_block_offsets": FillRule(
+        "paged KV-cache block indices of each sequence, K then V",
+        ("int32",),
+        ("1", "num_sequences", "2", "max_blocks_per_seq"),
+        needs=("num_local_layers", "max_blocks_per_seq"),
+    ),
 }

@@ -2,4 +2,4 @@
 # Regenerate with: make generate
 """Pregenerated buffer modules, one per model family of buffers.yaml."""
 
-FAMILIES = ('gpt', 'chatglm', 'glm')
+FAMILIES = ('gpt', 'chatglm', 'glm', 'llama')

@@ -2,7 +2,7 @@
 # Regenerate with: make generate
 """Runtime buffers of the glm family: GLM-10B with two-row position ids and a mask position.
 
-Flags: model_variant='glm'.
+Flags: model_variant='glm', paged_kv_cache=False.
 
 This module is data: each tensor's dtype, memory, shapes, fill and engine bindings, with
 construct-time formulas as small lambdas over the Config `c` and the step sizes `s`. All
@@ -21,7 +21,7 @@ from bufc.runtime import fills
 rt.check_format_version(1)
 
 FAMILY = 'glm'
-FLAGS = {'model_variant': 'glm'}
+FLAGS = {'model_variant': 'glm', 'paged_kv_cache': False}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,9 +87,9 @@ class Config(rt.ConfigBase):
         object.__setattr__(self, 'max_num_sequences', self.max_batch_size * self.max_beam_width)
         object.__setattr__(self, 'max_num_logits', self.max_batch_size * max(1 + self.max_draft_tokens, self.max_beam_width))
         object.__setattr__(self, 'num_local_layers', self.num_layers // self.pp_size)
-        rt.require(self, self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml:87)')
-        rt.require(self, self.num_layers // self.pp_size * self.pp_size == self.num_layers, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:89)')
-        rt.require(self, self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:91)')
+        rt.require(self, self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml:97)')
+        rt.require(self, self.num_layers // self.pp_size * self.pp_size == self.num_layers, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:99)')
+        rt.require(self, self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:101)')
 
 
 # Step sizes checked against these bounds before any buffer is written.
@@ -106,7 +106,7 @@ SIZE_BOUNDS = (
 )
 
 TENSORS = (
-    # buffers.yaml:140: Token ids of the packed batch, staged on the host.
+    # buffers.yaml:153: Token ids of the packed batch, staged on the host.
     rt.TensorDecl(
         'host_input_ids',
         dtype=torch.int32,
@@ -117,7 +117,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.pp_rank == 0,
     ),
-    # buffers.yaml:149: Token ids of the packed batch; context chunks first, then each generation beam.
+    # buffers.yaml:162: Token ids of the packed batch; context chunks first, then each generation beam.
     rt.TensorDecl(
         'input_ids',
         dtype=torch.int32,
@@ -129,7 +129,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == 0,
         inputs=(rt.Bind('input_ids'),),
     ),
-    # buffers.yaml:175: GLM-10B two-row positions with the mask position, staged on the host.
+    # buffers.yaml:188: GLM-10B two-row positions with the mask position, staged on the host.
     rt.TensorDecl(
         'host_glm_position_ids',
         dtype=torch.int32,
@@ -140,7 +140,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:196: GLM-10B two-row position ids of the packed batch.
+    # buffers.yaml:209: GLM-10B two-row position ids of the packed batch.
     rt.TensorDecl(
         'glm_position_ids',
         dtype=torch.int32,
@@ -152,7 +152,7 @@ TENSORS = (
         inputs=(rt.Bind('position_ids'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:204: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+    # buffers.yaml:217: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
     rt.TensorDecl(
         'host_context_lengths',
         dtype=torch.int32,
@@ -163,7 +163,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_lengths'),),
     ),
-    # buffers.yaml:214: Device copy of host_context_lengths.
+    # buffers.yaml:227: Device copy of host_context_lengths.
     rt.TensorDecl(
         'context_lengths',
         dtype=torch.int32,
@@ -174,7 +174,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('context_lengths'),),
     ),
-    # buffers.yaml:220: Tokens of each sequence once this step's inputs are appended, staged on the host.
+    # buffers.yaml:233: Tokens of each sequence once this step's inputs are appended, staged on the host.
     rt.TensorDecl(
         'host_sequence_lengths',
         dtype=torch.int32,
@@ -184,7 +184,7 @@ TENSORS = (
         fill=fills.sequence_lengths,
         pad=0,
     ),
-    # buffers.yaml:228: Tokens of each sequence once this step's inputs are appended.
+    # buffers.yaml:241: Tokens of each sequence once this step's inputs are appended.
     rt.TensorDecl(
         'sequence_length',
         dtype=torch.int32,
@@ -195,7 +195,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('sequence_length'),),
     ),
-    # buffers.yaml:234: Kind of each sequence, 0 for context and 1 for generation.
+    # buffers.yaml:247: Kind of each sequence, 0 for context and 1 for generation.
     rt.TensorDecl(
         'host_request_types',
         dtype=torch.int32,
@@ -206,7 +206,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
-    # buffers.yaml:244: KV-cache length of each sequence after this step (generation excludes drafts).
+    # buffers.yaml:257: KV-cache length of each sequence after this step (generation excludes drafts).
     rt.TensorDecl(
         'host_past_key_value_lengths',
         dtype=torch.int32,
@@ -217,7 +217,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_past_key_value_lengths'),),
     ),
-    # buffers.yaml:256: 1-based index in the packed tokens of the last token of each logit row.
+    # buffers.yaml:269: 1-based index in the packed tokens of the last token of each logit row.
     rt.TensorDecl(
         'host_last_token_ids',
         dtype=torch.int32,
@@ -227,7 +227,7 @@ TENSORS = (
         fill=fills.last_token_ids,
         pad=0,
     ),
-    # buffers.yaml:264: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
+    # buffers.yaml:277: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
     rt.TensorDecl(
         'last_token_ids',
         dtype=torch.int32,
@@ -238,7 +238,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('last_token_ids'),),
     ),
-    # buffers.yaml:270: Logits of every logit row over the padded vocabulary (last pipeline rank).
+    # buffers.yaml:283: Logits of every logit row over the padded vocabulary (last pipeline rank).
     rt.TensorDecl(
         'logits',
         dtype=lambda c: c.logits_dtype,
@@ -249,7 +249,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:282: Hidden states exchanged between pipeline ranks (input on later, output on earlier ranks).
+    # buffers.yaml:314: Hidden states exchanged between pipeline ranks (input on later, output on earlier ranks).
     rt.TensorDecl(
         'hidden_states',
         dtype=lambda c: c.model_dtype,
@@ -261,7 +261,7 @@ TENSORS = (
         inputs=(rt.Bind('hidden_states_input', when=lambda c: c.pp_rank > 0),),
         outputs=(rt.Bind('hidden_states_output', when=lambda c: c.pp_rank < c.pp_size - 1),),
     ),
-    # buffers.yaml:297: Attention window of each layer on this pipeline rank.
+    # buffers.yaml:329: Attention window of each layer on this pipeline rank.
     rt.TensorDecl(
         'host_max_attention_window_sizes',
         dtype=torch.int32,
@@ -271,7 +271,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.max_attention_window),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),
-    # buffers.yaml:306: Attention sink tokens.
+    # buffers.yaml:338: Attention sink tokens.
     rt.TensorDecl(
         'host_sink_token_length',
         dtype=torch.int32,
@@ -281,7 +281,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.sink_token_length),
         inputs=(rt.Bind('host_sink_token_length'),),
     ),
-    # buffers.yaml:315: Decoder slot of each request, context requests first.
+    # buffers.yaml:347: Decoder slot of each request, context requests first.
     rt.TensorDecl(
         'host_seq_slots',
         dtype=torch.int32,
@@ -291,7 +291,7 @@ TENSORS = (
         fill=fills.seq_slots,
         pad=0,
     ),
-    # buffers.yaml:323: Device copy of host_seq_slots, for decoder-side gathers.
+    # buffers.yaml:355: Device copy of host_seq_slots, for decoder-side gathers.
     rt.TensorDecl(
         'seq_slots',
         dtype=torch.int32,

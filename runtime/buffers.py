@@ -172,12 +172,12 @@ class RuntimeBuffers:
                     f"tensor {name!r} needs shape {list(shape)}, beyond its capacity of {capacity} elements"
                 )
         for check in self._checks:
-            check(batch)
+            check(batch, c)
 
         if self._copy_done is not None:
             self._copy_done.synchronize()  # last step's copy has left the staging arena
         for name, rule, out, pad in self._fills:
-            n = rule.fill(out, batch)
+            n = rule.fill(out, batch, c)
             if pad is not None and self._high_water[name] > n:
                 out[n : self._high_water[name]] = pad  # rows past this step hold the pad value
             self._high_water[name] = n

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -22,15 +23,18 @@ GLM_MASK_TOKENS = (50260, 50263, 50264)  # [MASK], [sMASK], [gMASK] in GLM-10B's
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
+    """`fill(out, batch, config)` writes the step and returns the elements written;
+    `check(batch, config)` raises BatchError before anything is written."""
+
     name: str
-    fill: Callable[[np.ndarray, Batch], int]
-    check: Callable[[Batch], None] | None = None
+    fill: Callable[[np.ndarray, Batch, Any], int]
+    check: Callable[[Batch, Any], None] | None = None
 
     def __repr__(self) -> str:
         return f"fills.{self.name}"
 
 
-def _token_ids(out: np.ndarray, b: Batch) -> int:
+def _token_ids(out: np.ndarray, b: Batch, config: Any = None) -> int:
     o = 0
     for r, begin, chunk, drafts in zip(b.context, b.ctx_begin, b.ctx_chunk, b.ctx_drafts):
         out[o : o + chunk] = r.prompt[begin : begin + chunk]
@@ -53,7 +57,7 @@ def _token_ids(out: np.ndarray, b: Batch) -> int:
     return n
 
 
-def _ctx_default_positions(out: np.ndarray, b: Batch) -> int:
+def _ctx_default_positions(out: np.ndarray, b: Batch, config: Any = None) -> int:
     """begin, begin+1, ... for every context input token (drafts included); returns count."""
     n = int(b.ctx_input_len.sum())
     starts = np.cumsum(b.ctx_input_len) - b.ctx_input_len
@@ -61,7 +65,7 @@ def _ctx_default_positions(out: np.ndarray, b: Batch) -> int:
     return n
 
 
-def _position_ids(out: np.ndarray, b: Batch) -> int:
+def _position_ids(out: np.ndarray, b: Batch, config: Any = None) -> int:
     o = _ctx_default_positions(out, b)
     # generation: one position per beam, its token count - 1 (drafts take their positions
     # from the spec-decoding offsets, as in the reference)
@@ -96,7 +100,7 @@ def _position_ids(out: np.ndarray, b: Batch) -> int:
     return n
 
 
-def _reject_explicit_positions(b: Batch) -> None:
+def _reject_explicit_positions(b: Batch, config: Any = None) -> None:
     for kind, reqs in (("context", b.context), ("generation", b.generation)):
         for i, r in enumerate(reqs):
             if getattr(r, "position_ids", None) is not None:
@@ -126,12 +130,12 @@ def _two_rows(out: np.ndarray, b: Batch, row1_last: np.ndarray, gen_row1: np.nda
     return 2 * n
 
 
-def _chatglm_position_ids(out: np.ndarray, b: Batch) -> int:
+def _chatglm_position_ids(out: np.ndarray, b: Batch, config: Any = None) -> int:
     return _two_rows(out, b, b.ctx_input_len - 2, b.gen_prompt_len - 2)
 
 
-def _glm_check(b: Batch) -> None:
-    _reject_explicit_positions(b)
+def _glm_check(b: Batch, config: Any = None) -> None:
+    _reject_explicit_positions(b, config)
     for i, r in enumerate(b.generation):
         if getattr(r, "mask_position", None) is None:
             raise BatchError(
@@ -140,7 +144,7 @@ def _glm_check(b: Batch) -> None:
             )
 
 
-def _glm_position_ids(out: np.ndarray, b: Batch) -> int:
+def _glm_position_ids(out: np.ndarray, b: Batch, config: Any = None) -> int:
     masks = np.empty(len(b.context), dtype=np.int64)
     mask_ids = np.array(GLM_MASK_TOKENS)
     for i, (r, begin, chunk, drafts) in enumerate(
@@ -160,34 +164,34 @@ def _glm_position_ids(out: np.ndarray, b: Batch) -> int:
     return _two_rows(out, b, masks, gen_masks)
 
 
-def _context_lengths(out: np.ndarray, b: Batch) -> int:
+def _context_lengths(out: np.ndarray, b: Batch, config: Any = None) -> int:
     n_ctx, n = b.sizes.num_context_requests, b.sizes.num_sequences
     out[:n_ctx] = b.ctx_input_len
     out[n_ctx:n] = b.per_sequence(b.gen_prompt_len + b.gen_drafts)
     return n
 
 
-def _sequence_lengths(out: np.ndarray, b: Batch) -> int:
+def _sequence_lengths(out: np.ndarray, b: Batch, config: Any = None) -> int:
     n_ctx, n = b.sizes.num_context_requests, b.sizes.num_sequences
     out[:n_ctx] = b.ctx_begin + b.ctx_input_len
     out[n_ctx:n] = b.per_sequence(b.gen_prompt_len + b.gen_drafts + b.gen_max_generated)
     return n
 
 
-def _past_key_value_lengths(out: np.ndarray, b: Batch) -> int:
+def _past_key_value_lengths(out: np.ndarray, b: Batch, config: Any = None) -> int:
     n = b.sizes.num_sequences
     out[:n] = b.past_key_value_lengths()
     return n
 
 
-def _request_types(out: np.ndarray, b: Batch) -> int:
+def _request_types(out: np.ndarray, b: Batch, config: Any = None) -> int:
     n_ctx, n = b.sizes.num_context_requests, b.sizes.num_sequences
     out[:n_ctx] = 0
     out[n_ctx:n] = 1
     return n
 
 
-def _last_token_ids(out: np.ndarray, b: Batch) -> int:
+def _last_token_ids(out: np.ndarray, b: Batch, config: Any = None) -> int:
     # logit groups: a context chunk is one group plus one per draft; every generation token
     # (each beam, each draft) is its own group. last_token_ids is their inclusive prefix sum.
     groups = np.ones(b.sizes.num_logits, dtype=np.int64)
@@ -197,10 +201,56 @@ def _last_token_ids(out: np.ndarray, b: Batch) -> int:
     return b.sizes.num_logits
 
 
-def _seq_slots(out: np.ndarray, b: Batch) -> int:
+def _seq_slots(out: np.ndarray, b: Batch, config: Any = None) -> int:
     n = b.sizes.num_requests
     out[:n] = b.seq_slot
     return n
+
+
+def _kv_check(b: Batch, config: Any) -> None:
+    width = config.max_blocks_per_seq
+    for kind, reqs in (("context", b.context), ("generation", b.generation)):
+        for i, r in enumerate(reqs):
+            ids = getattr(r, "kv_block_ids", None)
+            beams = 1 if kind == "context" else r.beam_width
+            if not ids or len(ids) not in (1, beams):
+                raise BatchError(
+                    f"{kind} request {i} (seq_slot {r.seq_slot}): kv_block_ids needs one block list "
+                    f"(shared by all beams) or one per beam, got {0 if not ids else len(ids)}")
+            for blocks in ids:
+                if len(blocks) > width:
+                    raise BatchError(
+                        f"{kind} request {i} (seq_slot {r.seq_slot}): {len(blocks)} KV blocks exceed "
+                        f"max_blocks_per_seq={width}")
+
+
+def _kv_cache_block_offsets(out: np.ndarray, b: Batch, config: Any) -> int:
+    """[pools=1, sequences, K/V, max_blocks_per_seq] block indices, one row per sequence.
+
+    Index encoding (TensorRT-LLM's KVCacheIndex for a pool laid out [blocks, layers, K/V, ...]):
+    (block_id * num_local_layers + 0) * 2 + (0 for K, 1 for V); the kernel adds the layer.
+    Columns past a sequence's own blocks hold 0 (the reference leaves them stale). A context
+    request fills one row, even with beam_width > 1: the reference writes one row per beam but
+    advances by one, so the next request overwrites them (a bug; fixed by writing one row).
+    """
+    width = config.max_blocks_per_seq
+    stride = config.num_local_layers * 2
+    rows = out[: b.sizes.num_sequences * 2 * width].reshape(b.sizes.num_sequences, 2, width)
+    rows[:] = 0
+    row = 0
+    for r in b.context:
+        blocks = np.asarray(r.kv_block_ids[0], dtype=np.int64) * stride
+        rows[row, 0, : len(blocks)] = blocks
+        rows[row, 1, : len(blocks)] = blocks + 1
+        row += 1
+    for r in b.generation:
+        for beam in range(r.beam_width):
+            ids = r.kv_block_ids[beam if len(r.kv_block_ids) > 1 else 0]
+            blocks = np.asarray(ids, dtype=np.int64) * stride
+            rows[row, 0, : len(blocks)] = blocks
+            rows[row, 1, : len(blocks)] = blocks + 1
+            row += 1
+    return rows.size
 
 
 token_ids = Rule("token_ids", _token_ids)
@@ -215,6 +265,7 @@ past_key_value_lengths = Rule("past_key_value_lengths", _past_key_value_lengths)
 request_types = Rule("request_types", _request_types)
 last_token_ids = Rule("last_token_ids", _last_token_ids)
 seq_slots = Rule("seq_slots", _seq_slots)
+kv_cache_block_offsets = Rule("kv_cache_block_offsets", _kv_cache_block_offsets, _kv_check)
 
 RULES = {
     r.name: r
@@ -229,5 +280,6 @@ RULES = {
         request_types,
         last_token_ids,
         seq_slots,
+        kv_cache_block_offsets,
     )
 }

@@ -31,3 +31,5 @@ class Request:
     """Explicit position ids of the prompt (one per prompt token)."""
     mask_position: int | None = None
     """GLM: set by the runtime during the context step, read in generation."""
+    kv_block_ids: Sequence[Sequence[int]] | None = None
+    """Paged KV cache: the request's block ids, one list per beam (or one shared list)."""

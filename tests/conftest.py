@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/reference.py
 from bufc.runtime import Request  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-FAMILIES = ("gpt", "chatglm", "glm")
+FAMILIES = ("gpt", "chatglm", "glm", "llama")
+VARIANT = {"gpt": "gpt", "chatglm": "chatglm", "glm": "glm", "llama": "gpt"}
 GLM_MASK_IDS = (50260, 50263, 50264)
 
 BASE = dict(
@@ -27,6 +28,8 @@ BASE = dict(
     num_layers=4,
     max_attention_window=4096,
 )
+TOKENS_PER_BLOCK = 64  # the default; BASE's window gives max_blocks_per_seq = 64
+blocks = st.lists(st.lists(st.integers(0, 10_000), min_size=1, max_size=64), min_size=1, max_size=1)
 
 
 def family(name: str):
@@ -65,6 +68,7 @@ def context_request(draw, variant: str, slot: int, max_beam: int = 3, max_drafts
         context_chunk_size=chunk,
         draft_tokens=drafts,
         position_ids=explicit,
+        kv_block_ids=draw(blocks),
     )
 
 
@@ -78,11 +82,14 @@ def generation_request(draw, variant: str, slot: int, max_beam: int = 3, max_dra
     if variant == "gpt" and draw(st.booleans()):
         explicit = draw(st.lists(st.integers(0, 5000), min_size=len(prompt), max_size=len(prompt)))
     mask = draw(st.integers(0, len(prompt))) if variant == "glm" else None
+    per_beam = draw(st.booleans())
+    kv = [draw(blocks)[0] for _ in range(beam)] if per_beam else draw(blocks)
     return Request(
         seq_slot=slot,
         prompt=prompt,
         beam_width=beam,
         generated=generated,
+        kv_block_ids=kv,
         draft_tokens=drafts,
         position_ids=explicit,
         mask_position=mask,

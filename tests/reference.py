@@ -12,8 +12,15 @@ GLM_MASK_IDS = (50260, 50263, 50264)
 
 
 def reference_step(
-    variant: str, ctx: list, gen: list, *, vocab_size: int, world_size: int = 1
+    variant: str,
+    ctx: list,
+    gen: list,
+    *,
+    vocab_size: int,
+    world_size: int = 1,
+    kv: tuple[int, int] | None = None,
 ) -> dict:
+    """`kv` = (max_blocks_per_seq, num_local_layers) for a paged-KV family."""
     # ---- setBufferSizes
     num_ctx = len(ctx)
     ctx_logits = num_ctx
@@ -142,7 +149,33 @@ def reference_step(
         "max_kv_cache_length_rounded": -(-longest // 256) * 256,
     }
     out["position_ids"] = [pos, pos2] if variant in ("chatglm", "glm") else pos
+    if kv is not None:
+        out["kv_cache_block_offsets"] = [_kv_rows(ctx, gen, *kv)]
     return out
+
+
+def _kv_rows(ctx: list, gen: list, width: int, layers: int) -> list:
+    # copyBlockOffsets, one sequence row per context request (the reference's beam > 1 rows for
+    # a context request are overwritten by the next request: fixed) and per generation beam
+    rows = []
+    for r in ctx:
+        rows.append(_kv_row(r.kv_block_ids[0], width, layers))
+    for r in gen:
+        for beam in range(r.beam_width):
+            ids = r.kv_block_ids[beam] if len(r.kv_block_ids) > 1 else r.kv_block_ids[0]
+            rows.append(_kv_row(ids, width, layers))
+    return rows
+
+
+def _kv_row(ids: list, width: int, layers: int) -> list:
+    k = [0] * width
+    v = [0] * width
+    for j, block in enumerate(ids):
+        k[j] = (
+            block * layers + 0
+        ) * 2 + 0  # flat_index3(block, layer 0, field, layers, kvFactor 2)
+        v[j] = (block * layers + 0) * 2 + 1
+    return [k, v]
 
 
 def _begin(r) -> int:

@@ -95,7 +95,7 @@ def test_check_fails_on_stale_orphan_or_missing_files_and_names_the_fix(workdir,
     if damage == "edit":
         (gen / "gpt.py").write_text((gen / "gpt.py").read_text().replace("pad=0", "pad=1", 1))
     elif damage == "orphan":
-        (gen / "llama.py").write_text("# stale\n")
+        (gen / "bloom.py").write_text("# stale\n")
     else:
         (gen / "glm.py").unlink()
     before = {p.name: p.read_bytes() for p in gen.iterdir()}
@@ -104,7 +104,7 @@ def test_check_fails_on_stale_orphan_or_missing_files_and_names_the_fix(workdir,
     assert "generated/ is out of date with buffers.yaml; run 'make generate'" in r.stderr
     assert {
         "edit": "-        pad=1,",
-        "orphan": "generated/llama.py: orphan file",
+        "orphan": "generated/bloom.py: orphan file",
         "missing": "+++ generated/glm.py (generated)",
     }[damage] in r.stdout
     assert {p.name: p.read_bytes() for p in gen.iterdir()} == before  # check never writes
@@ -122,11 +122,11 @@ def test_check_fails_when_the_spec_changed(workdir):
 
 def test_generate_writes_only_what_changed_and_removes_orphans(workdir):
     gen = workdir / "generated"
-    (gen / "llama.py").write_text("# stale\n")
+    (gen / "bloom.py").write_text("# stale\n")
     mtime = (gen / "gpt.py").stat().st_mtime_ns
     r = run_cli("generate", cwd=workdir)
-    assert r.returncode == 0 and "1 file(s) updated (llama.py)" in r.stdout
-    assert not (gen / "llama.py").exists()
+    assert r.returncode == 0 and "1 file(s) updated (bloom.py)" in r.stdout
+    assert not (gen / "bloom.py").exists()
     assert (gen / "gpt.py").stat().st_mtime_ns == mtime
 
 

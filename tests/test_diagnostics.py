@@ -429,7 +429,7 @@ CASES = [
         "    fill: {rule: token_ids}",
         "    fill: {rule: token_id}",
         [
-            "buffers.yaml:20:18: unknown fill rule 'token_id' (did you mean 'token_ids'?); rules: chatglm_position_ids, context_lengths, glm_position_ids, last_token_ids, past_key_value_lengths, position_ids, request_types, seq_slots, sequence_lengths, token_ids"
+            "buffers.yaml:20:18: unknown fill rule 'token_id' (did you mean 'token_ids'?); rules: chatglm_position_ids, context_lengths, glm_position_ids, kv_cache_block_offsets, last_token_ids, past_key_value_lengths, position_ids, request_types, seq_slots, sequence_lengths, token_ids"
         ],
         id="unknownrule",
     ),
@@ -502,7 +502,7 @@ def test_all_errors_are_reported_sorted():
     assert diagnostics(text) == [
         "buffers.yaml:18:17: unknown name 'max_num_tokns' (did you mean 'max_num_tokens'?)",
         "buffers.yaml:20:18: unknown fill rule 'tokens' (did you mean 'token_ids'?); rules: "
-        "chatglm_position_ids, context_lengths, glm_position_ids, last_token_ids, "
+        "chatglm_position_ids, context_lengths, glm_position_ids, kv_cache_block_offsets, last_token_ids, "
         "past_key_value_lengths, position_ids, request_types, seq_slots, sequence_lengths, token_ids",
     ]
 
@@ -510,6 +510,18 @@ def test_all_errors_are_reported_sorted():
 def test_division_by_a_constant_zero():
     text = BASE.replace('capacity: ["max_num_tokens"]', 'capacity: ["max_num_tokens // (2 - 2)"]')
     assert diagnostics(text) == ["buffers.yaml:18:17: 'max_num_tokens // (2 - 2)' divides by zero"]
+
+
+def test_a_rule_that_reads_an_undeclared_parameter():
+    text = BASE.replace("fill: {rule: token_ids}", "fill: {rule: kv_cache_block_offsets}")
+    assert diagnostics(text) == [
+        "buffers.yaml:19:5: fill rule 'kv_cache_block_offsets' writes shape [1, num_sequences, 2, "
+        "max_blocks_per_seq], but 'host_ids' declares [num_tokens]",
+        "buffers.yaml:20:18: fill rule 'kv_cache_block_offsets' reads 'max_blocks_per_seq' from the "
+        "Config; declare it as a parameter or derived value",
+        "buffers.yaml:20:18: fill rule 'kv_cache_block_offsets' reads 'num_local_layers' from the "
+        "Config; declare it as a parameter or derived value",
+    ]
 
 
 def test_file_too_large():

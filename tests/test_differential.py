@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from conftest import BASE, batch, make_buffers
+from conftest import BASE, VARIANT, batch, make_buffers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import reference_step
@@ -14,7 +14,12 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 
 def assert_step_matches(name: str, buffers, ctx, gen) -> None:
     ref_ctx, ref_gen = copy.deepcopy(ctx), copy.deepcopy(gen)
-    want = reference_step(name, ref_ctx, ref_gen, vocab_size=BASE["vocab_size"])
+    kv = (
+        (buffers.config.max_blocks_per_seq, buffers.config.num_local_layers)
+        if name == "llama"
+        else None
+    )
+    want = reference_step(VARIANT[name], ref_ctx, ref_gen, vocab_size=BASE["vocab_size"], kv=kv)
     step = buffers.prepare_step(ctx, gen)
     got = {k: v.tolist() for k, v in step.inputs.items()}
     assert {k: getattr(step.sizes, k) for k in want["sizes"]} == want["sizes"]
@@ -29,6 +34,9 @@ def assert_step_matches(name: str, buffers, ctx, gen) -> None:
         "position_ids",
     ):
         assert got[key] == want[key], key
+    if kv is not None:
+        assert got["kv_cache_block_offsets"] == want["kv_cache_block_offsets"]
+        assert got["host_kv_cache_block_offsets"] == want["kv_cache_block_offsets"]
     n = step.sizes.num_requests
     assert buffers.tensors["host_seq_slots"][:n].tolist() == want["seq_slots"]
     assert buffers.tensors["seq_slots"][:n].tolist() == want["seq_slots"]
@@ -40,8 +48,8 @@ def assert_step_matches(name: str, buffers, ctx, gen) -> None:
 
 @st.composite
 def family_and_batches(draw):
-    name = draw(st.sampled_from(["gpt", "chatglm", "glm"]))
-    return name, draw(st.lists(batch(name), min_size=1, max_size=3))
+    name = draw(st.sampled_from(["gpt", "chatglm", "glm", "llama"]))
+    return name, draw(st.lists(batch(VARIANT[name]), min_size=1, max_size=3))
 
 
 @SETTINGS

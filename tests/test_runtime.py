@@ -49,6 +49,7 @@ def test_config_is_frozen_and_has_exactly_the_family_parameters(family_name):
         "sink_token_length",
         "model_dtype",
         "logits_dtype",
+        *(["tokens_per_block"] if family_name == "llama" else []),
     }
     assert config.vocab_size_padded == 1000 and config.max_num_logits == 8 * 4
 
@@ -297,3 +298,36 @@ def test_first_middle_and_last_pipeline_ranks():
 def test_vocabulary_is_padded_to_the_world_size():
     step, _ = io("gpt", vocab_size=1001, tp_size=2, pp_size=2, pp_rank=1)
     assert step.outputs["logits"].shape == (2, 1004)
+
+
+# -------------------------------------------------------------------------- paged KV cache
+def test_kv_block_offsets_encode_block_layer_and_k_or_v():
+    b = make_buffers("llama", num_layers=4, tokens_per_block=16, max_attention_window=64)
+    assert b.config.max_blocks_per_seq == 4
+    r0 = ctx(0, 20, kv_block_ids=[[7, 3]])
+    r1 = gen(1, generated=((1,), (2,)), kv_block_ids=[[5], [6, 9]])
+    step = b.prepare_step([r0], [r1])
+    offsets = step.inputs["kv_cache_block_offsets"]
+    assert offsets.shape == (1, 3, 2, 4)
+    assert offsets[0].tolist() == [
+        [[56, 24, 0, 0], [57, 25, 0, 0]],  # block * 4 layers * 2 (+1 for V)
+        [[40, 0, 0, 0], [41, 0, 0, 0]],
+        [[48, 72, 0, 0], [49, 73, 0, 0]],
+    ]
+    assert torch.equal(step.inputs["host_kv_cache_block_offsets"], offsets)
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (ctx(0), "context request 0 (seq_slot 0): kv_block_ids needs one block list"),
+        (ctx(0, kv_block_ids=[list(range(65))]), "65 KV blocks exceed max_blocks_per_seq=64"),
+    ],
+)
+def test_kv_block_id_errors(request_, message):
+    b = make_buffers("llama")
+    before = snapshot(b)
+    with pytest.raises(BatchError) as exc:
+        b.prepare_step([request_], [])
+    assert message in str(exc.value)
+    assert_unchanged(before, b)
