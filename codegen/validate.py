@@ -397,8 +397,10 @@ class Checker:
         for need in rule.needs:
             if self.kinds.get(need) not in ("parameter", "derived"):
                 self.errors.error(
-                    t.fill.loc, f"fill rule '{name}' reads '{need}' from the Config; declare it as a "
-                    "parameter or derived value")
+                    t.fill.loc,
+                    f"fill rule '{name}' reads '{need}' from the Config; declare it as a "
+                    "parameter or derived value",
+                )
         if t.dtype in vocab.DTYPES and t.dtype not in rule.dtypes:
             self.errors.error(
                 t.field_loc("dtype"),

@@ -216,12 +216,14 @@ def _kv_check(b: Batch, config: Any) -> None:
             if not ids or len(ids) not in (1, beams):
                 raise BatchError(
                     f"{kind} request {i} (seq_slot {r.seq_slot}): kv_block_ids needs one block list "
-                    f"(shared by all beams) or one per beam, got {0 if not ids else len(ids)}")
+                    f"(shared by all beams) or one per beam, got {0 if not ids else len(ids)}"
+                )
             for blocks in ids:
                 if len(blocks) > width:
                     raise BatchError(
                         f"{kind} request {i} (seq_slot {r.seq_slot}): {len(blocks)} KV blocks exceed "
-                        f"max_blocks_per_seq={width}")
+                        f"max_blocks_per_seq={width}"
+                    )
 
 
 def _kv_cache_block_offsets(out: np.ndarray, b: Batch, config: Any) -> int:
