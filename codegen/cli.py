@@ -61,6 +61,12 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(argv: list[str]) -> int:
+    from bufc.examples.demo import main as demo_main  # torch and transformers, only here
+
+    return demo_main(argv)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bufc", description="Compile buffers.yaml into runtime buffer modules."
@@ -92,10 +98,15 @@ def parser() -> argparse.ArgumentParser:
     )
     with_spec(r, out=False)
     r.set_defaults(run=_report)
+    # `bufc demo ...` is dispatched before parsing (its options are the demo's own)
+    sub.add_parser("demo", help="serve a workload with a real model (needs torch, transformers)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:
+        return _demo(argv[1:])
     args = parser().parse_args(argv)
     try:
         return int(args.run(args))

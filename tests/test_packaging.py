@@ -36,7 +36,7 @@ def installed(tmp_path_factory):
 def test_no_generic_top_level_names(installed):
     top = {p.name for p in installed.iterdir() if not p.name.endswith((".dist-info", ".egg-info"))}
     assert "bufc" in top
-    assert not top & {"runtime", "codegen", "generated", "schema", "tests"}
+    assert not top & {"runtime", "codegen", "generated", "schema", "tests", "examples"}
 
 
 def test_installed_copy_works_from_outside_the_repository(installed, tmp_path):

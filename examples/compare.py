@@ -1,0 +1,91 @@
+"""The ground truth: each request alone through ``transformers.generate``, greedy."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from .executor import Job, Result
+
+
+def tiny_llama(seed: int = 0, *, vocab_size: int = 512, init_scale: float = 0.3) -> torch.nn.Module:
+    """A small random Llama in float64. A large init scale keeps attention far from uniform, so
+    a wrong position, length or gather index changes the tokens (and float64 avoids ties)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        initializer_range=init_scale,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float64).eval()
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens, as we do
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def workload(
+    n: int = 32, *, seed: int = 0, vocab_size: int = 512, max_prompt: int = 400
+) -> list[Job]:
+    """`n` requests: prompts of 1 to `max_prompt` tokens, arriving over the first steps,
+    each stopping after its own number of tokens."""
+    rng = random.Random(seed)
+    lengths = [1, 2, 3, max_prompt] + [rng.randint(1, max_prompt) for _ in range(n - 4)]
+    return [
+        Job(
+            rid=i,
+            prompt=tuple(rng.randrange(vocab_size) for _ in range(length)),
+            max_new_tokens=rng.randint(1, 12),
+            arrival_step=rng.randint(0, 3 * n // 4),
+        )
+        for i, length in enumerate(lengths)
+    ]
+
+
+def reference_tokens(model: torch.nn.Module, jobs: list[Job]) -> dict[int, list[int]]:
+    out = {}
+    for job in jobs:
+        prompt = torch.tensor([job.prompt])
+        full = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            do_sample=False,
+            max_new_tokens=job.max_new_tokens,
+        )
+        out[job.rid] = full[0, len(job.prompt) :].tolist()
+    return out
+
+
+class Mismatch(AssertionError):
+    pass
+
+
+def assert_same_tokens(result: Result, reference: dict[int, list[int]]) -> None:
+    """Raise on the earliest diverging token (by step), naming the request and the step."""
+    worst = None
+    for rid, want in reference.items():
+        got = result.tokens[rid]
+        for k, (a, b) in enumerate(zip(got, want)):
+            if a != b:
+                step = result.token_steps[rid][k]
+                if worst is None or step < worst[0]:
+                    worst = (step, rid, k, a, b)
+                break
+        else:
+            if len(got) != len(want):
+                raise Mismatch(
+                    f"request {rid}: {len(got)} tokens generated, transformers gave {len(want)}"
+                )
+    if worst is not None:
+        step, rid, k, a, b = worst
+        raise Mismatch(
+            f"request {rid} diverges at generated token {k} (step {step}): "
+            f"bufc executor gave {a}, transformers.generate gave {b}"
+        )

@@ -1,0 +1,113 @@
+"""``bufc demo`` (``make demo``): serve a workload with the generated llama buffers and check
+every token against transformers.generate.
+
+It builds a small random Llama (float64), runs the in-flight batching executor with chunked
+prefill over a paged KV cache, prints a progress bar and per-step figures, then a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from .compare import Mismatch, assert_same_tokens, reference_tokens, tiny_llama, workload
+from .executor import Executor, StepStats
+
+
+def _bar(done: int, total: int, width: int = 30) -> str:
+    filled = width * done // max(total, 1)
+    return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total} requests"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bufc demo", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--max-prompt", type=int, default=400, help="longest prompt, in tokens")
+    p.add_argument("--token-budget", type=int, default=128, help="tokens per step")
+    p.add_argument("--chunk-size", type=int, default=48, help="largest prefill chunk")
+    p.add_argument("--tokens-per-block", type=int, default=16)
+    p.add_argument("--max-batch-size", type=int, default=12)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--every", type=int, default=10, help="print figures every N steps")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("bufc demo needs transformers: pip install transformers", file=sys.stderr)
+        return 1
+    model = tiny_llama(args.seed).to(args.device)
+    jobs = workload(
+        args.requests,
+        seed=args.seed + 1,
+        vocab_size=model.config.vocab_size,
+        max_prompt=args.max_prompt,
+    )
+    executor = Executor(
+        model,
+        max_batch_size=args.max_batch_size,
+        token_budget=args.token_budget,
+        chunk_size=args.chunk_size,
+        tokens_per_block=args.tokens_per_block,
+        max_sequence_length=args.max_prompt + 16,
+        device=args.device,
+    )
+    print(
+        f"bufc demo: {len(jobs)} requests (prompts 1-{args.max_prompt} tokens), "
+        f"budget {args.token_budget} tokens/step, chunks <= {args.chunk_size}, "
+        f"{args.tokens_per_block} tokens/block, device {args.device}"
+    )
+    print(f"{'step':>5} {'in flight':>9} {'ctx':>4} {'gen':>4} {'tokens':>6} {'prepare_step':>13}")
+    tty = sys.stdout.isatty()
+
+    def on_step(s: StepStats) -> None:
+        if s.step % args.every == 0:
+            line = (
+                f"{s.step:5d} {s.in_flight:9d} {s.context_requests:4d} {s.generation_requests:4d} "
+                f"{s.tokens:6d} {s.prepare_s * 1e6:10.0f} us"
+            )
+            print(("\r" + " " * 60 + "\r" if tty else "") + line)
+        if tty:
+            print("\r" + _bar(s.finished, len(jobs)), end="", flush=True)
+
+    start = time.perf_counter()
+    result = executor.run(jobs, on_step=on_step)
+    elapsed = time.perf_counter() - start
+    print(("\r" if tty else "") + _bar(len(jobs), len(jobs)))
+    ref_start = time.perf_counter()
+    reference = reference_tokens(model, jobs)
+    ref_elapsed = time.perf_counter() - ref_start
+    try:
+        assert_same_tokens(result, reference)
+        verdict = f"all {len(jobs)} requests match transformers.generate"
+        code = 0
+    except Mismatch as exc:
+        verdict = f"MISMATCH: {exc}"
+        code = 1
+    tokens = sum(len(t) for t in result.tokens.values())
+    prep = [s.prepare_s for s in result.steps]
+    step_total = sum(s.step_s for s in result.steps)
+    rows = [
+        ("requests", f"{len(jobs)}"),
+        (
+            "steps",
+            f"{len(result.steps)} ({sum(1 for s in result.steps if s.context_requests and s.generation_requests)} mixed)",
+        ),
+        ("tokens generated", f"{tokens}"),
+        ("tokens/s (bufc executor)", f"{tokens / elapsed:.0f}"),
+        ("prepare_step median", f"{statistics.median(prep) * 1e6:.0f} us"),
+        ("prepare_step share of step time", f"{100 * sum(prep) / step_total:.1f} %"),
+        ("transformers.generate, one by one", f"{ref_elapsed:.1f} s"),
+        ("result", verdict),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print()
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return code

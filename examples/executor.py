@@ -1,0 +1,203 @@
+"""An in-flight batching executor that takes every per-step tensor from ``bufc.generated.llama``.
+
+Each step it admits the requests that have arrived (while decoder slots are free), gives every
+generation request one token of the token budget, splits what is left over the pending prompts
+in arrival order (chunked prefill: a chunk stops at the budget or at ``chunk_size``, wherever
+that falls in a KV block), grows each request's KV blocks to cover this step's tokens, prepares
+the step, runs the model and samples greedily. A request retires, freeing its blocks and slot,
+after ``max_new_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import torch
+
+from bufc.generated import llama
+from bufc.runtime import Request
+
+from .llama import PackedLlama
+from .paged_cache import BlockAllocator, PagedKVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One request of a workload."""
+
+    rid: int
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    arrival_step: int = 0
+
+
+@dataclasses.dataclass
+class StepStats:
+    step: int
+    in_flight: int
+    context_requests: int
+    generation_requests: int
+    tokens: int
+    prepare_s: float
+    step_s: float
+    finished: int  # requests retired so far
+
+
+@dataclasses.dataclass
+class Result:
+    tokens: dict[int, list[int]]
+    token_steps: dict[int, list[int]]  # the step that produced each generated token
+    steps: list[StepStats]
+
+
+@dataclasses.dataclass(eq=False)
+class _Active:
+    job: Job
+    request: Request  # the bufc request, updated in place every step
+    blocks: list[int]
+
+
+class Executor:
+    def __init__(
+        self,
+        hf_model: torch.nn.Module,
+        *,
+        max_batch_size: int = 16,
+        token_budget: int = 256,
+        chunk_size: int | None = None,
+        tokens_per_block: int = 16,
+        max_sequence_length: int = 1024,
+        num_blocks: int | None = None,
+        device: str = "cpu",
+    ) -> None:
+        cfg = hf_model.config
+        dtype = next(hf_model.parameters()).dtype
+        self.model = PackedLlama(hf_model)
+        self.config = llama.Config(
+            max_batch_size=max_batch_size,
+            max_num_tokens=token_budget,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_hidden_layers,
+            max_attention_window=max_sequence_length,
+            tokens_per_block=tokens_per_block,
+            model_dtype=dtype,
+            logits_dtype=dtype,
+        )
+        self.buffers = llama.RuntimeBuffers(self.config, device=device)
+        blocks = num_blocks or max_batch_size * self.config.max_blocks_per_seq
+        self.allocator = BlockAllocator(blocks)
+        self.cache = PagedKVCache(
+            blocks,
+            cfg.num_hidden_layers,
+            tokens_per_block,
+            cfg.num_key_value_heads,
+            self.model.head_dim,
+            dtype,
+            device,
+        )
+        self.chunk_size = chunk_size or token_budget
+        self.token_budget = token_budget
+
+    def run(
+        self,
+        jobs: Iterable[Job],
+        *,
+        mutate: Callable[[int, object], None] | None = None,
+        on_step: Callable[[StepStats], None] | None = None,
+    ) -> Result:
+        """Serve `jobs` to completion. `mutate(step_index, step)` may alter a prepared step
+        before the model runs (the tests use it to prove the comparison can fail)."""
+        pending = deque(sorted(jobs, key=lambda j: (j.arrival_step, j.rid)))
+        waiting: deque[Job] = deque()
+        active: list[_Active] = []
+        free_slots = list(range(self.config.max_batch_size - 1, -1, -1))
+        result = Result({j.rid: [] for j in pending}, {j.rid: [] for j in pending}, [])
+        step_index = 0
+        finished = 0
+        while pending or waiting or active:
+            t0 = time.perf_counter()
+            while pending and pending[0].arrival_step <= step_index:
+                waiting.append(pending.popleft())
+            while waiting and free_slots:
+                job = waiting.popleft()
+                req = Request(
+                    seq_slot=free_slots.pop(),
+                    prompt=list(job.prompt),
+                    generated=[[]],
+                    kv_block_ids=[[]],
+                )
+                active.append(_Active(job, req, req.kv_block_ids[0]))
+            context, generation = self._schedule(active)
+            if not context and not generation:
+                step_index += 1
+                continue
+            t1 = time.perf_counter()
+            step = self.buffers.prepare_step(
+                [a.request for a in context], [a.request for a in generation]
+            )
+            t2 = time.perf_counter()
+            if mutate is not None:
+                mutate(step_index, step)
+            self.model.forward(step, self.cache)
+            sampled = step.outputs["logits"].argmax(dim=-1).tolist()
+            for row, a in enumerate([*context, *generation]):
+                req = a.request
+                if row < len(context):
+                    req.context_position += req.context_chunk_size
+                    req.context_chunk_size = None
+                    if req.context_position < len(req.prompt):
+                        continue  # a middle chunk: its logit row is not sampled
+                req.generated[0].append(sampled[row])
+                result.tokens[a.job.rid].append(sampled[row])
+                result.token_steps[a.job.rid].append(step_index)
+                if len(req.generated[0]) == a.job.max_new_tokens:
+                    active.remove(a)
+                    self.allocator.release(a.blocks)
+                    free_slots.append(req.seq_slot)
+                    finished += 1
+            stats = StepStats(
+                step=step_index,
+                in_flight=len(context) + len(generation),
+                context_requests=len(context),
+                generation_requests=len(generation),
+                tokens=step.sizes.num_tokens,
+                prepare_s=t2 - t1,
+                step_s=time.perf_counter() - t0,
+                finished=finished,
+            )
+            result.steps.append(stats)
+            if on_step is not None:
+                on_step(stats)
+            step_index += 1
+        return result
+
+    def _schedule(self, active: list[_Active]) -> tuple[list[_Active], list[_Active]]:
+        budget = self.token_budget
+        generation = []
+        for a in active:
+            req = a.request
+            if req.context_position == len(req.prompt) and budget > 0:
+                self._grow(a, len(req.prompt) + len(req.generated[0]))
+                generation.append(a)
+                budget -= 1
+        context = []
+        for a in active:
+            req = a.request
+            remaining = len(req.prompt) - req.context_position
+            if remaining == 0 or budget == 0:
+                continue
+            chunk = min(remaining, self.chunk_size, budget)
+            self._grow(a, req.context_position + chunk)
+            req.context_chunk_size = chunk
+            context.append(a)
+            budget -= chunk
+        return context, generation
+
+    def _grow(self, a: _Active, tokens: int) -> None:
+        need = -(-tokens // self.config.tokens_per_block) - len(a.blocks)
+        if need > 0:
+            a.blocks.extend(self.allocator.allocate(need))

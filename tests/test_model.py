@@ -1,0 +1,144 @@
+"""A real Llama driven by the generated llama buffers equals transformers.generate, token for
+token, under in-flight batching with chunked prefill and a paged KV cache; and the comparison
+can fail: one wrong position id, context length or last-token index breaks it."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from bufc.examples.compare import (  # noqa: E402
+    Mismatch,
+    assert_same_tokens,
+    reference_tokens,
+    tiny_llama,
+    workload,
+)
+from bufc.examples.executor import Executor  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture(scope="module")
+def jobs():
+    return workload(32, seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(model, jobs):
+    return reference_tokens(model, jobs)
+
+
+CONFIGS = {
+    # chunks that end mid-block, a budget far below the longest prompt (400), one-token blocks
+    "tpb1-chunk7-budget64": dict(tokens_per_block=1, chunk_size=7, token_budget=64),
+    "tpb16-chunk24-budget100": dict(tokens_per_block=16, chunk_size=24, token_budget=100),
+    "tpb64-chunk100-budget150": dict(tokens_per_block=64, chunk_size=100, token_budget=150),
+    "tpb16-budget256-few-slots": dict(tokens_per_block=16, token_budget=256, max_batch_size=5),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_in_flight_batching_equals_transformers_generate(model, jobs, reference, name):
+    kwargs = {"max_batch_size": 12, "max_sequence_length": 512, **CONFIGS[name]}
+    result = Executor(model, **kwargs).run(jobs)
+    assert_same_tokens(result, reference)
+    steps = result.steps
+    assert any(s.context_requests and s.generation_requests for s in steps), "no mixed step"
+    assert max(s.tokens for s in steps) <= kwargs["token_budget"]
+
+
+def test_blocks_and_slots_are_returned(model, jobs):
+    ex = Executor(
+        model, max_batch_size=8, token_budget=128, tokens_per_block=16, max_sequence_length=512
+    )
+    ex.run(jobs)
+    assert ex.allocator.free == ex.allocator.num_blocks
+
+
+def _first_step_where(result_steps, predicate):
+    return next(s.step for s in result_steps if predicate(s))
+
+
+def _mutated_run(model, jobs, mutation):
+    ex = Executor(
+        model,
+        max_batch_size=12,
+        token_budget=100,
+        chunk_size=24,
+        tokens_per_block=16,
+        max_sequence_length=512,
+    )
+    clean = Executor(
+        model,
+        max_batch_size=12,
+        token_budget=100,
+        chunk_size=24,
+        tokens_per_block=16,
+        max_sequence_length=512,
+    ).run(jobs)
+    target = _first_step_where(clean.steps, lambda s: s.context_requests and s.generation_requests)
+
+    def mutate(index, step):
+        if index == target:
+            mutation(step)
+
+    return ex.run(jobs, mutate=mutate)
+
+
+MUTATIONS = {
+    "position id + 1": lambda step: step.inputs["position_ids"][-1].add_(1),
+    "context length - 1": lambda step: step.inputs["host_context_lengths"][0].sub_(1),
+    "last-token index - 1": lambda step: step.inputs["last_token_ids"][-1].sub_(1),
+    "sequence length + 1": lambda step: step.inputs["sequence_length"][-1].add_(1),
+}
+
+
+@pytest.mark.parametrize("name", MUTATIONS)
+def test_one_wrong_index_makes_the_comparison_fail(model, jobs, reference, name):
+    with pytest.raises((Mismatch, ValueError)) as exc:
+        assert_same_tokens(_mutated_run(model, jobs, MUTATIONS[name]), reference)
+    if exc.type is Mismatch:
+        assert "diverges at generated token" in str(exc.value) and "(step " in str(exc.value)
+
+
+def test_a_mismatch_names_the_request_and_the_step(model, jobs, reference):
+    result = Executor(
+        model, max_batch_size=12, token_budget=100, tokens_per_block=16, max_sequence_length=512
+    ).run(jobs)
+    rid = next(r for r, toks in result.tokens.items() if len(toks) >= 2)
+    result.tokens[rid][1] += 1
+    with pytest.raises(
+        Mismatch, match=rf"request {rid} diverges at generated token 1 \(step \d+\)"
+    ):
+        assert_same_tokens(result, reference)
+
+
+def test_demo_runs_and_reports_the_match(capsys):
+    from bufc.codegen.cli import main
+
+    assert (
+        main(
+            [
+                "demo",
+                "--requests",
+                "8",
+                "--max-prompt",
+                "60",
+                "--token-budget",
+                "32",
+                "--chunk-size",
+                "10",
+                "--every",
+                "5",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "prepare_step" in out and "tokens/s (bufc executor)" in out
+    assert out.rstrip().endswith("all 8 requests match transformers.generate")
