@@ -142,3 +142,24 @@ def test_demo_runs_and_reports_the_match(capsys):
     out = capsys.readouterr().out
     assert "prepare_step" in out and "tokens/s (bufc executor)" in out
     assert out.rstrip().endswith("all 8 requests match transformers.generate")
+
+
+@pytest.mark.gpu
+def test_in_flight_batching_on_cuda_equals_transformers_generate(model, jobs, reference):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import copy
+
+    cuda_model = copy.deepcopy(model).to("cuda")
+    result = Executor(
+        cuda_model,
+        max_batch_size=12,
+        token_budget=100,
+        chunk_size=24,
+        tokens_per_block=16,
+        max_sequence_length=512,
+        device="cuda",
+    ).run(jobs)
+    assert_same_tokens(result, reference)
