@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from importlib import resources
-from typing import Any
-
-import jsonschema
-from jsonschema.exceptions import ValidationError
+from typing import TYPE_CHECKING, Any
 
 from .errors import Diagnostic, did_you_mean
 from .load import Document
+
+if TYPE_CHECKING:  # jsonschema is imported where it is used: `bufc demo` runs without it
+    from jsonschema.exceptions import ValidationError
 
 _FILL_HELP = "fill must be 'engine' or one of {rule: NAME}, {mirror: TENSOR}, {constant: FORMULA}"
 
@@ -115,6 +115,8 @@ def _diagnostics(doc: Document, err: ValidationError) -> list[Diagnostic]:
 
 def check_document(doc: Document) -> list[Diagnostic]:
     """Every schema violation in `doc`, located."""
+    import jsonschema
+
     validator = jsonschema.Draft202012Validator(schema())
     out: list[Diagnostic] = []
     for err in validator.iter_errors(doc.data):

@@ -52,7 +52,7 @@ def workload(
 def reference_tokens(model: torch.nn.Module, jobs: list[Job]) -> dict[int, list[int]]:
     out = {}
     for job in jobs:
-        prompt = torch.tensor([job.prompt])
+        prompt = torch.tensor([job.prompt], device=model.device)
         full = model.generate(
             prompt,
             attention_mask=torch.ones_like(prompt),
