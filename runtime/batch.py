@@ -11,6 +11,7 @@ then the beams of each generation request in order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,7 +44,7 @@ def _i64(values: Sequence[int]) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True)
-class Batch:
+class Batch:  # not slotted: cached_property needs __dict__
     context: tuple[Any, ...]
     generation: tuple[Any, ...]
     sizes: StepSizes
@@ -71,132 +72,185 @@ class Batch:
         *,
         max_beam_width: int = 1,
         max_draft_tokens: int = 0,
+        reuse: dict | None = None,
     ) -> Batch:
-        """Validate the scheduled requests and lay them out; raise BatchError on the first
-        problem. O(1) Python work per request (and per beam), none per token."""
+        """Validate the scheduled requests and lay them out; raise BatchError on a problem.
+
+        Each request field is read once, column by column (one comprehension per field), and
+        every check is a vectorised test over the columns: O(1) Python work per request and per
+        beam, none per token. Only when a check fails are the requests walked one by one to
+        name the culprit (``_diagnose``).
+        """
         context, generation = tuple(context), tuple(generation)
-        begin, chunk, plen, cdrafts = [], [], [], []
-        for i, r in enumerate(context):
-            n = len(r.prompt)
-            b = r.context_position
-            size = r.context_chunk_size
-            c = n - b if size is None else size
-            drafts = len(r.draft_tokens) if r.draft_tokens else 0
-            if (
-                not 0 <= b < n
-                or c < 1
-                or b + c > n
-                or r.generated
-                and any(r.generated)
-                or not 1 <= r.beam_width <= max_beam_width
-                or drafts
-                and (r.beam_width > 1 or drafts > max_draft_tokens)
-                or r.position_ids is not None
-                and len(r.position_ids) != n
-            ):
-                _reject(
-                    r, f"context request {i}", max_beam_width, max_draft_tokens, is_context=True
-                )
-            begin.append(b)
-            chunk.append(c)
-            plen.append(n)
-            cdrafts.append(drafts if b + c == n else 0)  # drafts ride on the last chunk only
+        limits = (max_beam_width, max_draft_tokens)
 
-        bw, gplen, gdrafts, gmax, seq_tokens, last_tokens = [], [], [], [], [], []
-        for i, r in enumerate(generation):
-            beam = r.beam_width
-            gen = r.generated or ()
-            n = len(r.prompt)
-            drafts = len(r.draft_tokens) if r.draft_tokens else 0
-            lens = list(map(len, gen))
-            if (
-                not 1 <= beam <= max_beam_width
-                or len(lens) != beam
-                or not all(lens)
-                or n == 0
-                or drafts
-                and (beam > 1 or drafts > max_draft_tokens)
-                or r.position_ids is not None
-                and len(r.position_ids) != n
-            ):
-                _reject(
-                    r, f"generation request {i}", max_beam_width, max_draft_tokens, is_context=False
-                )
-            bw.append(beam)
-            gplen.append(n)
-            gdrafts.append(drafts)
-            gmax.append(max(lens))
-            seq_tokens.extend([n + k for k in lens])
-            last_tokens.extend([g[-1] for g in gen])
+        # ---- context columns
+        c_plen = _i64([len(r.prompt) for r in context])
+        c_begin = _i64([r.context_position for r in context])
+        sizes_ = [r.context_chunk_size for r in context]
+        c_chunk = (
+            c_plen - c_begin
+            if all(x is None for x in sizes_)
+            else _i64([p - b if x is None else x for x, p, b in zip(sizes_, c_plen, c_begin)])
+        )
+        c_ndraft = _i64([len(r.draft_tokens) if r.draft_tokens else 0 for r in context])
+        c_beam = _i64([r.beam_width for r in context])
+        c_has_generated = any(r.generated and any(r.generated) for r in context)
+        c_explicit = [r.position_ids for r in context]
 
-        slots = [r.seq_slot for r in context] + [r.seq_slot for r in generation]
+        # ---- generation columns; per-beam columns come from one flat pass over the beams.
+        # A request's prompt, beam_width, position_ids and seq_slot are fixed while it is in
+        # flight, so when the generation list is the previous step's (same objects, same order:
+        # steady decoding) those columns are reused and only the generated tokens and drafts
+        # are read.
+        static = reuse.get("generation") if reuse is not None else None
+        if static is not None and static[0] == generation:
+            _, g_plen, g_bw, g_explicit, g_slots = static
+        else:
+            g_plen = _i64([len(r.prompt) for r in generation])
+            g_bw = _i64([r.beam_width for r in generation])
+            g_explicit = [r.position_ids for r in generation]
+            g_slots = [r.seq_slot for r in generation]
+        g_ndraft = _i64([len(r.draft_tokens) if r.draft_tokens else 0 for r in generation])
+        beams = [r.generated or () for r in generation]
+        g_nbeams = _i64(list(map(len, beams)))
+        flat = [g for bs in beams for g in bs]
+        seq_len = _i64(list(map(len, flat)))
+
+        bad = bool(
+            (
+                context
+                and (
+                    (c_plen < 1).any()
+                    or (c_begin < 0).any()
+                    or (c_begin >= c_plen).any()
+                    or (c_chunk < 1).any()
+                    or (c_begin + c_chunk > c_plen).any()
+                    or c_has_generated
+                    or (c_beam < 1).any()
+                    or (c_beam > max_beam_width).any()
+                )
+            )
+            or (
+                generation
+                and (
+                    (g_plen < 1).any()
+                    or (g_bw < 1).any()
+                    or (g_bw > max_beam_width).any()
+                    or (g_nbeams != g_bw).any()
+                    or (seq_len < 1).any()
+                )
+            )
+        )
+        ndraft = np.concatenate((c_ndraft, g_ndraft))
+        if not bad and ndraft.any():
+            beam = np.concatenate((c_beam, g_bw))
+            bad = bool((ndraft > max_draft_tokens).any() or ((ndraft > 0) & (beam > 1)).any())
+        explicit = tuple(i for i, p in enumerate(c_explicit + g_explicit) if p is not None)
+        if not bad and explicit:
+            lens = np.concatenate((c_plen, g_plen))
+            bad = any(len((c_explicit + g_explicit)[i]) != lens[i] for i in explicit)
+        slots = [r.seq_slot for r in context] + g_slots
+        slot_array = np.asarray(slots) if slots else np.zeros(0, dtype=np.int64)
         if (
-            not all(type(x) is int or isinstance(x, np.integer) for x in slots)
-            or len(set(slots)) != len(slots)
-            or (slots and min(slots) < 0)
+            bad
+            or slot_array.dtype.kind not in "iu"
+            or (len(slot_array) and slot_array.min() < 0)
+            or _has_duplicates(slot_array)
         ):
-            _reject_slots(context, generation)
+            _diagnose(context, generation, *limits)
+        if reuse is not None:
+            reuse["generation"] = (generation, g_plen, g_bw, g_explicit, g_slots)
 
-        ctx_begin, ctx_chunk, ctx_plen = _i64(begin), _i64(chunk), _i64(plen)
-        ctx_drafts = _i64(cdrafts)
-        ctx_input = ctx_chunk + ctx_drafts
-        g_bw, g_drafts = _i64(bw), _i64(gdrafts)
+        c_drafts = np.where(c_begin + c_chunk == c_plen, c_ndraft, 0)  # drafts ride on a last chunk
+        c_input = c_chunk + c_drafts
+        seq_offsets = np.cumsum(g_bw) - g_bw
+        g_max = np.maximum.reduceat(seq_len, seq_offsets) if len(seq_len) else seq_len
         n_ctx, n_gen = len(context), len(generation)
-        n_gen_seq = int(g_bw.sum())
-        ctx_tokens = int(ctx_input.sum())
-        gen_tokens = int((g_drafts + g_bw).sum())
+        n_gen_seq = len(flat)
+        ctx_tokens = int(c_input.sum())
+        gen_tokens = int(g_ndraft.sum()) + n_gen_seq
         sizes = StepSizes(
             num_context_requests=n_ctx,
             num_context_tokens=ctx_tokens,
             num_generation_requests=n_gen,
             num_generation_sequences=n_gen_seq,
             num_generation_tokens=gen_tokens,
-            num_logits=n_ctx + int(ctx_drafts.sum()) + gen_tokens,
+            num_logits=n_ctx + int(c_drafts.sum()) + gen_tokens,
             num_sequences=n_ctx + n_gen_seq,
             num_tokens=ctx_tokens + gen_tokens,
             num_requests=n_ctx + n_gen,
-            max_context_length=int(ctx_plen.max()) if n_ctx else 0,
+            max_context_length=int(c_plen.max()) if n_ctx else 0,
         )
         return Batch(
             context=context,
             generation=generation,
             sizes=sizes,
-            ctx_begin=ctx_begin,
-            ctx_chunk=ctx_chunk,
-            ctx_prompt_len=ctx_plen,
-            ctx_drafts=ctx_drafts,
-            ctx_input_len=ctx_input,
+            ctx_begin=c_begin,
+            ctx_chunk=c_chunk,
+            ctx_prompt_len=c_plen,
+            ctx_drafts=c_drafts,
+            ctx_input_len=c_input,
             gen_beam_width=g_bw,
-            gen_prompt_len=_i64(gplen),
-            gen_drafts=g_drafts,
-            gen_max_generated=_i64(gmax),
-            seq_num_tokens=_i64(seq_tokens),
-            seq_last_token=_i64(last_tokens),
-            seq_slot=_i64(slots),
-            explicit_positions=tuple(
-                i for i, r in enumerate(context + generation) if r.position_ids is not None
-            ),
+            gen_prompt_len=g_plen,
+            gen_drafts=g_ndraft,
+            gen_max_generated=g_max,
+            seq_num_tokens=np.repeat(g_plen, g_bw) + seq_len,
+            seq_last_token=_i64([g[-1] for g in flat]),
+            seq_slot=slot_array.astype(np.int64, copy=False),
+            explicit_positions=explicit,
         )
 
     def per_sequence(self, gen_values: np.ndarray) -> np.ndarray:
         """Repeat one value per generation request over its beams."""
         return np.repeat(gen_values, self.gen_beam_width)
 
+    @functools.cached_property
     def past_key_value_lengths(self) -> np.ndarray:
         """KV length of each sequence after this step (reference §2.3.7)."""
         gen = self.per_sequence(self.gen_prompt_len + self.gen_max_generated - 1)
         return np.concatenate((self.ctx_begin + self.ctx_input_len, gen))
 
 
+def _has_duplicates(a: np.ndarray) -> bool:
+    if len(a) < 2:
+        return False
+    s = np.sort(a)
+    return bool((s[1:] == s[:-1]).any())
+
+
 def _where(kind: str, r: Any) -> str:
     return f"{kind} (seq_slot {getattr(r, 'seq_slot', None)!r})"
 
 
-def _reject(
-    r: Any, kind: str, max_beam_width: int, max_draft_tokens: int, *, is_context: bool
+def _diagnose(
+    context: Sequence[Any], generation: Sequence[Any], max_beam_width: int, max_draft_tokens: int
 ) -> None:
-    """Find what is wrong with a request the fast path flagged, and raise it (cold path)."""
-    w = _where(kind, r)
+    """Walk the requests one by one and raise for the first problem (the cold path)."""
+    for i, r in enumerate(context):
+        _check_request(r, _where(f"context request {i}", r), max_beam_width, max_draft_tokens, True)
+    for i, r in enumerate(generation):
+        _check_request(
+            r, _where(f"generation request {i}", r), max_beam_width, max_draft_tokens, False
+        )
+    seen: dict[int, str] = {}
+    for kind, reqs in (("context request", context), ("generation request", generation)):
+        for i, r in enumerate(reqs):
+            w = _where(f"{kind} {i}", r)
+            slot = r.seq_slot
+            if not (type(slot) is int or isinstance(slot, np.integer)):
+                raise BatchError(f"{w}: seq_slot must be an integer, got {slot!r}")
+            if slot < 0:
+                raise BatchError(f"{w}: seq_slot must not be negative")
+            if int(slot) in seen:
+                raise BatchError(f"{w}: seq_slot {slot} is also used by {seen[int(slot)]}")
+            seen[int(slot)] = w
+    raise BatchError("the batch is invalid")  # pragma: no cover - a check above fires first
+
+
+def _check_request(
+    r: Any, w: str, max_beam_width: int, max_draft_tokens: int, is_context: bool
+) -> None:
     n = len(r.prompt)
     beam = r.beam_width
     drafts = len(r.draft_tokens) if r.draft_tokens else 0
@@ -219,23 +273,11 @@ def _reject(
             raise BatchError(
                 f"{w}: context_chunk_size {c} at context_position {b} runs past the prompt of {n} tokens"
             )
-        raise BatchError(f"{w}: a context request must not have generated tokens")
+        if r.generated and any(r.generated):
+            raise BatchError(f"{w}: a context request must not have generated tokens")
+        return
     gen = r.generated or ()
     if len(gen) != beam:
         raise BatchError(f"{w}: 'generated' has {len(gen)} beams, beam_width is {beam}")
-    raise BatchError(f"{w}: a generation request needs at least one generated token per beam")
-
-
-def _reject_slots(context: Sequence[Any], generation: Sequence[Any]) -> None:
-    seen: dict[int, str] = {}
-    for kind, reqs in (("context request", context), ("generation request", generation)):
-        for i, r in enumerate(reqs):
-            w = _where(f"{kind} {i}", r)
-            slot = r.seq_slot
-            if not (type(slot) is int or isinstance(slot, np.integer)):
-                raise BatchError(f"{w}: seq_slot must be an integer, got {slot!r}")
-            if slot < 0:
-                raise BatchError(f"{w}: seq_slot must not be negative")
-            if int(slot) in seen:
-                raise BatchError(f"{w}: seq_slot {slot} is also used by {seen[int(slot)]}")
-            seen[int(slot)] = w
+    if not all(gen):
+        raise BatchError(f"{w}: a generation request needs at least one generated token per beam")

@@ -2,8 +2,14 @@
 
 Construction evaluates the construct-time conditions once, allocates every tensor at capacity
 and builds flat per-step plans (fills, guards, bindings), so ``prepare_step`` runs no flag or
-condition checks. Host tensors that are mirrored to the device share one staging arena (pinned
-on CUDA) whose layout the device arena repeats: one host-to-device copy per step moves them all.
+condition checks and allocates no tensor.
+
+Host tensors that are mirrored to the device live in one staging arena at fixed, aligned
+offsets (smallest first), and their device mirrors in one device arena with the same layout:
+one host-to-device copy per step moves them all, and only up to the used part of the largest
+member. The staging arena is double-buffered (pinned on CUDA): step t writes half t % 2, and
+before writing a half the host waits on the event recorded after that half's last copy, so a
+copy still in flight is never overwritten while the host runs a step ahead of the GPU.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from .fills import Rule, past_key_value_lengths
 
 ALIGN = 256  # bytes; every arena member starts on this boundary
 KV_CACHE_LENGTH_ROUND = 256  # the reference's CUDA-graph key rounding
+HALVES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,51 +63,78 @@ class RuntimeBuffers:
         }
         pin = self.device.type == "cuda"
 
-        # staging arena (mirror sources) and its device twin, same offsets
-        sources = [self.decls[d.fill.source] for d in decls if isinstance(d.fill, Mirror)]
+        # the staging layout: mirror sources, smallest first, so the per-step copy can stop
+        # inside the last (largest) member
+        mirror_of = {d.fill.source: d.name for d in decls if isinstance(d.fill, Mirror)}
+        sources = sorted(
+            (self.decls[name] for name in mirror_of), key=lambda d: self._nbytes(d.name)
+        )
         offsets: dict[str, int] = {}
         end = 0
         for s in sources:
             offsets[s.name] = end
-            end += -(-self._numel[s.name] * self._dtype[s.name].itemsize // ALIGN) * ALIGN
-        self._host_arena = torch.zeros(end, dtype=torch.uint8, pin_memory=pin)
-        self._device_arena = torch.zeros(end, dtype=torch.uint8, device=self.device)
+            end += -(-self._nbytes(s.name) // ALIGN) * ALIGN
+        self._host_arenas = [
+            torch.empty(end, dtype=torch.uint8, pin_memory=pin) for _ in range(HALVES)
+        ]
+        self._device_arena = torch.empty(end, dtype=torch.uint8, device=self.device)
 
-        self._flat: dict[str, torch.Tensor] = {}
-        mirror_of = {d.fill.source: d.name for d in decls if isinstance(d.fill, Mirror)}
+        # per half, the flat storage of every tensor (only mirror sources differ between halves)
+        self._flat: list[dict[str, torch.Tensor]] = [{} for _ in range(HALVES)]
         for d in decls:
             if isinstance(d.fill, Mirror):  # same dtype and capacity as its source (generator)
-                flat = self._arena_view(self._device_arena, offsets[d.fill.source], d.name)
-            elif d.name in mirror_of:
-                flat = self._arena_view(self._host_arena, offsets[d.name], d.name)
+                flats = [
+                    self._arena_view(self._device_arena, offsets[d.fill.source], d.name)
+                ] * HALVES
+            elif d.name in offsets:
+                flats = [self._arena_view(a, offsets[d.name], d.name) for a in self._host_arenas]
             elif d.memory == DEVICE:
-                flat = torch.empty(
-                    self._numel[d.name], dtype=self._dtype[d.name], device=self.device
-                )
+                flats = [
+                    torch.empty(self._numel[d.name], dtype=self._dtype[d.name], device=self.device)
+                ] * HALVES
             else:
-                flat = torch.empty(
-                    self._numel[d.name],
-                    dtype=self._dtype[d.name],
-                    pin_memory=pin and d.memory == PINNED,
-                )
-            fill_value = d.fill.value(c) if isinstance(d.fill, Constant) else (d.pad or 0)
-            flat.fill_(fill_value)
-            self._flat[d.name] = flat
+                flats = [
+                    torch.empty(
+                        self._numel[d.name],
+                        dtype=self._dtype[d.name],
+                        pin_memory=pin and d.memory == PINNED,
+                    )
+                ] * HALVES
+            value = d.fill.value(c) if isinstance(d.fill, Constant) else (d.pad or 0)
+            for flat in dict.fromkeys(flats):  # each distinct storage once
+                flat.fill_(value)
+            for h in range(HALVES):
+                self._flat[h][d.name] = flats[h]
         if end:
-            self._device_arena.copy_(self._host_arena)  # mirrors start with their pads
-        self.tensors: dict[str, torch.Tensor] = {
-            d.name: self._flat[d.name].view(d.capacity(c)) for d in decls
-        }
+            self._device_arena.copy_(self._host_arenas[0])  # mirrors start with their pads
+        self._capacity_shape = {d.name: tuple(d.capacity(c)) for d in decls}
 
         # per-step plans, decided here once
         self._bounds = tuple((b.size, b.bound(c)) for b in self.size_bounds)
         self._guards = tuple((d.name, d.shape, self._numel[d.name]) for d in decls if d.checked)
         rules = [(d.name, d.fill) for d in decls if isinstance(d.fill, Rule)]
         self._checks = tuple(dict.fromkeys(r.check for _, r in rules if r.check is not None))
-        self._fills = tuple(
-            (name, rule, self._flat[name].numpy(), self.decls[name].pad) for name, rule in rules
+        self._fills = [
+            tuple(
+                (name, rule, self._flat[h][name].numpy(), self.decls[name].pad)
+                for name, rule in rules
+            )
+            for h in range(HALVES)
+        ]
+        self._high_water: list[dict[str, int]] = [
+            dict.fromkeys(self.decls, 0) for _ in range(HALVES)
+        ]
+        # the copy: whole members but the last, whose used prefix is copied (with the rows the
+        # device still holds from a longer earlier step, now pads)
+        last = sources[-1].name if sources else None
+        self._copy_last = (
+            last if last is not None and isinstance(self.decls[last].fill, Rule) else None
         )
-        self._high_water = dict.fromkeys(self._flat, 0)
+        self._copy_base = offsets[last] if self._copy_last else end
+        self._copy_itemsize = self._dtype[last].itemsize if last else 0
+        self._device_high_water = 0
+        self.copies_per_step = 1 if end else 0
+
         self._inputs = tuple(
             (b.engine_name, d.name, d.shape)
             for d in decls
@@ -113,27 +147,36 @@ class RuntimeBuffers:
             for b in d.outputs
             if b.when is None or b.when(c)
         )
-        self._views: dict[str, dict[tuple[int, ...], torch.Tensor]] = {
-            name: {} for name in self._flat
-        }
+        self._reuse: dict = {}  # per-request columns kept from the last step (Batch.build)
+        self._views: list[dict[str, dict[tuple[int, ...], torch.Tensor]]] = [
+            {name: {} for name in self.decls} for _ in range(HALVES)
+        ]
         self._past_kv = next((n for n, r in rules if r is past_key_value_lengths), None)
-        # recorded after each step's copy; waited on before the host rewrites the staging arena
-        self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._copy_done = [torch.cuda.Event() for _ in range(HALVES)] if pin else None
+        self._half = 1  # the first step writes half 0
         self._last: Batch | None = None
 
     # ------------------------------------------------------------------------- helpers
+    def _nbytes(self, name: str) -> int:
+        return self._numel[name] * self._dtype[name].itemsize
+
     def _arena_view(self, arena: torch.Tensor, offset: int, name: str) -> torch.Tensor:
-        dtype = self._dtype[name]
-        return arena[offset : offset + self._numel[name] * dtype.itemsize].view(dtype)
+        return arena[offset : offset + self._nbytes(name)].view(self._dtype[name])
 
     def _view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         # the reference's reshape: the step tensor is the leading part of the capacity. Views
         # are cached per shape, so a repeated shape hands out the very same tensor object.
-        cache = self._views[name]
+        cache = self._views[self._half][name]
         view = cache.get(shape)
         if view is None:
-            view = cache[shape] = self._flat[name][: math.prod(shape)].view(shape)
+            view = cache[shape] = self._flat[self._half][name][: math.prod(shape)].view(shape)
         return view
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor at its capacity shape (staged host tensors: the half of the last step)."""
+        flat = self._flat[self._half]
+        return {name: flat[name].view(shape) for name, shape in self._capacity_shape.items()}
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -149,7 +192,8 @@ class RuntimeBuffers:
     ) -> Step:
         """Fill every buffer for one step and return the engine IO views.
 
-        Raises BatchError, with the buffers untouched, when the batch is invalid or over capacity.
+        Raises BatchError, with the buffers untouched, when the batch is invalid or over
+        capacity. The engine must run on the current CUDA stream (the copy is ordered on it).
         """
         c = self.config
         batch = Batch.build(
@@ -157,6 +201,7 @@ class RuntimeBuffers:
             generation_requests,
             max_beam_width=getattr(c, "max_beam_width", 1),
             max_draft_tokens=getattr(c, "max_draft_tokens", 0),
+            reuse=self._reuse,
         )
         s = batch.sizes
         for size, bound in self._bounds:
@@ -174,17 +219,29 @@ class RuntimeBuffers:
         for check in self._checks:
             check(batch, c)
 
+        h = self._half = self._half ^ 1
         if self._copy_done is not None:
-            self._copy_done.synchronize()  # last step's copy has left the staging arena
-        for name, rule, out, pad in self._fills:
+            self._copy_done[h].synchronize()  # this half's last copy has left it
+        high = self._high_water[h]
+        last_used = 0
+        for name, rule, out, pad in self._fills[h]:
             n = rule.fill(out, batch, c)
-            if pad is not None and self._high_water[name] > n:
-                out[n : self._high_water[name]] = pad  # rows past this step hold the pad value
-            self._high_water[name] = n
-        if self._host_arena.numel():
-            self._device_arena.copy_(self._host_arena, non_blocking=True)
+            if pad is not None and high[name] > n:
+                out[n : high[name]] = pad  # rows past this step hold the pad value
+            high[name] = n
+            if name == self._copy_last:
+                last_used = n
+        if self.copies_per_step:
+            span = self._copy_base
+            if self._copy_last is not None:
+                used = max(last_used, self._device_high_water)
+                self._device_high_water = last_used
+                span += used * self._copy_itemsize
+            else:
+                span = self._device_arena.numel()
+            self._device_arena[:span].copy_(self._host_arenas[h][:span], non_blocking=True)
             if self._copy_done is not None:
-                self._copy_done.record()
+                self._copy_done[h].record()
         self._last = batch
         return Step(
             inputs={e: self._view(n, f(c, s)) for e, n, f in self._inputs},
@@ -196,7 +253,7 @@ class RuntimeBuffers:
     def _max_kv_rounded(self, batch: Batch) -> int:
         if self._past_kv is None or batch.sizes.num_sequences == 0:
             return 0
-        longest = int(batch.past_key_value_lengths().max())
+        longest = int(batch.past_key_value_lengths.max())
         return -(-longest // KV_CACHE_LENGTH_ROUND) * KV_CACHE_LENGTH_ROUND
 
     def prepare_for_cuda_graph(self, max_sequence_length: int) -> None:
@@ -214,7 +271,7 @@ class RuntimeBuffers:
         if self._past_kv is None:
             return
         value = min(max_sequence_length - 1, self._max_kv_rounded(batch))
-        self._flat[self._past_kv][: batch.sizes.num_sequences] = value
+        self._flat[self._half][self._past_kv][: batch.sizes.num_sequences] = value
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:

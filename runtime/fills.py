@@ -180,7 +180,7 @@ def _sequence_lengths(out: np.ndarray, b: Batch, config: Any = None) -> int:
 
 def _past_key_value_lengths(out: np.ndarray, b: Batch, config: Any = None) -> int:
     n = b.sizes.num_sequences
-    out[:n] = b.past_key_value_lengths()
+    out[:n] = b.past_key_value_lengths
     return n
 
 
