@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements-dev.txt pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: generate check check-generated lint test demo venv clean
+.PHONY: generate check check-generated lint test demo bench venv clean
 
 generate: $(STAMP) ; $(PY) -m bufc.codegen generate
 check: check-generated lint
@@ -11,6 +11,7 @@ check-generated: $(STAMP) ; $(PY) -m bufc.codegen check
 lint: $(STAMP) ; $(VENV)/bin/ruff check codegen runtime tests bufc schema bench examples && $(VENV)/bin/ruff format --check codegen runtime tests bufc schema bench examples
 test: $(STAMP) ; $(PY) -m pytest
 demo: $(STAMP) ; $(PY) -m bufc.codegen demo --device $(or $(DEVICE),cpu)
+bench: $(STAMP) ; $(PY) bench/prepare_step.py --device $(or $(DEVICE),cpu) --json bench/results/$(or $(DEVICE),cpu).json
 venv: $(STAMP)
 $(STAMP): requirements-dev.txt pyproject.toml ; rm -f $(VENV)/.installed-* && (test -x $(PY) || python3 -m venv $(VENV)) && $(PY) -m pip install -q -r requirements-dev.txt && $(PY) -m pip install -q --no-deps --no-build-isolation -e . && touch $@
 clean: ; rm -rf $(VENV) build *.egg-info

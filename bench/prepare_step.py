@@ -1,13 +1,22 @@
-"""prepare_step cost: the generated gpt module against the loop-by-loop reference, one run.
+"""prepare_step cost: the generated llama module against a plain loop-by-loop implementation.
 
-Usage: python bench/prepare_step.py [--device cpu|cuda] [--repeats N] [--json PATH]
-Reports the median and interquartile range in microseconds per step, and the ratio.
+The plain implementation is tests/reference.py (the reference's setBufferSizes/setFromInputs,
+one request and one beam at a time) plus what it takes to hand its lists to an engine: one
+tensor per engine input and one host-to-device copy per device input, as the C++ reference and
+most Python engines do. Both run in the same process on the same batches, alternately.
+
+    python bench/prepare_step.py [--device cpu|cuda] [--repeats N] [--json PATH]
+
+Prints the median and interquartile range of host microseconds per step, the ratio, the
+host-to-device copies per step and, on CUDA, the device allocations per step; then the cost
+curve of decode steps for B = 1 ... 1024.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import sys
 import time
@@ -19,26 +28,68 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from reference import reference_step  # noqa: E402
 
-from bufc.generated import gpt  # noqa: E402
+from bufc.generated import llama  # noqa: E402
 from bufc.runtime import Request  # noqa: E402
 
+DEVICE_INPUTS = (
+    "input_ids",
+    "position_ids",
+    "context_lengths",
+    "sequence_length",
+    "last_token_ids",
+    "kv_cache_block_offsets",
+)
+HOST_INPUTS = ("host_context_lengths", "host_request_types", "host_past_key_value_lengths")
 
-def decode(n: int) -> tuple[list, list]:
-    return [], [
-        Request(seq_slot=i, prompt=[1] * 200, generated=[[7] * (1 + i % 50)]) for i in range(n)
-    ]
+
+def decode(n: int, first_slot: int = 0) -> tuple[list, list]:
+    gen = []
+    for i in range(n):
+        generated = 1 + i % 50
+        blocks = list(range(4 * i, 4 * i + -(-(200 + generated) // 64)))
+        gen.append(
+            Request(
+                seq_slot=first_slot + i,
+                prompt=[1] * 200,
+                generated=[[7] * generated],
+                kv_block_ids=[blocks],
+            )
+        )
+    return [], gen
 
 
 def mixed() -> tuple[list, list]:
     ctx = [
-        Request(seq_slot=i, prompt=list(range(2048)), context_position=512, context_chunk_size=512)
+        Request(
+            seq_slot=1000 + i,
+            prompt=list(range(2048)),
+            context_position=512,
+            context_chunk_size=512,
+            kv_block_ids=[list(range(5000 + 16 * i, 5000 + 16 * i + 16))],
+        )
         for i in range(8)
     ]
-    return ctx, decode(256)[1][8:]
+    return ctx, decode(248)[1]
+
+
+def plain(ctx, gen, config, device) -> int:
+    """The plain implementation; returns its host-to-device copies."""
+    want = reference_step(
+        "gpt",
+        ctx,
+        gen,
+        vocab_size=config.vocab_size,
+        kv=(config.max_blocks_per_seq, config.num_local_layers),
+    )
+    for name in HOST_INPUTS:
+        torch.tensor(want[name], dtype=torch.int32)
+    for name in DEVICE_INPUTS:
+        torch.tensor(want[name], dtype=torch.int32).to(device)
+    return len(DEVICE_INPUTS)
 
 
 def timed(fn, repeats: int) -> list[float]:
-    for _ in range(5):
+    for _ in range(3):
         fn()
     out = []
     for _ in range(repeats):
@@ -49,8 +100,8 @@ def timed(fn, repeats: int) -> list[float]:
 
 
 def summary(xs: list[float]) -> dict:
-    q = statistics.quantiles(xs, n=4)
-    return {"median_us": statistics.median(xs), "iqr_us": q[2] - q[0]}
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return {"median_us": statistics.median(xs), "iqr_us": q[2] - q[0], "n": len(xs)}
 
 
 def main() -> None:
@@ -59,41 +110,78 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--json")
     args = ap.parse_args()
-    config = gpt.Config(
-        max_batch_size=512,
+    config = llama.Config(
+        max_batch_size=1024,
         max_num_tokens=8192,
         vocab_size=32000,
         hidden_size=4096,
         num_layers=32,
         max_attention_window=4096,
+        tokens_per_block=64,
     )
-    buffers = gpt.RuntimeBuffers(config, device=args.device)
+    buffers = llama.RuntimeBuffers(config, device=args.device)
+    cuda = args.device.startswith("cuda")
+    where = (
+        f"{platform.processor() or platform.machine()}, {args.device}, torch {torch.__version__}"
+    )
+    print(f"prepare_step, host microseconds per step ({where}); {args.repeats} repeats, medians")
+    head = f"{'case':30} {'bufc':>8} {'IQR':>6} {'plain':>8} {'IQR':>6} {'ratio':>6} {'copies':>7} {'dev allocs':>10}"
+    print(head)
+    rows: dict[str, dict] = {}
     cases = {
         "decode B=64": decode(64),
         "decode B=256": decode(256),
         "decode B=512": decode(512),
         "mixed 8x512 ctx + 248 decode": mixed(),
     }
-    rows = {}
-    print(
-        f"device {args.device}, torch {torch.__version__}, {args.repeats} repeats; microseconds per step"
-    )
-    print(f"{'case':32} {'bufc median':>12} {'(IQR)':>8} {'reference':>10} {'ratio':>7}")
     for name, (ctx, gen) in cases.items():
+        if cuda:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
         ours = summary(timed(lambda ctx=ctx, gen=gen: buffers.prepare_step(ctx, gen), args.repeats))
+        allocs = None
+        if cuda:
+            torch.cuda.synchronize()
+            allocs = (torch.cuda.memory_stats().get("allocation.all.allocated", 0) - before) / (
+                args.repeats + 3
+            )
+        copies = plain(ctx, gen, config, args.device)
         ref = summary(
             timed(
-                lambda ctx=ctx, gen=gen: reference_step("gpt", ctx, gen, vocab_size=32000),
-                max(20, args.repeats // 4),
+                lambda ctx=ctx, gen=gen: plain(ctx, gen, config, args.device),
+                max(10, args.repeats // 4),
             )
         )
         ratio = ref["median_us"] / ours["median_us"]
-        rows[name] = {"bufc": ours, "reference_loop": ref, "ratio": ratio}
+        rows[name] = {
+            "bufc": ours,
+            "plain": ref,
+            "ratio": ratio,
+            "copies_bufc": buffers.copies_per_step,
+            "copies_plain": copies,
+            "device_allocations_per_step": allocs,
+        }
         print(
-            f"{name:32} {ours['median_us']:12.1f} {ours['iqr_us']:8.1f} {ref['median_us']:10.1f} {ratio:6.1f}x"
+            f"{name:30} {ours['median_us']:8.1f} {ours['iqr_us']:6.1f} {ref['median_us']:8.1f} "
+            f"{ref['iqr_us']:6.1f} {ratio:5.1f}x {buffers.copies_per_step:>3} vs {copies}"
+            f" {'-' if allocs is None else f'{allocs:.2f}':>10}"
         )
+    print("\ndecode cost curve (bufc, median us per step, and per sequence)")
+    curve = {}
+    for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        ctx, gen = decode(b)
+        m = summary(
+            timed(
+                lambda ctx=ctx, gen=gen: buffers.prepare_step(ctx, gen), max(20, args.repeats // 2)
+            )
+        )
+        curve[b] = m
+        print(f"  B={b:5d} {m['median_us']:9.1f} us  {m['median_us'] / b:7.2f} us/seq")
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": args.device, "rows": rows}, indent=2))
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(
+            json.dumps({"machine": where, "rows": rows, "curve": curve}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -39,6 +39,10 @@ class StepSizes:
 STEP_SIZES = tuple(f.name for f in dataclasses.fields(StepSizes))
 
 
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
+
+
 def _i64(values: Sequence[int]) -> np.ndarray:
     return np.asarray(values, dtype=np.int64).reshape(-1)
 
@@ -84,64 +88,62 @@ class Batch:  # not slotted: cached_property needs __dict__
         context, generation = tuple(context), tuple(generation)
         limits = (max_beam_width, max_draft_tokens)
 
-        # ---- context columns
-        c_plen = _i64([len(r.prompt) for r in context])
-        c_begin = _i64([r.context_position for r in context])
-        sizes_ = [r.context_chunk_size for r in context]
-        c_chunk = (
-            c_plen - c_begin
-            if all(x is None for x in sizes_)
-            else _i64([p - b if x is None else x for x, p, b in zip(sizes_, c_plen, c_begin)])
-        )
-        c_ndraft = _i64([len(r.draft_tokens) if r.draft_tokens else 0 for r in context])
-        c_beam = _i64([r.beam_width for r in context])
-        c_has_generated = any(r.generated and any(r.generated) for r in context)
-        c_explicit = [r.position_ids for r in context]
+        # ---- context columns (context lists are short; a decode step has none)
+        if context:
+            c_plen = _i64([len(r.prompt) for r in context])
+            c_begin = _i64([r.context_position for r in context])
+            sizes_ = [r.context_chunk_size for r in context]
+            c_chunk = (
+                c_plen - c_begin
+                if all(x is None for x in sizes_)
+                else _i64([p - b if x is None else x for x, p, b in zip(sizes_, c_plen, c_begin)])
+            )
+            c_ndraft = _i64([len(r.draft_tokens) if r.draft_tokens else 0 for r in context])
+            c_beam = _i64([r.beam_width for r in context])
+            c_explicit = [r.position_ids for r in context]
+            bad = bool(
+                (c_plen < 1).any()
+                or (c_begin < 0).any()
+                or (c_begin >= c_plen).any()
+                or (c_chunk < 1).any()
+                or (c_begin + c_chunk > c_plen).any()
+                or any(r.generated and any(r.generated) for r in context)
+                or (c_beam < 1).any()
+                or (c_beam > max_beam_width).any()
+            )
+        else:
+            c_plen = c_begin = c_chunk = c_ndraft = c_beam = _EMPTY
+            c_explicit = []
+            bad = False
 
         # ---- generation columns; per-beam columns come from one flat pass over the beams.
         # A request's prompt, beam_width, position_ids and seq_slot are fixed while it is in
         # flight, so when the generation list is the previous step's (same objects, same order:
         # steady decoding) those columns are reused and only the generated tokens and drafts
-        # are read.
+        # are read. Checks on the plain lists use Python's C builtins (cheaper than numpy for
+        # the sizes of a batch).
         static = reuse.get("generation") if reuse is not None else None
         if static is not None and static[0] == generation:
-            _, g_plen, g_bw, g_explicit, g_slots = static
+            _, g_plen, g_bw, g_explicit, g_slots, bw_list = static
         else:
-            g_plen = _i64([len(r.prompt) for r in generation])
-            g_bw = _i64([r.beam_width for r in generation])
+            plen_list = [len(r.prompt) for r in generation]
+            bw_list = [r.beam_width for r in generation]
+            if generation and (
+                min(plen_list) < 1 or min(bw_list) < 1 or max(bw_list) > max_beam_width
+            ):
+                bad = True
+            g_plen, g_bw = _i64(plen_list), _i64(bw_list)
             g_explicit = [r.position_ids for r in generation]
             g_slots = [r.seq_slot for r in generation]
-        g_ndraft = _i64([len(r.draft_tokens) if r.draft_tokens else 0 for r in generation])
+        drafts_list = [len(r.draft_tokens) if r.draft_tokens else 0 for r in generation]
         beams = [r.generated or () for r in generation]
-        g_nbeams = _i64(list(map(len, beams)))
         flat = [g for bs in beams for g in bs]
-        seq_len = _i64(list(map(len, flat)))
+        len_list = list(map(len, flat))
+        if generation and (list(map(len, beams)) != bw_list or min(len_list) < 1):
+            bad = True
+        g_ndraft = _i64(drafts_list) if any(drafts_list) else np.zeros(len(generation), np.int64)
+        seq_len = _i64(len_list)
 
-        bad = bool(
-            (
-                context
-                and (
-                    (c_plen < 1).any()
-                    or (c_begin < 0).any()
-                    or (c_begin >= c_plen).any()
-                    or (c_chunk < 1).any()
-                    or (c_begin + c_chunk > c_plen).any()
-                    or c_has_generated
-                    or (c_beam < 1).any()
-                    or (c_beam > max_beam_width).any()
-                )
-            )
-            or (
-                generation
-                and (
-                    (g_plen < 1).any()
-                    or (g_bw < 1).any()
-                    or (g_bw > max_beam_width).any()
-                    or (g_nbeams != g_bw).any()
-                    or (seq_len < 1).any()
-                )
-            )
-        )
         ndraft = np.concatenate((c_ndraft, g_ndraft))
         if not bad and ndraft.any():
             beam = np.concatenate((c_beam, g_bw))
@@ -151,7 +153,7 @@ class Batch:  # not slotted: cached_property needs __dict__
             lens = np.concatenate((c_plen, g_plen))
             bad = any(len((c_explicit + g_explicit)[i]) != lens[i] for i in explicit)
         slots = [r.seq_slot for r in context] + g_slots
-        slot_array = np.asarray(slots) if slots else np.zeros(0, dtype=np.int64)
+        slot_array = np.asarray(slots) if slots else _EMPTY
         if (
             bad
             or slot_array.dtype.kind not in "iu"
@@ -160,7 +162,7 @@ class Batch:  # not slotted: cached_property needs __dict__
         ):
             _diagnose(context, generation, *limits)
         if reuse is not None:
-            reuse["generation"] = (generation, g_plen, g_bw, g_explicit, g_slots)
+            reuse["generation"] = (generation, g_plen, g_bw, g_explicit, g_slots, bw_list)
 
         c_drafts = np.where(c_begin + c_chunk == c_plen, c_ndraft, 0)  # drafts ride on a last chunk
         c_input = c_chunk + c_drafts

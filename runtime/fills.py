@@ -10,6 +10,7 @@ batch leaves every buffer as it was. The semantics are the reference's setFromIn
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -236,22 +237,23 @@ def _kv_cache_block_offsets(out: np.ndarray, b: Batch, config: Any) -> int:
     advances by one, so the next request overwrites them (a bug; fixed by writing one row).
     """
     width = config.max_blocks_per_seq
-    stride = config.num_local_layers * 2
     rows = out[: b.sizes.num_sequences * 2 * width].reshape(b.sizes.num_sequences, 2, width)
     rows[:] = 0
-    row = 0
-    for r in b.context:
-        blocks = np.asarray(r.kv_block_ids[0], dtype=np.int64) * stride
-        rows[row, 0, : len(blocks)] = blocks
-        rows[row, 1, : len(blocks)] = blocks + 1
-        row += 1
-    for r in b.generation:
-        for beam in range(r.beam_width):
-            ids = r.kv_block_ids[beam if len(r.kv_block_ids) > 1 else 0]
-            blocks = np.asarray(ids, dtype=np.int64) * stride
-            rows[row, 0, : len(blocks)] = blocks
-            rows[row, 1, : len(blocks)] = blocks + 1
-            row += 1
+    lists = [r.kv_block_ids[0] for r in b.context]
+    if (b.gen_beam_width == 1).all():
+        lists += [r.kv_block_ids[0] for r in b.generation]
+    else:
+        for r, beams in zip(b.generation, b.gen_beam_width):
+            ids = r.kv_block_ids
+            lists += [ids[k if len(ids) > 1 else 0] for k in range(beams)]
+    lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+    total = int(lengths.sum())
+    blocks = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total)
+    seq = np.repeat(np.arange(len(lists)), lengths)
+    col = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    index = blocks * (config.num_local_layers * 2)
+    rows[seq, 0, col] = index
+    rows[seq, 1, col] = index + 1
     return rows.size
 
 
