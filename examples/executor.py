@@ -72,7 +72,12 @@ class Executor:
         max_sequence_length: int = 1024,
         num_blocks: int | None = None,
         device: str = "cpu",
+        bucketed_decode: bool = False,
+        cuda_graphs: bool = False,
     ) -> None:
+        """`bucketed_decode` runs generation-only steps through the fixed-shape decode over a
+        power-of-two batch bucket (the padding rows are the buffers' pad values);
+        `cuda_graphs` also captures one CUDA graph per bucket and replays it."""
         cfg = hf_model.config
         dtype = next(hf_model.parameters()).dtype
         self.model = PackedLlama(hf_model)
@@ -88,7 +93,9 @@ class Executor:
             logits_dtype=dtype,
         )
         self.buffers = llama.RuntimeBuffers(self.config, device=device)
-        blocks = num_blocks or max_batch_size * self.config.max_blocks_per_seq
+        blocks = (
+            num_blocks or max_batch_size * self.config.max_blocks_per_seq + BlockAllocator.RESERVED
+        )
         self.allocator = BlockAllocator(blocks)
         self.cache = PagedKVCache(
             blocks,
@@ -101,6 +108,9 @@ class Executor:
         )
         self.chunk_size = chunk_size or token_budget
         self.token_budget = token_budget
+        self.bucketed_decode = bucketed_decode or cuda_graphs
+        self.cuda_graphs = cuda_graphs
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def run(
         self,
@@ -142,7 +152,10 @@ class Executor:
             t2 = time.perf_counter()
             if mutate is not None:
                 mutate(step_index, step)
-            self.model.forward(step, self.cache)
+            if self.bucketed_decode and not context:
+                self._decode(step)
+            else:
+                self.model.forward(step, self.cache)
             sampled = step.outputs["logits"].argmax(dim=-1).tolist()
             for row, a in enumerate([*context, *generation]):
                 req = a.request
@@ -174,6 +187,35 @@ class Executor:
                 on_step(stats)
             step_index += 1
         return result
+
+    def _decode(self, step) -> None:
+        n = step.sizes.num_sequences
+        bucket = min(1 << (n - 1).bit_length(), self.config.max_batch_size)
+        sizes = dataclasses.replace(
+            step.sizes,
+            num_generation_requests=bucket,
+            num_generation_sequences=bucket,
+            num_generation_tokens=bucket,
+            num_logits=bucket,
+            num_sequences=bucket,
+            num_tokens=bucket,
+            num_requests=bucket,
+        )
+        inputs, outputs = self.buffers.views(sizes)
+        if not self.cuda_graphs:
+            self.model.decode(inputs, outputs, self.cache)
+            return
+        graph = self.graphs.get(bucket)
+        if graph is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm up off the capture stream, as torch asks
+                self.model.decode(inputs, outputs, self.cache)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = self.graphs[bucket] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.model.decode(inputs, outputs, self.cache)
+        graph.replay()
 
     def _schedule(self, active: list[_Active]) -> tuple[list[_Active], list[_Active]]:
         budget = self.token_budget

@@ -83,3 +83,46 @@ class PackedLlama:
         x = self.model.norm(x)
         last = inp["last_token_ids"].long() - 1  # 1-based index of each logit row's last token
         step.outputs["logits"].copy_(self.lm_head(x[last]))
+
+    @torch.no_grad()
+    def decode(self, inputs: dict, outputs: dict, cache: PagedKVCache) -> None:
+        """A generation-only step with fixed shapes and no host reads, so it can be captured
+        in a CUDA graph: every sequence attends over its whole window, masked by
+        sequence_length. Padding rows (sequence_length 0, offsets 0) use the reserved block 0."""
+        ids = inputs["input_ids"].long()
+        positions = inputs["position_ids"].long()
+        seq_len = inputs["sequence_length"].long().clamp(min=1)
+        offsets = inputs["kv_cache_block_offsets"][0].long()  # [B, 2, max_blocks]
+        rows = ids.numel()
+        tpb = cache.tokens_per_block
+        window = offsets.shape[-1] * tpb
+        kv_pos = torch.arange(window, device=ids.device)
+        new_pos = seq_len - 1
+        new_slab = offsets[:, 0].gather(1, (new_pos // tpb)[:, None])[:, 0]
+        new_slot = new_pos % tpb
+        hist_slab = offsets[:, 0].repeat_interleave(tpb, dim=1)  # [B, window]
+        hist_slot = (kv_pos % tpb).expand(rows, window)
+        visible = kv_pos[None, :] < seq_len[:, None]  # [B, window]
+        group = self.num_heads // self.kv_heads
+
+        x = self.model.embed_tokens(ids)
+        cos, sin = self.model.rotary_emb(x[None], positions[None])
+        for layer_idx, layer in enumerate(self.model.layers[: self.num_layers]):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(1, rows, self.num_heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(h).view(1, rows, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(h).view(rows, self.kv_heads, self.head_dim)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            cache.write(layer_idx, new_slab, new_slot, k[0].transpose(0, 1), v)
+            keys, values = cache.read(layer_idx, hist_slab, hist_slot)  # [B, window, kvh, dim]
+            keys = keys.repeat_interleave(group, dim=2)
+            values = values.repeat_interleave(group, dim=2)
+            scores = torch.einsum("bhd,bkhd->bhk", q[0].transpose(0, 1), keys) * self.head_dim**-0.5
+            scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+            out = torch.einsum("bhk,bkhd->bhd", scores.softmax(-1), values)
+            x = x + attn.o_proj(out.reshape(rows, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = self.model.norm(x)
+        last = (inputs["last_token_ids"].long() - 1).clamp(min=0)
+        outputs["logits"].copy_(self.lm_head(x[last]))

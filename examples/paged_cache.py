@@ -16,11 +16,17 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockAllocator:
-    """Hands out block ids from a free list; blocks return when their request finishes."""
+    """Hands out block ids from a free list; blocks return when their request finishes.
+
+    Block 0 is never handed out: kv_cache_block_offsets pads with 0, so the padding rows of a
+    CUDA-graph batch bucket read and write block 0 and never touch a request's blocks.
+    """
+
+    RESERVED = 1
 
     def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self.num_blocks = num_blocks - self.RESERVED
+        self._free = list(range(num_blocks - 1, self.RESERVED - 1, -1))
 
     @property
     def free(self) -> int:

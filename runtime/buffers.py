@@ -250,6 +250,16 @@ class RuntimeBuffers:
             max_kv_cache_length_rounded=self._max_kv_rounded(batch),
         )
 
+    def views(self, sizes: StepSizes) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Engine IO views for arbitrary sizes (e.g. a CUDA-graph batch bucket larger than the
+        step): the same storage as the step's views, with the rows past the step holding their
+        pad values."""
+        c = self.config
+        return (
+            {e: self._view(n, f(c, sizes)) for e, n, f in self._inputs},
+            {e: self._view(n, f(c, sizes)) for e, n, f in self._outputs},
+        )
+
     def _max_kv_rounded(self, batch: Batch) -> int:
         if self._past_kv is None or batch.sizes.num_sequences == 0:
             return 0

@@ -163,3 +163,21 @@ def test_in_flight_batching_on_cuda_equals_transformers_generate(model, jobs, re
         device="cuda",
     ).run(jobs)
     assert_same_tokens(result, reference)
+
+
+def test_bucketed_fixed_shape_decode_reads_only_pads_past_the_batch(model, jobs, reference):
+    """Generation-only steps run over a power-of-two bucket of rows: the rows past the batch
+    are the buffers' pad values (token 0, offsets to the reserved block 0, length 0), so the
+    tokens still equal transformers.generate."""
+    ex = Executor(
+        model,
+        max_batch_size=12,
+        token_budget=100,
+        chunk_size=24,
+        tokens_per_block=16,
+        max_sequence_length=512,
+        bucketed_decode=True,
+    )
+    result = ex.run(jobs)
+    assert_same_tokens(result, reference)
+    assert any(not s.context_requests for s in result.steps)

@@ -370,3 +370,43 @@ def test_steady_decoding_reuses_request_columns_and_stays_exact():
             for beam in r.generated:
                 beam.append(100 + k)
         reqs[0].draft_tokens = [5, 6] if k % 2 == 0 else []
+
+
+def test_bucket_views_past_the_batch_hold_pad_values_on_the_device_side():
+    import dataclasses as dc
+
+    b = make_buffers("llama")
+    big = [
+        gen(i, n=20 + i, generated=((5 + i, 6 + i),), kv_block_ids=[[i + 1, i + 9]])
+        for i in range(8)
+    ]
+    b.prepare_step([], big)
+    b.prepare_step([], big[:5])  # the other staging half
+    step = b.prepare_step([], big[:3])
+    bucket = dc.replace(
+        step.sizes,
+        **{
+            k: 8
+            for k in (
+                "num_generation_requests",
+                "num_generation_sequences",
+                "num_generation_tokens",
+                "num_logits",
+                "num_sequences",
+                "num_tokens",
+                "num_requests",
+            )
+        },
+    )
+    inputs, _ = b.views(bucket)
+    for name in (
+        "input_ids",
+        "position_ids",
+        "context_lengths",
+        "sequence_length",
+        "last_token_ids",
+    ):
+        assert inputs[name][3:].tolist() == [0] * 5, name
+        assert inputs[name][:3].tolist() == step.inputs[name].tolist(), name
+    assert inputs["kv_cache_block_offsets"][0, 3:].abs().sum() == 0
+    assert inputs["input_ids"].data_ptr() == step.inputs["input_ids"].data_ptr()
