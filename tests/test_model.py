@@ -181,3 +181,29 @@ def test_bucketed_fixed_shape_decode_reads_only_pads_past_the_batch(model, jobs,
     result = ex.run(jobs)
     assert_same_tokens(result, reference)
     assert any(not s.context_requests for s in result.steps)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_per_bucket_replays_new_batches_with_identical_tokens(model, jobs, reference):
+    import copy
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    cuda_model = copy.deepcopy(model).to("cuda")
+    ex = Executor(
+        cuda_model,
+        max_batch_size=12,
+        token_budget=100,
+        chunk_size=24,
+        tokens_per_block=16,
+        max_sequence_length=512,
+        device="cuda",
+        cuda_graphs=True,
+    )
+    result = ex.run(jobs)
+    assert_same_tokens(result, reference)
+    assert len(ex.graphs) >= 2  # several batch buckets captured once each, then replayed
+    decode_steps = sum(1 for s in result.steps if not s.context_requests)
+    assert decode_steps > len(ex.graphs)
