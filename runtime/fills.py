@@ -60,7 +60,9 @@ def _token_ids(out: np.ndarray, b: Batch, config: Any = None) -> int:
 
 def _ctx_default_positions(out: np.ndarray, b: Batch, config: Any = None) -> int:
     """begin, begin+1, ... for every context input token (drafts included); returns count."""
-    n = int(b.ctx_input_len.sum())
+    if not b.sizes.num_context_requests:
+        return 0
+    n = b.sizes.num_context_tokens
     starts = np.cumsum(b.ctx_input_len) - b.ctx_input_len
     out[:n] = np.arange(n) + np.repeat(b.ctx_begin - starts, b.ctx_input_len)
     return n
@@ -195,6 +197,9 @@ def _request_types(out: np.ndarray, b: Batch, config: Any = None) -> int:
 def _last_token_ids(out: np.ndarray, b: Batch, config: Any = None) -> int:
     # logit groups: a context chunk is one group plus one per draft; every generation token
     # (each beam, each draft) is its own group. last_token_ids is their inclusive prefix sum.
+    if not b.sizes.num_context_requests and b.sizes.num_logits == b.sizes.num_tokens:
+        out[: b.sizes.num_logits] = np.arange(1, b.sizes.num_logits + 1)  # one token per group
+        return b.sizes.num_logits
     groups = np.ones(b.sizes.num_logits, dtype=np.int64)
     heads = np.cumsum(1 + b.ctx_drafts) - (1 + b.ctx_drafts)
     groups[heads] = b.ctx_chunk

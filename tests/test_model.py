@@ -184,26 +184,33 @@ def test_bucketed_fixed_shape_decode_reads_only_pads_past_the_batch(model, jobs,
 
 
 @pytest.mark.gpu
-def test_cuda_graph_per_bucket_replays_new_batches_with_identical_tokens(model, jobs, reference):
+def test_cuda_graph_per_bucket_replays_new_batches_with_identical_tokens(model):
     import copy
 
     import torch
 
+    from bufc.examples.executor import Job
+
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    # all prompts in the first step, then decode-only steps whose batch shrinks as requests
+    # finish: buckets 12, 8, 4, 2 and 1 are each captured once and replayed
+    jobs = [
+        Job(rid=i, prompt=tuple(range(3 + 3 * i, 8 + 7 * i)), max_new_tokens=2 + i)
+        for i in range(12)
+    ]
+    reference = reference_tokens(model, jobs)
     cuda_model = copy.deepcopy(model).to("cuda")
     ex = Executor(
         cuda_model,
         max_batch_size=12,
-        token_budget=100,
-        chunk_size=24,
+        token_budget=512,
         tokens_per_block=16,
-        max_sequence_length=512,
+        max_sequence_length=128,
         device="cuda",
         cuda_graphs=True,
     )
     result = ex.run(jobs)
     assert_same_tokens(result, reference)
-    assert len(ex.graphs) >= 2  # several batch buckets captured once each, then replayed
-    decode_steps = sum(1 for s in result.steps if not s.context_requests)
-    assert decode_steps > len(ex.graphs)
+    assert sorted(ex.graphs) == [1, 2, 4, 8, 12]
+    assert sum(1 for s in result.steps if not s.context_requests) > len(ex.graphs)
