@@ -95,6 +95,6 @@ FILL_RULES: dict[str, FillRule] = {
         "paged KV-cache block indices of each sequence, K then V",
         ("int32",),
         ("1", "num_sequences", "2", "max_blocks_per_seq"),
-        needs=("num_local_layers", "max_blocks_per_seq"),
+        needs=("num_local_layers", "max_blocks_per_seq", "tokens_per_block"),
     ),
 }

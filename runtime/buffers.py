@@ -25,7 +25,7 @@ import torch
 from .batch import Batch, StepSizes
 from .decl import DEVICE, PINNED, Constant, Mirror, SizeBound, TensorDecl
 from .errors import BatchError
-from .fills import Rule, past_key_value_lengths
+from .fills import Decode, Rule, past_key_value_lengths
 
 ALIGN = 256  # bytes; every arena member starts on this boundary
 KV_CACHE_LENGTH_ROUND = 256  # the reference's CUDA-graph key rounding
@@ -154,7 +154,13 @@ class RuntimeBuffers:
         self._past_kv = next((n for n, r in rules if r is past_key_value_lengths), None)
         self._copy_done = [torch.cuda.Event() for _ in range(HALVES)] if pin else None
         self._half = 1  # the first step writes half 0
-        self._last: Batch | None = None
+        self._last: StepSizes | None = None
+        self._longest = 0  # the longest past-KV length of the last step
+        self._decode: Decode | None = None  # set after a step that advance() may follow
+        self._can_advance = all(r.advance is not None for _, r in rules)
+        self._advance_checks = tuple(
+            dict.fromkeys(r.advance_check for _, r in rules if r.advance_check is not None)
+        )
 
     # ------------------------------------------------------------------------- helpers
     def _nbytes(self, name: str) -> int:
@@ -219,9 +225,7 @@ class RuntimeBuffers:
         for check in self._checks:
             check(batch, c)
 
-        h = self._half = self._half ^ 1
-        if self._copy_done is not None:
-            self._copy_done[h].synchronize()  # this half's last copy has left it
+        h = self._begin_half()
         high = self._high_water[h]
         last_used = 0
         for name, rule, out, pad in self._fills[h]:
@@ -231,23 +235,90 @@ class RuntimeBuffers:
             high[name] = n
             if name == self._copy_last:
                 last_used = n
-        if self.copies_per_step:
-            span = self._copy_base
-            if self._copy_last is not None:
-                used = max(last_used, self._device_high_water)
-                self._device_high_water = last_used
-                span += used * self._copy_itemsize
-            else:
-                span = self._device_arena.numel()
-            self._device_arena[:span].copy_(self._host_arenas[h][:span], non_blocking=True)
-            if self._copy_done is not None:
-                self._copy_done[h].record()
-        self._last = batch
+        self._copy(h, last_used)
+        self._longest = int(batch.past_key_value_lengths.max()) if s.num_sequences else 0
+        self._last = s
+        ready = self._can_advance and s.num_sequences and not s.num_context_requests
+        self._decode = (
+            Decode(batch, batch.seq_last_token, batch.seq_num_tokens)
+            if ready and not batch.gen_drafts.any()
+            else None
+        )
+        return self._step(s)
+
+    def advance(self, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> Step:
+        """The next decode step of the same generation requests, each beam one token longer.
+
+        `tokens[i]` is sequence i's new token (as sampled from row i of the last step's logits).
+        It may follow a generation-only step without draft tokens (prepared by prepare_step or
+        advance). The buffers are updated from the last step's values in O(1) Python work; the
+        requests are read only where a sequence starts a new KV block, whose id must already be
+        in its kv_block_ids. The caller still appends the tokens to its requests (a later
+        prepare_step reads them). Raises BatchError, with the buffers untouched, otherwise.
+        """
+        d = self._decode
+        if d is None:
+            raise BatchError(
+                "advance() follows a generation-only step without draft tokens; use prepare_step"
+            )
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.detach().cpu().numpy()
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size != len(d.tokens):
+            raise BatchError(
+                f"advance() needs {len(d.tokens)} tokens, one per sequence, got {tokens.size}"
+            )
+        step_decode = Decode(d.batch, tokens, d.seq_tokens + 1)
+        for check in self._advance_checks:
+            check(step_decode, self.config)
+        prev = self._half
+        h = prev ^ 1
+        if self._copy_done is not None:
+            self._copy_done[h].synchronize()
+        high = self._high_water[h]
+        last_used = 0
+        for (name, rule, out, pad), (_, _, before, _) in zip(self._fills[h], self._fills[prev]):
+            n = rule.advance(out, before, step_decode, self.config)
+            if pad is not None and high[name] > n:
+                out[n : high[name]] = pad
+            high[name] = n
+            if name == self._copy_last:
+                last_used = n
+        self._half = h
+        self._copy(h, last_used)
+        self._longest += 1
+        self._decode = step_decode
+        return self._step(self._last)
+
+    def _begin_half(self) -> int:
+        h = self._half = self._half ^ 1
+        if self._copy_done is not None:
+            self._copy_done[h].synchronize()  # this half's last copy has left it
+        return h
+
+    def _copy(self, h: int, last_used: int) -> None:
+        """The one host-to-device copy of the step: whole members but the last, and of the
+        last the used prefix plus the rows the device still holds from a longer step."""
+        if not self.copies_per_step:
+            return
+        span = self._copy_base
+        if self._copy_last is not None:
+            used = max(last_used, self._device_high_water)
+            self._device_high_water = last_used
+            span += used * self._copy_itemsize
+        else:
+            span = self._device_arena.numel()
+        self._device_arena[:span].copy_(self._host_arenas[h][:span], non_blocking=True)
+        if self._copy_done is not None:
+            self._copy_done[h].record()
+
+    def _step(self, s: StepSizes) -> Step:
+        c = self.config
         return Step(
             inputs={e: self._view(n, f(c, s)) for e, n, f in self._inputs},
             outputs={e: self._view(n, f(c, s)) for e, n, f in self._outputs},
             sizes=s,
-            max_kv_cache_length_rounded=self._max_kv_rounded(batch),
+            max_kv_cache_length_rounded=self._max_kv_rounded(),
         )
 
     def views(self, sizes: StepSizes) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -260,28 +331,28 @@ class RuntimeBuffers:
             {e: self._view(n, f(c, sizes)) for e, n, f in self._outputs},
         )
 
-    def _max_kv_rounded(self, batch: Batch) -> int:
-        if self._past_kv is None or batch.sizes.num_sequences == 0:
+    def _max_kv_rounded(self) -> int:
+        if self._past_kv is None:
             return 0
-        longest = int(batch.past_key_value_lengths.max())
-        return -(-longest // KV_CACHE_LENGTH_ROUND) * KV_CACHE_LENGTH_ROUND
+        return -(-self._longest // KV_CACHE_LENGTH_ROUND) * KV_CACHE_LENGTH_ROUND
 
     def prepare_for_cuda_graph(self, max_sequence_length: int) -> None:
         """Before capturing the last (generation-only) step as a CUDA graph: raise its
         past-KV lengths to min(max_sequence_length - 1, the rounded max KV length), so the
         captured attention grid covers the next steps, as the reference does."""
-        batch = self._last
-        if batch is None:
+        s = self._last
+        if s is None:
             raise BatchError("prepare_for_cuda_graph needs a prepared step")
-        if batch.sizes.num_context_requests:
+        if s.num_context_requests:
             raise BatchError(
                 f"prepare_for_cuda_graph needs a generation-only step; the last step had "
-                f"{batch.sizes.num_context_requests} context requests"
+                f"{s.num_context_requests} context requests"
             )
         if self._past_kv is None:
             return
-        value = min(max_sequence_length - 1, self._max_kv_rounded(batch))
-        self._flat[self._half][self._past_kv][: batch.sizes.num_sequences] = value
+        value = min(max_sequence_length - 1, self._max_kv_rounded())
+        self._flat[self._half][self._past_kv][: s.num_sequences] = value
+        self._decode = None  # the past-KV lengths no longer follow the tokens
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:

@@ -10,6 +10,7 @@ batch leaves every buffer as it was. The semantics are the reference's setFromIn
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -22,14 +23,35 @@ from .errors import BatchError
 GLM_MASK_TOKENS = (50260, 50263, 50264)  # [MASK], [sMASK], [gMASK] in GLM-10B's vocabulary
 
 
+@dataclasses.dataclass
+class Decode:
+    """A decode step that follows a generation-only step: every sequence is one token longer.
+
+    `seq_tokens` is each sequence's token count after this step (its KV length), `tokens` its
+    new input token; `batch` is the last step prepared in full (requests, beams)."""
+
+    batch: Batch
+    tokens: np.ndarray
+    seq_tokens: np.ndarray
+    kv_new: list = dataclasses.field(default_factory=list)  # (sequence, column, index) to write
+
+    @functools.cached_property
+    def seq_request(self) -> np.ndarray:
+        return np.repeat(np.arange(len(self.batch.generation)), self.batch.gen_beam_width)
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """`fill(out, batch, config)` writes the step and returns the elements written;
-    `check(batch, config)` raises BatchError before anything is written."""
+    `check(batch, config)` raises BatchError before anything is written;
+    `advance(out, prev, decode, config)` writes a decode step from the previous step's values
+    `prev` (same shape) in O(1) Python work, and returns the elements written."""
 
     name: str
     fill: Callable[[np.ndarray, Batch, Any], int]
     check: Callable[[Batch, Any], None] | None = None
+    advance: Callable[[np.ndarray, np.ndarray, Decode, Any], int] | None = None
+    advance_check: Callable[[Decode, Any], None] | None = None
 
     def __repr__(self) -> str:
         return f"fills.{self.name}"
@@ -262,19 +284,87 @@ def _kv_cache_block_offsets(out: np.ndarray, b: Batch, config: Any) -> int:
     return rows.size
 
 
-token_ids = Rule("token_ids", _token_ids)
-position_ids = Rule("position_ids", _position_ids)
+def _advance_tokens(out: np.ndarray, prev: np.ndarray, d: Decode, config: Any) -> int:
+    out[: len(d.tokens)] = d.tokens
+    return len(d.tokens)
+
+
+def _advance_same(n_of: Callable[[Batch], int]) -> Callable[..., int]:
+    def advance(out: np.ndarray, prev: np.ndarray, d: Decode, config: Any) -> int:
+        n = n_of(d.batch)
+        out[:n] = prev[:n]
+        return n
+
+    return advance
+
+
+def _advance_plus_one(out: np.ndarray, prev: np.ndarray, d: Decode, config: Any) -> int:
+    n = len(d.tokens)
+    np.add(prev[:n], 1, out=out[:n])
+    return n
+
+
+def _advance_two_rows(out: np.ndarray, prev: np.ndarray, d: Decode, config: Any) -> int:
+    n = len(d.tokens)  # row 1 (the fixed position) stays, row 2 (the block position) grows
+    out[:n] = prev[:n]
+    np.add(prev[n : 2 * n], 1, out=out[n : 2 * n])
+    return 2 * n
+
+
+def _advance_kv_check(d: Decode, config: Any) -> None:
+    """Find the sequences whose new token starts a KV block and read that block's id from
+    their request (the only requests read in a decode step); raise before anything is written."""
+    width, tpb = config.max_blocks_per_seq, config.tokens_per_block
+    starting = np.flatnonzero((d.seq_tokens - 1) % tpb == 0)
+    values = []
+    if starting.size:
+        first_seq = np.cumsum(d.batch.gen_beam_width) - d.batch.gen_beam_width
+        for seq in starting:
+            req = int(d.seq_request[seq])
+            col = int((d.seq_tokens[seq] - 1) // tpb)
+            ids = d.batch.generation[req].kv_block_ids
+            blocks = ids[seq - first_seq[req] if len(ids) > 1 else 0]
+            if col >= width or col >= len(blocks):
+                raise BatchError(
+                    f"generation request {req} (seq_slot {d.batch.generation[req].seq_slot}): its "
+                    f"token {d.seq_tokens[seq]} needs KV block {col}, which kv_block_ids does not "
+                    f"hold (max_blocks_per_seq={width})"
+                )
+            values.append((seq, col, blocks[col] * config.num_local_layers * 2))
+    d.kv_new = values
+
+
+def _advance_kv(out: np.ndarray, prev: np.ndarray, d: Decode, config: Any) -> int:
+    width = config.max_blocks_per_seq
+    n = len(d.tokens) * 2 * width
+    out[:n] = prev[:n]
+    rows = out[:n].reshape(-1, 2, width)
+    for seq, col, index in d.kv_new:
+        rows[seq, 0, col] = index
+        rows[seq, 1, col] = index + 1
+    return n
+
+
+_sequences = _advance_same(lambda b: b.sizes.num_sequences)
+token_ids = Rule("token_ids", _token_ids, advance=_advance_tokens)
+position_ids = Rule("position_ids", _position_ids, advance=_advance_plus_one)
 chatglm_position_ids = Rule(
-    "chatglm_position_ids", _chatglm_position_ids, _reject_explicit_positions
+    "chatglm_position_ids", _chatglm_position_ids, _reject_explicit_positions, _advance_two_rows
 )
-glm_position_ids = Rule("glm_position_ids", _glm_position_ids, _glm_check)
-context_lengths = Rule("context_lengths", _context_lengths)
-sequence_lengths = Rule("sequence_lengths", _sequence_lengths)
-past_key_value_lengths = Rule("past_key_value_lengths", _past_key_value_lengths)
-request_types = Rule("request_types", _request_types)
-last_token_ids = Rule("last_token_ids", _last_token_ids)
-seq_slots = Rule("seq_slots", _seq_slots)
-kv_cache_block_offsets = Rule("kv_cache_block_offsets", _kv_cache_block_offsets, _kv_check)
+glm_position_ids = Rule("glm_position_ids", _glm_position_ids, _glm_check, _advance_two_rows)
+context_lengths = Rule("context_lengths", _context_lengths, advance=_sequences)
+sequence_lengths = Rule("sequence_lengths", _sequence_lengths, advance=_advance_plus_one)
+past_key_value_lengths = Rule(
+    "past_key_value_lengths", _past_key_value_lengths, advance=_advance_plus_one
+)
+request_types = Rule("request_types", _request_types, advance=_sequences)
+last_token_ids = Rule(
+    "last_token_ids", _last_token_ids, advance=_advance_same(lambda b: b.sizes.num_logits)
+)
+seq_slots = Rule("seq_slots", _seq_slots, advance=_advance_same(lambda b: b.sizes.num_requests))
+kv_cache_block_offsets = Rule(
+    "kv_cache_block_offsets", _kv_cache_block_offsets, _kv_check, _advance_kv, _advance_kv_check
+)
 
 RULES = {
     r.name: r

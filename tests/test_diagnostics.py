@@ -521,6 +521,8 @@ def test_a_rule_that_reads_an_undeclared_parameter():
         "Config; declare it as a parameter or derived value",
         "buffers.yaml:20:18: fill rule 'kv_cache_block_offsets' reads 'num_local_layers' from the "
         "Config; declare it as a parameter or derived value",
+        "buffers.yaml:20:18: fill rule 'kv_cache_block_offsets' reads 'tokens_per_block' from the "
+        "Config; declare it as a parameter or derived value",
     ]
 
 
