@@ -7,9 +7,10 @@ most Python engines do. Both run in the same process on the same batches, altern
 
     python bench/prepare_step.py [--device cpu|cuda] [--repeats N] [--json PATH]
 
-Prints the median and interquartile range of host microseconds per step, the ratio, the
-host-to-device copies per step and, on CUDA, the device allocations per step; then the cost
-curve of decode steps for B = 1 ... 1024.
+Prints the median and interquartile range of host microseconds per step for prepare_step and,
+on decode cases, for advance() (the next decode step of the same requests), the ratio to the
+plain implementation, the host-to-device copies per step and, on CUDA, the device allocations
+per step; then the cost curve of decode steps for B = 1 ... 1024.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -46,7 +48,8 @@ def decode(n: int, first_slot: int = 0) -> tuple[list, list]:
     gen = []
     for i in range(n):
         generated = 1 + i % 50
-        blocks = list(range(4 * i, 4 * i + -(-(200 + generated) // 64)))
+        # the blocks of its tokens plus room to grow (advance() reads a block when it is entered)
+        blocks = list(range(64 * i, 64 * i + -(-(200 + generated + 400) // 64)))
         gen.append(
             Request(
                 seq_slot=first_slot + i,
@@ -125,7 +128,10 @@ def main() -> None:
         f"{platform.processor() or platform.machine()}, {args.device}, torch {torch.__version__}"
     )
     print(f"prepare_step, host microseconds per step ({where}); {args.repeats} repeats, medians")
-    head = f"{'case':30} {'bufc':>8} {'IQR':>6} {'plain':>8} {'IQR':>6} {'ratio':>6} {'copies':>7} {'dev allocs':>10}"
+    head = (
+        f"{'case':30} {'prepare_step':>12} {'IQR':>6} {'advance':>8} {'IQR':>6} {'plain':>8} "
+        f"{'IQR':>6} {'ratio':>12} {'copies':>7} {'dev allocs':>10}"
+    )
     print(head)
     rows: dict[str, dict] = {}
     cases = {
@@ -139,12 +145,16 @@ def main() -> None:
             torch.cuda.synchronize()
             before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
         ours = summary(timed(lambda ctx=ctx, gen=gen: buffers.prepare_step(ctx, gen), args.repeats))
+        adv = None
+        if not ctx:
+            tokens = np.full(len(gen), 7, dtype=np.int64)
+            buffers.prepare_step(ctx, gen)
+            adv = summary(timed(lambda tokens=tokens: buffers.advance(tokens), args.repeats))
         allocs = None
         if cuda:
             torch.cuda.synchronize()
-            allocs = (torch.cuda.memory_stats().get("allocation.all.allocated", 0) - before) / (
-                args.repeats + 3
-            )
+            calls = args.repeats + 3 + (args.repeats + 4 if adv else 0)
+            allocs = (torch.cuda.memory_stats().get("allocation.all.allocated", 0) - before) / calls
         copies = plain(ctx, gen, config, args.device)
         ref = summary(
             timed(
@@ -153,30 +163,44 @@ def main() -> None:
             )
         )
         ratio = ref["median_us"] / ours["median_us"]
+        ratio_adv = ref["median_us"] / adv["median_us"] if adv else None
         rows[name] = {
-            "bufc": ours,
+            "prepare_step": ours,
+            "advance": adv,
             "plain": ref,
             "ratio": ratio,
+            "ratio_advance": ratio_adv,
             "copies_bufc": buffers.copies_per_step,
             "copies_plain": copies,
             "device_allocations_per_step": allocs,
         }
+        adv_text = f"{adv['median_us']:8.1f} {adv['iqr_us']:6.1f}" if adv else f"{'-':>8} {'':>6}"
+        ratios = f"{ratio:4.1f}x" + (f" / {ratio_adv:4.1f}x" if adv else "")
         print(
-            f"{name:30} {ours['median_us']:8.1f} {ours['iqr_us']:6.1f} {ref['median_us']:8.1f} "
-            f"{ref['iqr_us']:6.1f} {ratio:5.1f}x {buffers.copies_per_step:>3} vs {copies}"
+            f"{name:30} {ours['median_us']:12.1f} {ours['iqr_us']:6.1f} {adv_text} {ref['median_us']:8.1f} "
+            f"{ref['iqr_us']:6.1f} {ratios:>12} {buffers.copies_per_step:>3} vs {copies}"
             f" {'-' if allocs is None else f'{allocs:.2f}':>10}"
         )
-    print("\ndecode cost curve (bufc, median us per step, and per sequence)")
+    print("\ndecode cost curve, median us per step (and per sequence)")
+    print(f"{'B':>7} {'prepare_step':>22} {'advance':>22}")
     curve = {}
     for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
         ctx, gen = decode(b)
-        m = summary(
+        full = summary(
             timed(
                 lambda ctx=ctx, gen=gen: buffers.prepare_step(ctx, gen), max(20, args.repeats // 2)
             )
         )
-        curve[b] = m
-        print(f"  B={b:5d} {m['median_us']:9.1f} us  {m['median_us'] / b:7.2f} us/seq")
+        tokens = np.full(b, 7, dtype=np.int64)
+        buffers.prepare_step(ctx, gen)
+        adv = summary(
+            timed(lambda tokens=tokens: buffers.advance(tokens), max(20, args.repeats // 2))
+        )
+        curve[b] = {"prepare_step": full, "advance": adv}
+        print(
+            f"{b:7d} {full['median_us']:12.1f} ({full['median_us'] / b:6.2f}) "
+            f"{adv['median_us']:12.1f} ({adv['median_us'] / b:6.2f})"
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(

@@ -214,3 +214,18 @@ def test_cuda_graph_per_bucket_replays_new_batches_with_identical_tokens(model):
     assert_same_tokens(result, reference)
     assert sorted(ex.graphs) == [1, 2, 4, 8, 12]
     assert sum(1 for s in result.steps if not s.context_requests) > len(ex.graphs)
+
+
+def test_steady_decoding_uses_advance_and_stays_exact(model):
+    from bufc.examples.executor import Job
+
+    jobs = [Job(rid=i, prompt=tuple(range(5 + i, 30 + 9 * i)), max_new_tokens=12) for i in range(4)]
+    ex = Executor(
+        model, max_batch_size=4, token_budget=512, tokens_per_block=4, max_sequence_length=128
+    )
+    calls = []
+    advance = ex.buffers.advance
+    ex.buffers.advance = lambda tokens: calls.append(len(tokens)) or advance(tokens)
+    result = ex.run(jobs)
+    assert calls == [4] * 10  # steps 3..12: the same four requests, one token longer each
+    assert_same_tokens(result, reference_tokens(model, jobs))
