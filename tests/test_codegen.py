@@ -267,3 +267,22 @@ def test_the_compilers_closed_tables_match_the_runtime():
         assert getattr(torch, dtype).itemsize == vocab.DTYPE_BYTES[name]
     assert set(vocab.MEMORY_KINDS.values()) == {"DEVICE", "HOST", "PINNED"}
     assert {getattr(rt, k) for k in vocab.MEMORY_KINDS.values()} == set(vocab.MEMORY_KINDS)
+
+
+def test_generating_needs_no_torch(tmp_path):
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['numpy'] = None\n"
+        "from bufc.codegen.cli import main\n"
+        f"raise SystemExit(main(['generate', '--out', {str(tmp_path)!r}]))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "__init__.py",
+        "chatglm.py",
+        "glm.py",
+        "gpt.py",
+        "llama.py",
+    ]
