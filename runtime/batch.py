@@ -68,6 +68,8 @@ class Batch:  # not slotted: cached_property needs __dict__
     seq_last_token: np.ndarray  # the last token of that beam
     seq_slot: np.ndarray  # per request, context first
     explicit_positions: tuple[int, ...]  # request indices (context first) with position_ids
+    prompts: dict = dataclasses.field(default_factory=dict, repr=False)  # see prompt_array
+    scratch: dict = dataclasses.field(default_factory=dict, repr=False)  # rule checks -> fills
 
     @staticmethod
     def build(
@@ -201,7 +203,17 @@ class Batch:  # not slotted: cached_property needs __dict__
             seq_last_token=_i64([g[-1] for g in flat]),
             seq_slot=slot_array.astype(np.int64, copy=False),
             explicit_positions=explicit,
+            prompts=_prompt_cache(reuse, context),
         )
+
+    def prompt_array(self, i: int) -> np.ndarray:
+        """Context request i's prompt as an int64 array, converted once per request and kept
+        while the request is scheduled (a long prompt is read in chunks over several steps)."""
+        r = self.context[i]
+        cached = self.prompts.get(id(r))
+        if cached is None or cached[0] is not r.prompt:
+            cached = self.prompts[id(r)] = (r.prompt, np.asarray(r.prompt, dtype=np.int64))
+        return cached[1]
 
     def per_sequence(self, gen_values: np.ndarray) -> np.ndarray:
         """Repeat one value per generation request over its beams."""
@@ -212,6 +224,16 @@ class Batch:  # not slotted: cached_property needs __dict__
         """KV length of each sequence after this step (reference §2.3.7)."""
         gen = self.per_sequence(self.gen_prompt_len + self.gen_max_generated - 1)
         return np.concatenate((self.ctx_begin + self.ctx_input_len, gen))
+
+
+def _prompt_cache(reuse: dict | None, context: tuple) -> dict:
+    """The prompt arrays of this step's context requests, carried over from the last step."""
+    if reuse is None:
+        return {}
+    previous = reuse.get("prompts", {})
+    kept = {id(r): previous[id(r)] for r in context if id(r) in previous}
+    reuse["prompts"] = kept
+    return kept
 
 
 def _has_duplicates(a: np.ndarray) -> bool:

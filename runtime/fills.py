@@ -59,8 +59,10 @@ class Rule:
 
 def _token_ids(out: np.ndarray, b: Batch, config: Any = None) -> int:
     o = 0
-    for r, begin, chunk, drafts in zip(b.context, b.ctx_begin, b.ctx_chunk, b.ctx_drafts):
-        out[o : o + chunk] = r.prompt[begin : begin + chunk]
+    for i, (r, begin, chunk, drafts) in enumerate(
+        zip(b.context, b.ctx_begin, b.ctx_chunk, b.ctx_drafts)
+    ):
+        out[o : o + chunk] = b.prompt_array(i)[begin : begin + chunk]
         o += chunk
         if drafts:
             out[o : o + drafts] = r.draft_tokens
@@ -235,8 +237,34 @@ def _seq_slots(out: np.ndarray, b: Batch, config: Any = None) -> int:
     return n
 
 
+def _kv_lists(b: Batch) -> tuple[list, np.ndarray] | None:
+    """Each sequence's block list, in row order, and their lengths; None if a request's
+    kv_block_ids is missing or has neither one list nor one per beam."""
+    try:
+        ctx_ids = [r.kv_block_ids for r in b.context]
+        gen_ids = [r.kv_block_ids for r in b.generation]
+    except AttributeError:
+        return None
+    if not all(ctx_ids) or not all(gen_ids):
+        return None
+    lists = [ids[0] for ids in ctx_ids]
+    counts = list(map(len, gen_ids))
+    if counts.count(1) == len(counts) and (b.gen_beam_width == 1).all():
+        lists += [ids[0] for ids in gen_ids]
+    else:
+        for ids, beams in zip(gen_ids, b.gen_beam_width):
+            if len(ids) not in (1, beams):
+                return None
+            lists += [ids[k if len(ids) > 1 else 0] for k in range(beams)]
+    return lists, np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+
+
 def _kv_check(b: Batch, config: Any) -> None:
-    width = config.max_blocks_per_seq
+    found = _kv_lists(b)
+    if found is not None and (not len(found[1]) or found[1].max() <= config.max_blocks_per_seq):
+        b.scratch["kv_lists"] = found  # the fill reuses them
+        return
+    width = config.max_blocks_per_seq  # something is wrong: name the request (cold path)
     for kind, reqs in (("context", b.context), ("generation", b.generation)):
         for i, r in enumerate(reqs):
             ids = getattr(r, "kv_block_ids", None)
@@ -266,14 +294,7 @@ def _kv_cache_block_offsets(out: np.ndarray, b: Batch, config: Any) -> int:
     width = config.max_blocks_per_seq
     rows = out[: b.sizes.num_sequences * 2 * width].reshape(b.sizes.num_sequences, 2, width)
     rows[:] = 0
-    lists = [r.kv_block_ids[0] for r in b.context]
-    if (b.gen_beam_width == 1).all():
-        lists += [r.kv_block_ids[0] for r in b.generation]
-    else:
-        for r, beams in zip(b.generation, b.gen_beam_width):
-            ids = r.kv_block_ids
-            lists += [ids[k if len(ids) > 1 else 0] for k in range(beams)]
-    lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+    lists, lengths = b.scratch["kv_lists"]
     total = int(lengths.sum())
     blocks = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total)
     seq = np.repeat(np.arange(len(lists)), lengths)
