@@ -353,8 +353,3 @@ class RuntimeBuffers:
         value = min(max_sequence_length - 1, self._max_kv_rounded())
         self._flat[self._half][self._past_kv][: s.num_sequences] = value
         self._decode = None  # the past-KV lengths no longer follow the tokens
-
-
-def as_numpy(t: torch.Tensor) -> np.ndarray:
-    """A host tensor as numpy (tests and tools)."""
-    return t.detach().cpu().numpy()
