@@ -47,7 +47,7 @@ def main() -> None:
     )
     profile = cProfile.Profile()
     profile.enable()
-    for _ in range(200):
+    for _ in range(150):
         buffers.advance(tokens)
     profile.disable()
     pstats.Stats(profile).sort_stats("tottime").print_stats(14)
