@@ -75,6 +75,20 @@ def mixed() -> tuple[list, list]:
     return ctx, decode(248)[1]
 
 
+def bench_buffers(device: str) -> llama.RuntimeBuffers:
+    """The benchmarked configuration: a 7B-class Llama, up to 1024 requests and 8192 tokens."""
+    config = llama.Config(
+        max_batch_size=1024,
+        max_num_tokens=8192,
+        vocab_size=32000,
+        hidden_size=4096,
+        num_layers=32,
+        max_attention_window=4096,
+        tokens_per_block=64,
+    )
+    return llama.RuntimeBuffers(config, device=device)
+
+
 def plain(ctx, gen, config, device) -> int:
     """The plain implementation; returns its host-to-device copies."""
     want = reference_step(
@@ -113,16 +127,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--json")
     args = ap.parse_args()
-    config = llama.Config(
-        max_batch_size=1024,
-        max_num_tokens=8192,
-        vocab_size=32000,
-        hidden_size=4096,
-        num_layers=32,
-        max_attention_window=4096,
-        tokens_per_block=64,
-    )
-    buffers = llama.RuntimeBuffers(config, device=args.device)
+    buffers = bench_buffers(args.device)
+    config = buffers.config
     cuda = args.device.startswith("cuda")
     where = (
         f"{platform.processor() or platform.machine()}, {args.device}, torch {torch.__version__}"

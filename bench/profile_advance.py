@@ -16,7 +16,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prepare_step import decode, llama  # noqa: E402
+from prepare_step import bench_buffers, decode  # noqa: E402
 
 
 def main() -> None:
@@ -24,16 +24,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch", type=int, default=256)
     args = ap.parse_args()
-    config = llama.Config(
-        max_batch_size=1024,
-        max_num_tokens=8192,
-        vocab_size=32000,
-        hidden_size=4096,
-        num_layers=32,
-        max_attention_window=4096,
-        tokens_per_block=64,
-    )
-    buffers = llama.RuntimeBuffers(config, device=args.device)
+    buffers = bench_buffers(args.device)
     ctx, gen = decode(args.batch)
     tokens = np.full(args.batch, 7, dtype=np.int64)
     buffers.prepare_step(ctx, gen)

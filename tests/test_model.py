@@ -60,27 +60,22 @@ def test_blocks_and_slots_are_returned(model, jobs):
     assert ex.allocator.free == ex.allocator.num_blocks
 
 
+STANDARD = dict(
+    max_batch_size=12, token_budget=100, chunk_size=24, tokens_per_block=16, max_sequence_length=512
+)
+
+
+def standard_executor(model, **overrides) -> Executor:
+    return Executor(model, **{**STANDARD, **overrides})
+
+
 def _first_step_where(result_steps, predicate):
     return next(s.step for s in result_steps if predicate(s))
 
 
 def _mutated_run(model, jobs, mutation):
-    ex = Executor(
-        model,
-        max_batch_size=12,
-        token_budget=100,
-        chunk_size=24,
-        tokens_per_block=16,
-        max_sequence_length=512,
-    )
-    clean = Executor(
-        model,
-        max_batch_size=12,
-        token_budget=100,
-        chunk_size=24,
-        tokens_per_block=16,
-        max_sequence_length=512,
-    ).run(jobs)
+    ex = standard_executor(model)
+    clean = standard_executor(model).run(jobs)
     target = _first_step_where(clean.steps, lambda s: s.context_requests and s.generation_requests)
 
     def mutate(index, step):
@@ -153,15 +148,7 @@ def test_in_flight_batching_on_cuda_equals_transformers_generate(model, jobs, re
     import copy
 
     cuda_model = copy.deepcopy(model).to("cuda")
-    result = Executor(
-        cuda_model,
-        max_batch_size=12,
-        token_budget=100,
-        chunk_size=24,
-        tokens_per_block=16,
-        max_sequence_length=512,
-        device="cuda",
-    ).run(jobs)
+    result = standard_executor(cuda_model, device="cuda").run(jobs)
     assert_same_tokens(result, reference)
 
 
@@ -169,15 +156,7 @@ def test_bucketed_fixed_shape_decode_reads_only_pads_past_the_batch(model, jobs,
     """Generation-only steps run over a power-of-two bucket of rows: the rows past the batch
     are the buffers' pad values (token 0, offsets to the reserved block 0, length 0), so the
     tokens still equal transformers.generate."""
-    ex = Executor(
-        model,
-        max_batch_size=12,
-        token_budget=100,
-        chunk_size=24,
-        tokens_per_block=16,
-        max_sequence_length=512,
-        bucketed_decode=True,
-    )
+    ex = standard_executor(model, bucketed_decode=True)
     result = ex.run(jobs)
     assert_same_tokens(result, reference)
     assert any(not s.context_requests for s in result.steps)
