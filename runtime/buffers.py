@@ -121,8 +121,11 @@ class RuntimeBuffers:
             )
             for h in range(HALVES)
         ]
-        self._high_water: list[dict[str, int]] = [
-            dict.fromkeys(self.decls, 0) for _ in range(HALVES)
+        # elements written by the last fill of each storage (a one-item list, shared by the
+        # halves where the storage is), so the rows past a shorter step are re-padded
+        shared = {name: [0] for name in self.decls if name not in offsets}
+        self._high_water: list[dict[str, list[int]]] = [
+            {name: shared.get(name) or [0] for name in self.decls} for _ in range(HALVES)
         ]
         # the copy: whole members but the last, whose used prefix is copied (with the rows the
         # device still holds from a longer earlier step, now pads)
@@ -230,9 +233,10 @@ class RuntimeBuffers:
         last_used = 0
         for name, rule, out, pad in self._fills[h]:
             n = rule.fill(out, batch, c)
-            if pad is not None and high[name] > n:
-                out[n : high[name]] = pad  # rows past this step hold the pad value
-            high[name] = n
+            written = high[name]
+            if pad is not None and written[0] > n:
+                out[n : written[0]] = pad  # rows past this step hold the pad value
+            written[0] = n
             if name == self._copy_last:
                 last_used = n
         self._copy(h, last_used)
@@ -279,9 +283,10 @@ class RuntimeBuffers:
         last_used = 0
         for (name, rule, out, pad), (_, _, before, _) in zip(self._fills[h], self._fills[prev]):
             n = rule.advance(out, before, step_decode, self.config)
-            if pad is not None and high[name] > n:
-                out[n : high[name]] = pad
-            high[name] = n
+            written = high[name]
+            if pad is not None and written[0] > n:
+                out[n : written[0]] = pad
+            written[0] = n
             if name == self._copy_last:
                 last_used = n
         self._half = h

@@ -164,8 +164,11 @@ def test_empty_step():
 
 def test_rows_past_a_smaller_step_hold_their_pad_value():
     b = make_buffers("gpt")
-    b.prepare_step([ctx(0, 20)], [gen(1)])
+    b.prepare_step([ctx(0, 20)], [gen(1), gen(2), gen(3)])
     b.prepare_step([], [gen(1)])
+    # staged (double-buffered) and plain host tensors alike
+    assert b.tensors["host_past_key_value_lengths"][1:6].tolist() == [0] * 5
+    assert b.tensors["host_request_types"][1:6].tolist() == [0] * 5
     assert b.tensors["host_input_ids"][1:25].tolist() == [0] * 24
     assert b.tensors["input_ids"][1:25].tolist() == [0] * 24  # the device copy too
 
