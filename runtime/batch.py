@@ -126,7 +126,7 @@ class Batch:  # not slotted: cached_property needs __dict__
         # the sizes of a batch).
         static = reuse.get("generation") if reuse is not None else None
         if static is not None and static[0] == generation:
-            _, g_plen, g_bw, g_explicit, g_slots, bw_list = static
+            _, g_plen, g_bw, g_explicit, g_slots, bw_list, _ = static
         else:
             plen_list = [len(r.prompt) for r in generation]
             bw_list = [r.beam_width for r in generation]
@@ -137,13 +137,14 @@ class Batch:  # not slotted: cached_property needs __dict__
             g_plen, g_bw = _i64(plen_list), _i64(bw_list)
             g_explicit = [r.position_ids for r in generation]
             g_slots = [r.seq_slot for r in generation]
-        drafts_list = [len(r.draft_tokens) if r.draft_tokens else 0 for r in generation]
+        drafts = [r.draft_tokens for r in generation]
+        drafts_list = [len(d) if d else 0 for d in drafts] if any(drafts) else None
         beams = [r.generated or () for r in generation]
         flat = [g for bs in beams for g in bs]
         len_list = list(map(len, flat))
         if generation and (list(map(len, beams)) != bw_list or min(len_list) < 1):
             bad = True
-        g_ndraft = _i64(drafts_list) if any(drafts_list) else np.zeros(len(generation), np.int64)
+        g_ndraft = _i64(drafts_list) if drafts_list else np.zeros(len(generation), np.int64)
         seq_len = _i64(len_list)
 
         ndraft = np.concatenate((c_ndraft, g_ndraft))
@@ -154,17 +155,30 @@ class Batch:  # not slotted: cached_property needs __dict__
         if not bad and explicit:
             lens = np.concatenate((c_plen, g_plen))
             bad = any(len((c_explicit + g_explicit)[i]) != lens[i] for i in explicit)
-        slots = [r.seq_slot for r in context] + g_slots
-        slot_array = np.asarray(slots) if slots else _EMPTY
-        if (
-            bad
-            or slot_array.dtype.kind not in "iu"
-            or (len(slot_array) and slot_array.min() < 0)
-            or _has_duplicates(slot_array)
-        ):
+        if not context and static is not None and static[0] == generation:
+            slot_array = static[6]  # the same requests as the last step: slots checked then
+        else:
+            slots = [r.seq_slot for r in context] + g_slots
+            slot_array = np.asarray(slots) if slots else _EMPTY
+            if (
+                slot_array.dtype.kind not in "iu"
+                or (len(slot_array) and slot_array.min() < 0)
+                or _has_duplicates(slot_array)
+            ):
+                bad = True
+        if bad:
             _diagnose(context, generation, *limits)
         if reuse is not None:
-            reuse["generation"] = (generation, g_plen, g_bw, g_explicit, g_slots, bw_list)
+            g_slot_array = slot_array[len(context) :]
+            reuse["generation"] = (
+                generation,
+                g_plen,
+                g_bw,
+                g_explicit,
+                g_slots,
+                bw_list,
+                g_slot_array,
+            )
 
         c_drafts = np.where(c_begin + c_chunk == c_plen, c_ndraft, 0)  # drafts ride on a last chunk
         c_input = c_chunk + c_drafts
@@ -201,7 +215,7 @@ class Batch:  # not slotted: cached_property needs __dict__
             gen_max_generated=g_max,
             seq_num_tokens=np.repeat(g_plen, g_bw) + seq_len,
             seq_last_token=_i64([g[-1] for g in flat]),
-            seq_slot=slot_array.astype(np.int64, copy=False),
+            seq_slot=slot_array.astype(np.int64, copy=False),  # (reused arrays are never written)
             explicit_positions=explicit,
             prompts=_prompt_cache(reuse, context),
         )
