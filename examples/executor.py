@@ -200,16 +200,7 @@ class Executor:
     def _decode(self, step) -> None:
         n = step.sizes.num_sequences
         bucket = min(1 << (n - 1).bit_length(), self.config.max_batch_size)
-        sizes = dataclasses.replace(
-            step.sizes,
-            num_generation_requests=bucket,
-            num_generation_sequences=bucket,
-            num_generation_tokens=bucket,
-            num_logits=bucket,
-            num_sequences=bucket,
-            num_tokens=bucket,
-            num_requests=bucket,
-        )
+        sizes = step.sizes.generation_bucket(bucket)
         inputs, outputs = self.buffers.views(sizes)
         if not self.cuda_graphs:
             self.model.decode(inputs, outputs, self.cache)

@@ -26,6 +26,16 @@ class PackedLlama:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.num_layers = cfg.num_hidden_layers
 
+    def _qkv(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries, keys (rotated) and values of packed tokens: [tokens, heads, head_dim]."""
+        attn, tokens = layer.self_attn, x.shape[0]
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(1, tokens, self.num_heads, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(1, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(h).view(tokens, self.kv_heads, self.head_dim)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q[0].transpose(0, 1), k[0].transpose(0, 1), v
+
     @torch.no_grad()
     def forward(self, step, cache: PagedKVCache) -> None:
         inp = step.inputs
@@ -59,13 +69,7 @@ class PackedLlama:
         group = self.num_heads // self.kv_heads
         for layer_idx, layer in enumerate(self.model.layers[: self.num_layers]):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(1, tokens, self.num_heads, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(h).view(1, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(h).view(tokens, self.kv_heads, self.head_dim)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            q = q[0].transpose(0, 1)  # [tokens, heads, dim]
-            k = k[0].transpose(0, 1)
+            q, k, v = self._qkv(layer, x, cos, sin)
             out = torch.empty_like(q)
             for i, (a, b) in enumerate(zip(starts, starts[1:])):
                 if a == b:
@@ -109,16 +113,12 @@ class PackedLlama:
         cos, sin = self.model.rotary_emb(x[None], positions[None])
         for layer_idx, layer in enumerate(self.model.layers[: self.num_layers]):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(1, rows, self.num_heads, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(h).view(1, rows, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(h).view(rows, self.kv_heads, self.head_dim)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            cache.write(layer_idx, new_slab, new_slot, k[0].transpose(0, 1), v)
+            q, k, v = self._qkv(layer, x, cos, sin)
+            cache.write(layer_idx, new_slab, new_slot, k, v)
             keys, values = cache.read(layer_idx, hist_slab, hist_slot)  # [B, window, kvh, dim]
             keys = keys.repeat_interleave(group, dim=2)
             values = values.repeat_interleave(group, dim=2)
-            scores = torch.einsum("bhd,bkhd->bhk", q[0].transpose(0, 1), keys) * self.head_dim**-0.5
+            scores = torch.einsum("bhd,bkhd->bhk", q, keys) * self.head_dim**-0.5
             scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
             out = torch.einsum("bhk,bkhd->bhd", scores.softmax(-1), values)
             x = x + attn.o_proj(out.reshape(rows, -1))

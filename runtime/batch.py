@@ -35,6 +35,29 @@ class StepSizes:
     num_requests: int
     max_context_length: int
 
+    def generation_bucket(self, rows: int) -> StepSizes:
+        """The sizes of a generation-only step (one token per sequence) padded to `rows`
+        sequences: the shapes a CUDA graph for that batch bucket is captured with."""
+        if (
+            self.num_context_requests
+            or self.num_tokens != self.num_sequences
+            or rows < self.num_sequences
+        ):
+            raise ValueError(
+                "a generation bucket needs a generation-only step without draft tokens, "
+                f"padded to at least its {self.num_sequences} sequences"
+            )
+        return dataclasses.replace(
+            self,
+            num_generation_requests=rows,
+            num_generation_sequences=rows,
+            num_generation_tokens=rows,
+            num_logits=rows,
+            num_sequences=rows,
+            num_tokens=rows,
+            num_requests=rows,
+        )
+
 
 STEP_SIZES = tuple(f.name for f in dataclasses.fields(StepSizes))
 

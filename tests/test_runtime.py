@@ -376,8 +376,6 @@ def test_steady_decoding_reuses_request_columns_and_stays_exact():
 
 
 def test_bucket_views_past_the_batch_hold_pad_values_on_the_device_side():
-    import dataclasses as dc
-
     b = make_buffers("llama")
     big = [
         gen(i, n=20 + i, generated=((5 + i, 6 + i),), kv_block_ids=[[i + 1, i + 9]])
@@ -386,21 +384,7 @@ def test_bucket_views_past_the_batch_hold_pad_values_on_the_device_side():
     b.prepare_step([], big)
     b.prepare_step([], big[:5])  # the other staging half
     step = b.prepare_step([], big[:3])
-    bucket = dc.replace(
-        step.sizes,
-        **{
-            k: 8
-            for k in (
-                "num_generation_requests",
-                "num_generation_sequences",
-                "num_generation_tokens",
-                "num_logits",
-                "num_sequences",
-                "num_tokens",
-                "num_requests",
-            )
-        },
-    )
+    bucket = step.sizes.generation_bucket(8)
     inputs, _ = b.views(bucket)
     for name in (
         "input_ids",
