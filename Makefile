@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements-dev.txt pyproject.toml | ck
 generate: $(STAMP) ; $(PY) -m bufc.codegen generate
 check: check-generated lint
 check-generated: $(STAMP) ; $(PY) -m bufc.codegen check
-lint: $(STAMP) ; $(VENV)/bin/ruff check codegen runtime tests bufc schema bench examples && $(VENV)/bin/ruff format --check codegen runtime tests bufc schema bench examples
+lint: $(STAMP) ; $(VENV)/bin/ruff check codegen runtime tests bufc schema bench examples && $(VENV)/bin/ruff format --check codegen runtime tests bufc schema bench examples && $(VENV)/bin/mypy --ignore-missing-imports codegen runtime
 test: $(STAMP) ; $(PY) -m pytest
 demo: $(STAMP) ; $(PY) -m bufc.codegen demo --device $(or $(DEVICE),cpu)
 bench: $(STAMP) ; $(PY) bench/prepare_step.py --device $(or $(DEVICE),cpu) --json bench/results/$(or $(DEVICE),cpu).json

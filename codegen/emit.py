@@ -23,7 +23,7 @@ FORMAT_VERSION = 1  # the runtime API the generated modules are written against
 MARKER = "@" + "generated"  # split so that grep finds only outputs
 
 
-def _environment() -> jinja2.Environment:
+def _template() -> jinja2.Template:
     text = resources.files("bufc.codegen").joinpath("templates/family.py.j2").read_text("utf-8")
     env = jinja2.Environment(
         undefined=jinja2.StrictUndefined,
@@ -32,9 +32,8 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters["pyrepr"] = lambda v: repr(v)
-    env.globals["_source"] = text
-    return env
+    env.filters["pyrepr"] = repr
+    return env.from_string(text)
 
 
 def _construct(e: E.Expr) -> str:
@@ -166,8 +165,7 @@ def render_family(plan: FamilyPlan, file: str) -> str:
         ],
         "tensors": [_tensor_context(pt, sizes, file) for pt in plan.tensors],
     }
-    env = _environment()
-    source = env.from_string(env.globals["_source"]).render(**context)
+    source = _template().render(**context)
     ast.parse(source)  # defence in depth: never hand out something that is not Python
     return source
 

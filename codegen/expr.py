@@ -336,14 +336,14 @@ def evaluate(expr: Expr, env: Mapping[str, int | bool | str]) -> int | bool | st
             return cdiv(args[0], args[1])
         return min(args) if expr.fn == "min" else max(args)
     if isinstance(expr, Compare):
-        a, b = evaluate(expr.left, env), evaluate(expr.right, env)
+        x, y = evaluate(expr.left, env), evaluate(expr.right, env)
         return {
-            "==": a == b,
-            "!=": a != b,
-            "<": a < b,  # type: ignore[operator]
-            "<=": a <= b,  # type: ignore[operator]
-            ">": a > b,  # type: ignore[operator]
-            ">=": a >= b,  # type: ignore[operator]
+            "==": x == y,
+            "!=": x != y,
+            "<": x < y,  # type: ignore[operator]
+            "<=": x <= y,  # type: ignore[operator]
+            ">": x > y,  # type: ignore[operator]
+            ">=": x >= y,  # type: ignore[operator]
         }[expr.op]
     if isinstance(expr, Not):
         return not evaluate(expr.operand, env)

@@ -79,7 +79,7 @@ def _diagnostics(doc: Document, err: ValidationError) -> list[Diagnostic]:
             "array": "a list",
             "boolean": "true or false",
         }
-        expected = " or ".join(names.get(w, w) for w in want)
+        expected = " or ".join(names.get(str(w), str(w)) for w in want)
         return [Diagnostic(loc, f"{where} must be {expected}, not {_describe(err.instance)}")]
     if kind == "pattern" and "propertyNames" in err.absolute_schema_path:
         kind = "propertyNames"  # the instance is the offending key itself

@@ -133,7 +133,7 @@ class RuntimeBuffers:
         self._copy_last = (
             last if last is not None and isinstance(self.decls[last].fill, Rule) else None
         )
-        self._copy_base = offsets[last] if self._copy_last else end
+        self._copy_base = offsets[self._copy_last] if self._copy_last else end
         self._copy_itemsize = self._dtype[last].itemsize if last else 0
         self._device_high_water = 0
         self.copies_per_step = 1 if end else 0
@@ -282,6 +282,7 @@ class RuntimeBuffers:
         high = self._high_water[h]
         last_used = 0
         for (name, rule, out, pad), (_, _, before, _) in zip(self._fills[h], self._fills[prev]):
+            assert rule.advance is not None  # _can_advance held when the decode state was kept
             n = rule.advance(out, before, step_decode, self.config)
             written = high[name]
             if pad is not None and written[0] > n:
@@ -293,6 +294,7 @@ class RuntimeBuffers:
         self._copy(h, last_used)
         self._longest += 1
         self._decode = step_decode
+        assert self._last is not None  # set by the prepare_step that created the decode state
         return self._step(self._last)
 
     def _begin_half(self) -> int:
