@@ -157,6 +157,7 @@ class RuntimeBuffers:
         self._past_kv = next((n for n, r in rules if r is past_key_value_lengths), None)
         self._copy_done = [torch.cuda.Event() for _ in range(HALVES)] if pin else None
         self._half = 1  # the first step writes half 0
+        self._step_views: list[tuple[StepSizes, dict, dict] | None] = [None] * HALVES
         self._last: StepSizes | None = None
         self._longest = 0  # the longest past-KV length of the last step
         self._decode: Decode | None = None  # set after a step that advance() may follow
@@ -320,10 +321,17 @@ class RuntimeBuffers:
             self._copy_done[h].record()
 
     def _step(self, s: StepSizes) -> Step:
-        c = self.config
+        cached = self._step_views[self._half]
+        if cached is None or cached[0] != s:  # steady decoding repeats the sizes: reuse the views
+            c = self.config
+            cached = self._step_views[self._half] = (
+                s,
+                {e: self._view(n, f(c, s)) for e, n, f in self._inputs},
+                {e: self._view(n, f(c, s)) for e, n, f in self._outputs},
+            )
         return Step(
-            inputs={e: self._view(n, f(c, s)) for e, n, f in self._inputs},
-            outputs={e: self._view(n, f(c, s)) for e, n, f in self._outputs},
+            inputs=dict(cached[1]),
+            outputs=dict(cached[2]),
             sizes=s,
             max_kv_cache_length_rounded=self._max_kv_rounded(),
         )
