@@ -188,14 +188,6 @@ class RuntimeBuffers:
         flat = self._flat[self._half]
         return {name: flat[name].view(shape) for name, shape in self._capacity_shape.items()}
 
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return tuple(name for name, _, _ in self._inputs)
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return tuple(name for name, _, _ in self._outputs)
-
     # ------------------------------------------------------------------------ per step
     def prepare_step(
         self, context_requests: Sequence[Any], generation_requests: Sequence[Any]

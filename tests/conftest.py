@@ -104,3 +104,27 @@ def batch(draw, variant: str, max_requests: int = 8):
     ctx = [draw(context_request(variant, slots[i])) for i in range(n_ctx)]
     gen = [draw(generation_request(variant, slots[n_ctx + i])) for i in range(n_gen)]
     return ctx, gen
+
+
+ENGINE_INPUTS = (
+    "input_ids",
+    "position_ids",
+    "context_lengths",
+    "host_context_lengths",
+    "sequence_length",
+    "host_request_types",
+    "host_past_key_value_lengths",
+    "last_token_ids",
+)
+
+
+def assert_matches_reference(step, want: dict, *, paged: bool, where: object = None) -> None:
+    """Every engine tensor of `step` equals the loop-by-loop reference's values `want`."""
+    got = {key: v.tolist() for key, v in step.inputs.items()}
+    for key in ENGINE_INPUTS:
+        assert got[key] == want[key], (key, where)
+    if paged:
+        assert got["kv_cache_block_offsets"] == want["kv_cache_block_offsets"], where
+        assert got["host_kv_cache_block_offsets"] == want["kv_cache_block_offsets"], where
+    assert list(step.outputs["logits"].shape) == want["logits_shape"], where
+    assert step.max_kv_cache_length_rounded == want["max_kv_cache_length_rounded"], where

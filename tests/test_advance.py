@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from conftest import BASE, VARIANT, generation_request, make_buffers
+from conftest import BASE, VARIANT, assert_matches_reference, generation_request, make_buffers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import reference_step
@@ -63,22 +63,7 @@ def test_advance_equals_a_full_step(case):
         want = reference_step(
             VARIANT[name], [], copy.deepcopy(reqs), vocab_size=BASE["vocab_size"], kv=kv
         )
-        got = {key: v.tolist() for key, v in step.inputs.items()}
-        for key in (
-            "input_ids",
-            "position_ids",
-            "context_lengths",
-            "host_context_lengths",
-            "sequence_length",
-            "host_request_types",
-            "host_past_key_value_lengths",
-            "last_token_ids",
-        ):
-            assert got[key] == want[key], (key, k)
-        if kv is not None:
-            assert got["kv_cache_block_offsets"] == want["kv_cache_block_offsets"]
-        assert step.max_kv_cache_length_rounded == want["max_kv_cache_length_rounded"]
-        assert list(step.outputs["logits"].shape) == want["logits_shape"]
+        assert_matches_reference(step, want, paged=kv is not None, where=k)
 
 
 def test_advance_needs_a_generation_only_step_and_one_token_per_sequence():

@@ -33,6 +33,22 @@ def installed(tmp_path_factory):
     return target
 
 
+def run_installed(installed, cwd, code: str) -> subprocess.CompletedProcess:
+    """Run `code` in an isolated interpreter that sees the installed copy first."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-c",
+            f"import sys; sys.path.insert(0, {str(installed)!r})\n" + code,
+        ],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_no_generic_top_level_names(installed):
     top = {p.name for p in installed.iterdir() if not p.name.endswith((".dist-info", ".egg-info"))}
     assert "bufc" in top
@@ -54,36 +70,14 @@ from bufc.codegen.schema import schema
 assert schema()["title"] == "bufc buffer spec"
 print("ok")
 """.replace("TARGET", repr(str(installed)))
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-I",
-            "-c",
-            f"import sys; sys.path.insert(0, {str(installed)!r})\n" + script,
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_installed(installed, tmp_path, script)
     assert r.returncode == 0, r.stderr
     assert r.stdout == "ok\n"
 
 
 def test_installed_copy_validates_a_spec_outside_the_repository(installed, tmp_path):
     (tmp_path / "buffers.yaml").write_text((REPO / "buffers.yaml").read_text())
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-I",
-            "-c",
-            f"import sys; sys.path.insert(0, {str(installed)!r}); from bufc.codegen.cli import main; "
-            "raise SystemExit(main(['validate', 'buffers.yaml']))",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    code = "from bufc.codegen.cli import main; raise SystemExit(main(['validate', 'buffers.yaml']))"
+    r = run_installed(installed, tmp_path, code)
     assert r.returncode == 0, r.stderr
     assert r.stdout == "buffers.yaml: ok\n"
