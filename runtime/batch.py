@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from itertools import chain
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
@@ -62,6 +64,12 @@ class StepSizes:
 STEP_SIZES = tuple(f.name for f in dataclasses.fields(StepSizes))
 
 
+_POSITION_IDS = attrgetter("position_ids")
+_SEQ_SLOT = attrgetter("seq_slot")
+_DRAFT_TOKENS = attrgetter("draft_tokens")
+_GENERATED = attrgetter("generated")
+_LAST = itemgetter(-1)
+
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
 
@@ -93,6 +101,9 @@ class Batch:  # not slotted: cached_property needs __dict__
     explicit_positions: tuple[int, ...]  # request indices (context first) with position_ids
     prompts: dict = dataclasses.field(default_factory=dict, repr=False)  # see prompt_array
     scratch: dict = dataclasses.field(default_factory=dict, repr=False)  # rule checks -> fills
+    # state the fill rules keep from step to step (owned by the RuntimeBuffers; written only
+    # by fills, after every check passed)
+    carry: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @staticmethod
     def build(
@@ -149,7 +160,7 @@ class Batch:  # not slotted: cached_property needs __dict__
         # the sizes of a batch).
         static = reuse.get("generation") if reuse is not None else None
         if static is not None and static[0] == generation:
-            _, g_plen, g_bw, g_explicit, g_slots, bw_list, _ = static
+            _, g_plen, g_bw, g_explicit, g_slots, bw_list, _, g_explicit_at = static
         else:
             plen_list = [len(r.prompt) for r in generation]
             bw_list = [r.beam_width for r in generation]
@@ -158,12 +169,16 @@ class Batch:  # not slotted: cached_property needs __dict__
             ):
                 bad = True
             g_plen, g_bw = _i64(plen_list), _i64(bw_list)
-            g_explicit = [r.position_ids for r in generation]
-            g_slots = [r.seq_slot for r in generation]
-        drafts = [r.draft_tokens for r in generation]
+            g_explicit = list(map(_POSITION_IDS, generation))
+            g_slots = list(map(_SEQ_SLOT, generation))
+            g_explicit_at = [i for i, p in enumerate(g_explicit) if p is not None]
+        drafts = list(map(_DRAFT_TOKENS, generation))
         drafts_list = [len(d) if d else 0 for d in drafts] if any(drafts) else None
-        beams = [r.generated or () for r in generation]
-        flat = [g for bs in beams for g in bs]
+        beams = list(map(_GENERATED, generation))
+        if None in beams:
+            bad = True
+            beams = [bs or () for bs in beams]
+        flat = list(chain.from_iterable(beams))
         len_list = list(map(len, flat))
         if generation and (list(map(len, beams)) != bw_list or min(len_list) < 1):
             bad = True
@@ -174,19 +189,23 @@ class Batch:  # not slotted: cached_property needs __dict__
         if not bad and ndraft.any():
             beam = np.concatenate((c_beam, g_bw))
             bad = bool((ndraft > max_draft_tokens).any() or ((ndraft > 0) & (beam > 1)).any())
-        explicit = tuple(i for i, p in enumerate(c_explicit + g_explicit) if p is not None)
+        n_ctx = len(context)
+        explicit = tuple(
+            [i for i, p in enumerate(c_explicit) if p is not None]
+            + [n_ctx + i for i in g_explicit_at]
+        )
         if not bad and explicit:
             lens = np.concatenate((c_plen, g_plen))
             bad = any(len((c_explicit + g_explicit)[i]) != lens[i] for i in explicit)
         if not context and static is not None and static[0] == generation:
             slot_array = static[6]  # the same requests as the last step: slots checked then
         else:
-            slots = [r.seq_slot for r in context] + g_slots
+            slots = list(map(_SEQ_SLOT, context)) + g_slots
             slot_array = np.asarray(slots) if slots else _EMPTY
             if (
                 slot_array.dtype.kind not in "iu"
                 or (len(slot_array) and slot_array.min() < 0)
-                or _has_duplicates(slot_array)
+                or len(set(slots)) != len(slots)
             ):
                 bad = True
         if bad:
@@ -201,13 +220,14 @@ class Batch:  # not slotted: cached_property needs __dict__
                 g_slots,
                 bw_list,
                 g_slot_array,
+                g_explicit_at,
             )
 
         c_drafts = np.where(c_begin + c_chunk == c_plen, c_ndraft, 0)  # drafts ride on a last chunk
         c_input = c_chunk + c_drafts
         seq_offsets = np.cumsum(g_bw) - g_bw
         g_max = np.maximum.reduceat(seq_len, seq_offsets) if len(seq_len) else seq_len
-        n_ctx, n_gen = len(context), len(generation)
+        n_gen = len(generation)
         n_gen_seq = len(flat)
         ctx_tokens = int(c_input.sum())
         gen_tokens = int(g_ndraft.sum()) + n_gen_seq
@@ -237,10 +257,11 @@ class Batch:  # not slotted: cached_property needs __dict__
             gen_drafts=g_ndraft,
             gen_max_generated=g_max,
             seq_num_tokens=np.repeat(g_plen, g_bw) + seq_len,
-            seq_last_token=_i64([g[-1] for g in flat]),
+            seq_last_token=_i64(list(map(_LAST, flat))),
             seq_slot=slot_array.astype(np.int64, copy=False),  # (reused arrays are never written)
             explicit_positions=explicit,
             prompts=_prompt_cache(reuse, context),
+            carry=reuse.setdefault("rules", {}) if reuse is not None else {},
         )
 
     def prompt_array(self, i: int) -> np.ndarray:
@@ -271,13 +292,6 @@ def _prompt_cache(reuse: dict | None, context: tuple) -> dict:
     kept = {id(r): previous[id(r)] for r in context if id(r) in previous}
     reuse["prompts"] = kept
     return kept
-
-
-def _has_duplicates(a: np.ndarray) -> bool:
-    if len(a) < 2:
-        return False
-    s = np.sort(a)
-    return bool((s[1:] == s[:-1]).any())
 
 
 def _where(kind: str, r: Any) -> str:

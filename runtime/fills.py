@@ -13,12 +13,17 @@ import dataclasses
 import functools
 import itertools
 from collections.abc import Callable
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
 
 from .batch import Batch
 from .errors import BatchError
+
+_KV_BLOCK_IDS = attrgetter("kv_block_ids")
+_FIRST = itemgetter(0)
+
 
 GLM_MASK_TOKENS = (50260, 50263, 50264)  # [MASK], [sMASK], [gMASK] in GLM-10B's vocabulary
 
@@ -237,32 +242,32 @@ def _seq_slots(out: np.ndarray, b: Batch, config: Any = None) -> int:
     return n
 
 
-def _kv_lists(b: Batch) -> tuple[list, np.ndarray] | None:
-    """Each sequence's block list, in row order, and their lengths; None if a request's
-    kv_block_ids is missing or has neither one list nor one per beam."""
+def _kv_lists(b: Batch) -> list | None:
+    """Each sequence's block list, in row order; None if a request's kv_block_ids is missing
+    or has neither one list nor one per beam."""
     try:
-        ctx_ids = [r.kv_block_ids for r in b.context]
-        gen_ids = [r.kv_block_ids for r in b.generation]
+        ctx_ids = list(map(_KV_BLOCK_IDS, b.context))
+        gen_ids = list(map(_KV_BLOCK_IDS, b.generation))
     except AttributeError:
         return None
     if not all(ctx_ids) or not all(gen_ids):
         return None
-    lists = [ids[0] for ids in ctx_ids]
+    lists = list(map(_FIRST, ctx_ids))
     counts = list(map(len, gen_ids))
-    if counts.count(1) == len(counts) and (b.gen_beam_width == 1).all():
-        lists += [ids[0] for ids in gen_ids]
+    if b.sizes.num_generation_sequences == len(counts) == counts.count(1):
+        lists += map(_FIRST, gen_ids)  # one beam, one list each: the common case
     else:
         for ids, beams in zip(gen_ids, b.gen_beam_width):
             if len(ids) not in (1, beams):
                 return None
             lists += [ids[k if len(ids) > 1 else 0] for k in range(beams)]
-    return lists, np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+    return lists
 
 
 def _kv_check(b: Batch, config: Any) -> None:
-    found = _kv_lists(b)
-    if found is not None and (not len(found[1]) or found[1].max() <= config.max_blocks_per_seq):
-        b.scratch["kv_lists"] = found  # the fill reuses them
+    lists = _kv_lists(b)
+    if lists is not None and (not lists or max(map(len, lists)) <= config.max_blocks_per_seq):
+        b.scratch["kv_lists"] = lists  # the fill reuses them
         return
     width = config.max_blocks_per_seq  # something is wrong: name the request (cold path)
     for kind, reqs in (("context", b.context), ("generation", b.generation)):
@@ -282,6 +287,19 @@ def _kv_check(b: Batch, config: Any) -> None:
                     )
 
 
+def _write_kv_rows(rows: np.ndarray, lists: list, config: Any) -> None:
+    """rows[i] = the [K/V, max_blocks_per_seq] block indices of lists[i], zero-padded."""
+    rows[:] = 0
+    lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+    total = int(lengths.sum())
+    blocks = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total)
+    seq = np.repeat(np.arange(len(lists)), lengths)
+    col = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    index = blocks * (config.num_local_layers * 2)
+    rows[seq, 0, col] = index
+    rows[seq, 1, col] = index + 1
+
+
 def _kv_cache_block_offsets(out: np.ndarray, b: Batch, config: Any) -> int:
     """[pools=1, sequences, K/V, max_blocks_per_seq] block indices, one row per sequence.
 
@@ -290,19 +308,35 @@ def _kv_cache_block_offsets(out: np.ndarray, b: Batch, config: Any) -> int:
     Columns past a sequence's own blocks hold 0 (the reference leaves them stale). A context
     request fills one row, even with beam_width > 1: the reference writes one row per beam but
     advances by one, so the next request overwrites them (a bug; fixed by writing one row).
+
+    The generation rows are kept from step to step with a copy of the block lists they were
+    built from: a list equal to its copy (compared by value, so a list changed in place is
+    seen) keeps its row, so steady decoding converts only the lists that changed.
     """
     width = config.max_blocks_per_seq
     rows = out[: b.sizes.num_sequences * 2 * width].reshape(b.sizes.num_sequences, 2, width)
-    rows[:] = 0
-    lists, lengths = b.scratch["kv_lists"]
-    total = int(lengths.sum())
-    blocks = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total)
-    seq = np.repeat(np.arange(len(lists)), lengths)
-    col = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    index = blocks * (config.num_local_layers * 2)
-    rows[seq, 0, col] = index
-    rows[seq, 1, col] = index + 1
+    lists = b.scratch["kv_lists"]
+    n_ctx = b.sizes.num_context_requests
+    _write_kv_rows(rows[:n_ctx], lists[:n_ctx], config)
+    gen = lists[n_ctx:]
+    kept = b.carry.get("kv_rows")
+    if kept is None or len(kept[0]) != len(gen):
+        kept = b.carry["kv_rows"] = ([list(x) for x in gen], np.empty_like(rows[n_ctx:]))
+        _write_kv_rows(kept[1], gen, config)
+    elif kept[0] != gen:
+        snapshot, table = kept
+        changed = [i for i, (now, then) in enumerate(zip(gen, snapshot)) if now != then]
+        for i in changed:
+            snapshot[i] = list(gen[i])
+        _write_kv_rows_at(table, changed, [gen[i] for i in changed], config)
+    rows[n_ctx:] = kept[1]
     return rows.size
+
+
+def _write_kv_rows_at(table: np.ndarray, at: list[int], lists: list, config: Any) -> None:
+    sub = np.empty((len(at),) + table.shape[1:], dtype=table.dtype)
+    _write_kv_rows(sub, lists, config)
+    table[at] = sub
 
 
 def _advance_tokens(out: np.ndarray, prev: np.ndarray, d: Decode, config: Any) -> int:

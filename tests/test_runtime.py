@@ -375,6 +375,29 @@ def test_steady_decoding_reuses_request_columns_and_stays_exact():
         reqs[0].draft_tokens = [5, 6] if k % 2 == 0 else []
 
 
+def test_kv_rows_kept_between_steps_follow_lists_changed_in_place():
+    from reference import reference_step
+
+    b = make_buffers("llama", num_layers=2, tokens_per_block=4, max_attention_window=64)
+    kv = (b.config.max_blocks_per_seq, b.config.num_local_layers)
+    blocks = [[1, 2], [3], [4, 5, 6]]
+    reqs = [gen(i, kv_block_ids=[blocks[i]]) for i in range(3)]
+    edits = [
+        lambda: None,  # the same lists: rows kept
+        lambda: blocks[1].append(9),  # a new block
+        lambda: blocks[0].__setitem__(1, 80),  # an id changed in place, same length
+        lambda: reqs[2].__setattr__("kv_block_ids", [[7]]),  # a new list object
+        lambda: reqs.pop(0),  # the rows shift
+    ]
+    for edit in edits:
+        edit()
+        for context in ([], [ctx(5, kv_block_ids=[[11, 12]])]):  # with and without context rows
+            step = b.prepare_step(context, reqs)
+            want = reference_step("gpt", context, reqs, vocab_size=1000, kv=kv)
+            got = step.inputs["kv_cache_block_offsets"].tolist()
+            assert got == want["kv_cache_block_offsets"]
+
+
 def test_bucket_views_past_the_batch_hold_pad_values_on_the_device_side():
     b = make_buffers("llama")
     big = [
