@@ -3,7 +3,7 @@
 The plain implementation is tests/reference.py (the reference's setBufferSizes/setFromInputs,
 one request and one beam at a time) plus what it takes to hand its lists to an engine: one
 tensor per engine input and one host-to-device copy per device input, as the C++ reference and
-most Python engines do. Both run in the same process on the same batches, alternately.
+most Python engines do. Both run in the same process on the same batches, interleaved round by round.
 
     python bench/prepare_step.py [--device cpu|cuda] [--repeats N] [--json PATH]
 
@@ -116,6 +116,32 @@ def timed(fn, repeats: int) -> list[float]:
     return out
 
 
+def _once(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def interleaved(ours, adv, ref, repeats: int) -> tuple[list, list | None, list]:
+    """Time the three in rounds (prepare_step, then advance after it, then every fourth round
+    the plain implementation), so a noisy stretch of the machine hits all of them alike."""
+    for _ in range(3):
+        ours()
+        if adv:
+            adv()
+        ref()
+    t_ours: list[float] = []
+    t_adv: list[float] = []
+    t_ref: list[float] = []
+    for i in range(repeats):
+        t_ours.append(_once(ours))
+        if adv:
+            t_adv.append(_once(adv))
+        if i % 4 == 0:
+            t_ref.append(_once(ref))
+    return t_ours, t_adv if adv else None, t_ref
+
+
 def summary(xs: list[float]) -> dict:
     q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
     return {"median_us": statistics.median(xs), "iqr_us": q[2] - q[0], "n": len(xs)}
@@ -150,24 +176,21 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
             before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
-        ours = summary(timed(lambda ctx=ctx, gen=gen: buffers.prepare_step(ctx, gen), args.repeats))
-        adv = None
-        if not ctx:
-            tokens = np.full(len(gen), 7, dtype=np.int64)
-            buffers.prepare_step(ctx, gen)
-            adv = summary(timed(lambda tokens=tokens: buffers.advance(tokens), args.repeats))
+        tokens = np.full(len(gen), 7, dtype=np.int64)
+        t_ours, t_adv, t_ref = interleaved(
+            lambda ctx=ctx, gen=gen: buffers.prepare_step(ctx, gen),
+            None if ctx else lambda tokens=tokens: buffers.advance(tokens),
+            lambda ctx=ctx, gen=gen: plain(ctx, gen, config, args.device),
+            args.repeats,
+        )
         allocs = None
         if cuda:
             torch.cuda.synchronize()
-            calls = args.repeats + 3 + (args.repeats + 4 if adv else 0)
+            calls = (args.repeats + 3) * (1 if ctx else 2)
             allocs = (torch.cuda.memory_stats().get("allocation.all.allocated", 0) - before) / calls
         copies = plain(ctx, gen, config, args.device)
-        ref = summary(
-            timed(
-                lambda ctx=ctx, gen=gen: plain(ctx, gen, config, args.device),
-                max(10, args.repeats // 4),
-            )
-        )
+        ours, ref = summary(t_ours), summary(t_ref)
+        adv = summary(t_adv) if t_adv else None
         ratio = ref["median_us"] / ours["median_us"]
         ratio_adv = ref["median_us"] / adv["median_us"] if adv else None
         rows[name] = {

@@ -275,12 +275,16 @@ class Batch:  # not slotted: cached_property needs __dict__
 
     def per_sequence(self, gen_values: np.ndarray) -> np.ndarray:
         """Repeat one value per generation request over its beams."""
+        if self.sizes.num_generation_sequences == self.sizes.num_generation_requests:
+            return gen_values  # one beam each
         return np.repeat(gen_values, self.gen_beam_width)
 
     @functools.cached_property
     def past_key_value_lengths(self) -> np.ndarray:
         """KV length of each sequence after this step (reference §2.3.7)."""
         gen = self.per_sequence(self.gen_prompt_len + self.gen_max_generated - 1)
+        if not self.context:
+            return gen
         return np.concatenate((self.ctx_begin + self.ctx_input_len, gen))
 
 

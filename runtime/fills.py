@@ -289,6 +289,8 @@ def _kv_check(b: Batch, config: Any) -> None:
 
 def _write_kv_rows(rows: np.ndarray, lists: list, config: Any) -> None:
     """rows[i] = the [K/V, max_blocks_per_seq] block indices of lists[i], zero-padded."""
+    if not lists:
+        return
     rows[:] = 0
     lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
     total = int(lengths.sum())
