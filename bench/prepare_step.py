@@ -142,6 +142,20 @@ def interleaved(ours, adv, ref, repeats: int) -> tuple[list, list | None, list]:
     return t_ours, t_adv if adv else None, t_ref
 
 
+def device_allocations(buffers, ctx, gen, tokens, steps: int = 50) -> float:
+    """CUDA allocations per call of prepare_step (and advance, on decode cases), counted by
+    the caching allocator over `steps` rounds of ours alone."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+    for _ in range(steps):
+        buffers.prepare_step(ctx, gen)
+        if not ctx:
+            buffers.advance(tokens)
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+    return (after - before) / (steps * (1 if ctx else 2))
+
+
 def summary(xs: list[float]) -> dict:
     q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
     return {"median_us": statistics.median(xs), "iqr_us": q[2] - q[0], "n": len(xs)}
@@ -173,9 +187,6 @@ def main() -> None:
         "mixed 8x512 ctx + 248 decode": mixed(),
     }
     for name, (ctx, gen) in cases.items():
-        if cuda:
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
         tokens = np.full(len(gen), 7, dtype=np.int64)
         t_ours, t_adv, t_ref = interleaved(
             lambda ctx=ctx, gen=gen: buffers.prepare_step(ctx, gen),
@@ -183,11 +194,7 @@ def main() -> None:
             lambda ctx=ctx, gen=gen: plain(ctx, gen, config, args.device),
             args.repeats,
         )
-        allocs = None
-        if cuda:
-            torch.cuda.synchronize()
-            calls = (args.repeats + 3) * (1 if ctx else 2)
-            allocs = (torch.cuda.memory_stats().get("allocation.all.allocated", 0) - before) / calls
+        allocs = device_allocations(buffers, ctx, gen, tokens) if cuda else None
         copies = plain(ctx, gen, config, args.device)
         ours, ref = summary(t_ours), summary(t_ref)
         adv = summary(t_adv) if t_adv else None
