@@ -273,6 +273,16 @@ class Batch:  # not slotted: cached_property needs __dict__
             cached = self.prompts[id(r)] = (r.prompt, np.asarray(r.prompt, dtype=np.int64))
         return cached[1]
 
+    @functools.cached_property
+    def seq_request(self) -> np.ndarray:
+        """The generation request of each generation sequence."""
+        return np.repeat(np.arange(len(self.generation)), self.gen_beam_width)
+
+    @functools.cached_property
+    def seq_first(self) -> np.ndarray:
+        """The first generation sequence of each generation request."""
+        return np.cumsum(self.gen_beam_width) - self.gen_beam_width
+
     def per_sequence(self, gen_values: np.ndarray) -> np.ndarray:
         """Repeat one value per generation request over its beams."""
         if self.sizes.num_generation_sequences == self.sizes.num_generation_requests:

@@ -161,6 +161,10 @@ class RuntimeBuffers:
         self._last: StepSizes | None = None
         self._longest = 0  # the longest past-KV length of the last step
         self._decode: Decode | None = None  # set after a step that advance() may follow
+        # the run of decode steps (a prepare_step and the advance() calls after it) whose
+        # values each half holds: advance() skips what a half already has
+        self._run = 0
+        self._half_run: list[int | None] = [None] * HALVES
         self._can_advance = all(r.advance is not None for _, r in rules)
         self._advance_checks = tuple(
             dict.fromkeys(r.advance_check for _, r in rules if r.advance_check is not None)
@@ -233,6 +237,8 @@ class RuntimeBuffers:
             if name == self._copy_last:
                 last_used = n
         self._copy(h, last_used)
+        self._run += 1
+        self._half_run[h] = self._run
         self._longest = int(batch.past_key_value_lengths.max()) if s.num_sequences else 0
         self._last = s
         ready = self._can_advance and s.num_sequences and not s.num_context_requests
@@ -265,11 +271,13 @@ class RuntimeBuffers:
             raise BatchError(
                 f"advance() needs {len(d.tokens)} tokens, one per sequence, got {tokens.size}"
             )
-        step_decode = Decode(d.batch, tokens, d.seq_tokens + 1)
-        for check in self._advance_checks:
-            check(step_decode, self.config)
         prev = self._half
         h = prev ^ 1
+        step_decode = Decode(
+            d.batch, tokens, d.seq_tokens + 1, self._half_run[h] == self._run, d.kv_new
+        )
+        for check in self._advance_checks:
+            check(step_decode, self.config)
         if self._copy_done is not None:
             self._copy_done[h].synchronize()
         high = self._high_water[h]
@@ -284,6 +292,7 @@ class RuntimeBuffers:
             if name == self._copy_last:
                 last_used = n
         self._half = h
+        self._half_run[h] = self._run
         self._copy(h, last_used)
         self._longest += 1
         self._decode = step_decode
@@ -360,3 +369,4 @@ class RuntimeBuffers:
         value = min(max_sequence_length - 1, self._max_kv_rounded())
         self._flat[self._half][self._past_kv][: s.num_sequences] = value
         self._decode = None  # the past-KV lengths no longer follow the tokens
+        self._half_run[self._half] = None

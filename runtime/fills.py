@@ -33,16 +33,17 @@ class Decode:
     """A decode step that follows a generation-only step: every sequence is one token longer.
 
     `seq_tokens` is each sequence's token count after this step (its KV length), `tokens` its
-    new input token; `batch` is the last step prepared in full (requests, beams)."""
+    new input token; `batch` is the last step prepared in full (requests, beams). `holds_run`
+    says the buffer half being written already holds this run of decode steps two steps back
+    (so values that stay fixed over the run are there, and of the KV rows only the blocks
+    entered since are missing: `kv_since`, as (sequence, column, index))."""
 
     batch: Batch
     tokens: np.ndarray
     seq_tokens: np.ndarray
+    holds_run: bool = False
+    kv_since: list = dataclasses.field(default_factory=list)
     kv_new: list = dataclasses.field(default_factory=list)  # (sequence, column, index) to write
-
-    @functools.cached_property
-    def seq_request(self) -> np.ndarray:
-        return np.repeat(np.arange(len(self.batch.generation)), self.batch.gen_beam_width)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,7 +350,8 @@ def _advance_tokens(out: np.ndarray, prev: np.ndarray, d: Decode, config: Any) -
 def _advance_same(n_of: Callable[[Batch], int]) -> Callable[..., int]:
     def advance(out: np.ndarray, prev: np.ndarray, d: Decode, config: Any) -> int:
         n = n_of(d.batch)
-        out[:n] = prev[:n]
+        if not d.holds_run:
+            out[:n] = prev[:n]
         return n
 
     return advance
@@ -363,7 +365,8 @@ def _advance_plus_one(out: np.ndarray, prev: np.ndarray, d: Decode, config: Any)
 
 def _advance_two_rows(out: np.ndarray, prev: np.ndarray, d: Decode, config: Any) -> int:
     n = len(d.tokens)  # row 1 (the fixed position) stays, row 2 (the block position) grows
-    out[:n] = prev[:n]
+    if not d.holds_run:
+        out[:n] = prev[:n]
     np.add(prev[n : 2 * n], 1, out=out[n : 2 * n])
     return 2 * n
 
@@ -375,28 +378,34 @@ def _advance_kv_check(d: Decode, config: Any) -> None:
     starting = np.flatnonzero((d.seq_tokens - 1) % tpb == 0)
     values = []
     if starting.size:
-        first_seq = np.cumsum(d.batch.gen_beam_width) - d.batch.gen_beam_width
-        for seq in starting:
-            req = int(d.seq_request[seq])
-            col = int((d.seq_tokens[seq] - 1) // tpb)
-            ids = d.batch.generation[req].kv_block_ids
-            blocks = ids[seq - first_seq[req] if len(ids) > 1 else 0]
+        b = d.batch
+        requests = b.seq_request[starting].tolist()
+        beams = (starting - b.seq_first[b.seq_request[starting]]).tolist()
+        cols = ((d.seq_tokens[starting] - 1) // tpb).tolist()
+        per_block = config.num_local_layers * 2
+        for seq, req, beam, col in zip(starting.tolist(), requests, beams, cols):
+            ids = b.generation[req].kv_block_ids
+            blocks = ids[beam if len(ids) > 1 else 0]
             if col >= width or col >= len(blocks):
                 raise BatchError(
-                    f"generation request {req} (seq_slot {d.batch.generation[req].seq_slot}): its "
+                    f"generation request {req} (seq_slot {b.generation[req].seq_slot}): its "
                     f"token {d.seq_tokens[seq]} needs KV block {col}, which kv_block_ids does not "
                     f"hold (max_blocks_per_seq={width})"
                 )
-            values.append((seq, col, blocks[col] * config.num_local_layers * 2))
+            values.append((seq, col, blocks[col] * per_block))
     d.kv_new = values
 
 
 def _advance_kv(out: np.ndarray, prev: np.ndarray, d: Decode, config: Any) -> int:
     width = config.max_blocks_per_seq
     n = len(d.tokens) * 2 * width
-    out[:n] = prev[:n]
+    if d.holds_run:
+        entered = d.kv_since + d.kv_new  # `out` has the rows of two steps back
+    else:
+        out[:n] = prev[:n]
+        entered = d.kv_new
     rows = out[:n].reshape(-1, 2, width)
-    for seq, col, index in d.kv_new:
+    for seq, col, index in entered:
         rows[seq, 0, col] = index
         rows[seq, 1, col] = index + 1
     return n

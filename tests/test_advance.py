@@ -48,22 +48,25 @@ def test_advance_equals_a_full_step(case):
     extra = {"tokens_per_block": TPB} if name == "llama" else {}
     b = make_buffers(name, max_attention_window=512, **extra)
     kv = (b.config.max_blocks_per_seq, b.config.num_local_layers) if name == "llama" else None
-    b.prepare_step([], reqs)
-    for k in range(steps):
-        seqs = sum(r.beam_width for r in reqs)
-        new = tokens[k * 32 : k * 32 + seqs]
-        it = iter(new)
-        for r in reqs:  # the caller appends the sampled tokens, and a block where one starts
-            for beam in r.generated:
-                beam.append(next(it))
-            for beam, ids in zip(r.generated, r.kv_block_ids):
-                if (len(r.prompt) + len(beam) - 1) % TPB == 0:
-                    ids.append(ids[-1] + 1)
-        step = b.advance(new)
-        want = reference_step(
-            VARIANT[name], [], copy.deepcopy(reqs), vocab_size=BASE["vocab_size"], kv=kv
-        )
-        assert_matches_reference(step, want, paged=kv is not None, where=k)
+    # two runs (a full step, then advances), the second in reverse order: neither half may
+    # keep values of the first run that the second does not write
+    for run, order in enumerate((reqs, reqs[::-1])):
+        b.prepare_step([], order)
+        for k in range(steps):
+            seqs = sum(r.beam_width for r in order)
+            new = tokens[k * 32 : k * 32 + seqs]
+            it = iter(new)
+            for r in order:  # the caller appends the sampled tokens, and a block where one starts
+                for beam in r.generated:
+                    beam.append(next(it))
+                for beam, ids in zip(r.generated, r.kv_block_ids):
+                    if (len(r.prompt) + len(beam) - 1) % TPB == 0:
+                        ids.append(ids[-1] + 1)
+            step = b.advance(new)
+            want = reference_step(
+                VARIANT[name], [], copy.deepcopy(order), vocab_size=BASE["vocab_size"], kv=kv
+            )
+            assert_matches_reference(step, want, paged=kv is not None, where=(run, k))
 
 
 def test_advance_needs_a_generation_only_step_and_one_token_per_sequence():
