@@ -10,7 +10,6 @@ batch leaves every buffer as it was. The semantics are the reference's setFromIn
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from collections.abc import Callable
 from operator import attrgetter, itemgetter
