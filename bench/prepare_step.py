@@ -81,7 +81,6 @@ def bench_buffers(device: str) -> llama.RuntimeBuffers:
         max_batch_size=1024,
         max_num_tokens=8192,
         vocab_size=32000,
-        hidden_size=4096,
         num_layers=32,
         max_attention_window=4096,
         tokens_per_block=64,

@@ -16,8 +16,8 @@ import jinja2
 
 from . import expr as E
 from . import vocab
-from .model import Spec
-from .plan import FamilyPlan, PlannedTensor, lower_family
+from .model import Parameter, Spec
+from .plan import FamilyPlan, PlannedIndexSet, PlannedTensor, lower_family
 
 FORMAT_VERSION = 1  # the runtime API the generated modules are written against
 MARKER = "@" + "generated"  # split so that grep finds only outputs
@@ -37,7 +37,26 @@ def _template() -> jinja2.Template:
 
 
 def _construct(e: E.Expr) -> str:
-    return E.to_source(e, name=lambda n: f"c.{n}", call=lambda f: f"rt.{f}" if f == "cdiv" else f)
+    return E.to_source(
+        e,
+        name=lambda n: n if n == "index" else f"c.{n}",
+        call=lambda f: f"rt.{f}" if f == "cdiv" else f,
+    )
+
+
+def _set_var(name: str) -> str:
+    return f"SET_{name.upper()}"
+
+
+def _index_set(x: PlannedIndexSet) -> dict[str, str]:
+    if x.names is not None:
+        args = f"names=lambda c: c.{x.names}"
+    else:
+        assert x.first is not None and x.count is not None
+        args = f"first=lambda c: {_construct(x.first)}, count=lambda c: {_construct(x.count)}"
+        if x.where is not None:
+            args += f", where=lambda c, index: {_construct(x.where)}"
+    return {"var": _set_var(x.name), "name": x.name, "doc": _comment(x.doc), "args": args}
 
 
 def _step(e: E.Expr, sizes: set[str]) -> str:
@@ -72,13 +91,17 @@ def _tensor_context(pt: PlannedTensor, sizes: set[str], file: str) -> dict[str, 
         assert pt.constant is not None
         fill = f"rt.Constant(lambda c: {_construct(pt.constant)})"
     else:
-        fill = "rt.ENGINE"
+        fill = {"engine": "rt.ENGINE", "external": "rt.EXTERNAL", "static": "rt.STATIC"}[
+            pt.fill_kind
+        ]
     shape = _tuple([_step(e, sizes) for e in pt.shape])
     binds = []
     for b in pt.bindings:
         args = [repr(b.engine_name)]
         if b.when is not None:
             args.append(f"when=lambda c: {_construct(b.when)}")
+        if b.each:
+            args.append(f"each={_tuple([_set_var(n) for n in b.each])}")
         binds.append((b.direction, f"rt.Bind({', '.join(args)})"))
     return {
         "name": pt.name,
@@ -94,37 +117,54 @@ def _tensor_context(pt: PlannedTensor, sizes: set[str], file: str) -> dict[str, 
         "inputs": [b for d, b in binds if d == "input"],
         "outputs": [b for d, b in binds if d == "output"],
         "checked": pt.checked,
+        "ring": pt.ring,
+    }
+
+
+def _parameter(p: Parameter) -> dict[str, Any]:
+    doc = _comment(p.doc)
+    if p.kind == "dtype":
+        default = f"torch.{vocab.DTYPES[str(p.default)]}" if p.default is not None else None
+        return {
+            "name": p.name,
+            "type": "torch.dtype",
+            "default": default,
+            "doc": doc,
+            "check": f"rt.check_dtype(self, {p.name!r})",
+        }
+    if p.kind == "bool":
+        default = repr(bool(p.default)) if p.default is not None else None
+        return {
+            "name": p.name,
+            "type": "bool",
+            "default": default,
+            "doc": doc,
+            "check": f"rt.check_bool(self, {p.name!r})",
+        }
+    if p.kind == "names":
+        default = repr(tuple(str(v) for v in p.default)) if isinstance(p.default, tuple) else None
+        return {
+            "name": p.name,
+            "type": "tuple[str, ...]",
+            "default": default,
+            "doc": doc,
+            "check": f"rt.check_names(self, {p.name!r}, {tuple(str(v) for v in p.values)!r})",
+        }
+    default = str(int(p.default)) if p.default is not None else None  # type: ignore[arg-type]
+    minimum = int(p.minimum) if p.minimum is not None else 0
+    return {
+        "name": p.name,
+        "type": "int",
+        "default": default,
+        "doc": doc,
+        "check": f"rt.check_int(self, {p.name!r}, minimum={minimum})",
     }
 
 
 def render_family(plan: FamilyPlan, file: str) -> str:
     sizes = {z.name for z in plan.sizes}
     flags = ", ".join(f"{k}={v!r}" for k, v in plan.flags)
-    params = []
-    for p in plan.parameters:
-        if p.kind == "dtype":
-            default = f"torch.{vocab.DTYPES[str(p.default)]}" if p.default is not None else None
-            params.append(
-                {
-                    "name": p.name,
-                    "type": "torch.dtype",
-                    "default": default,
-                    "doc": _comment(p.doc),
-                    "check": f"rt.check_dtype(self, {p.name!r})",
-                }
-            )
-        else:
-            default = str(int(p.default)) if p.default is not None else None
-            minimum = int(p.minimum) if p.minimum is not None else 0
-            params.append(
-                {
-                    "name": p.name,
-                    "type": "int",
-                    "default": default,
-                    "doc": _comment(p.doc),
-                    "check": f"rt.check_int(self, {p.name!r}, minimum={minimum})",
-                }
-            )
+    params = [_parameter(p) for p in plan.parameters]
     context = {
         "marker": MARKER,
         "file": file,
@@ -164,6 +204,8 @@ def render_family(plan: FamilyPlan, file: str) -> str:
             if z.bound is not None
         ],
         "tensors": [_tensor_context(pt, sizes, file) for pt in plan.tensors],
+        "index_sets": [_index_set(x) for x in plan.index_sets],
+        "step_sizes": repr(tuple(z.name for z in plan.sizes)),
     }
     source = _template().render(**context)
     ast.parse(source)  # defence in depth: never hand out something that is not Python

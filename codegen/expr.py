@@ -8,11 +8,12 @@ Grammar (nothing else is accepted; there is no eval anywhere)::
     not    := "not" not | cmp
     cmp    := arith (("==" | "!=" | "<" | "<=" | ">" | ">=") arith)?
     arith  := term (("+" | "-") term)*
-    term   := unary (("*" | "//") unary)*
+    term   := unary (("*" | "//" | "%") unary)*
     unary  := "-" unary | atom
     atom   := INT | NAME | STRING | NAME "(" cond ("," cond)* ")" | "(" cond ")"
 
-Functions: ``cdiv(a, b)`` (ceiling division), ``min(a, b, ...)``, ``max(a, b, ...)``.
+Functions: ``cdiv(a, b)`` (ceiling division), ``min(a, b, ...)``, ``max(a, b, ...)``,
+``len(p)`` (the number of names in a list parameter ``p``).
 Strings ('...' or "...") only compare with enum flags. Integer semantics are Python's, with
 floor division; generated code is printed from the IR with explicit parentheses.
 """
@@ -25,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 MAX_LENGTH = 256
 MAX_DEPTH = 32
-FUNCTIONS = {"cdiv": (2, 2), "min": (2, 8), "max": (2, 8)}
+FUNCTIONS = {"cdiv": (2, 2), "min": (2, 8), "max": (2, 8), "len": (1, 1)}
 KEYWORDS = {"and", "or", "not"}
 
 
@@ -67,14 +68,14 @@ class Neg:
 
 @dataclasses.dataclass(frozen=True)
 class BinOp:
-    op: str  # + - * //
+    op: str  # + - * // %
     left: Expr
     right: Expr
 
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    fn: str  # cdiv min max
+    fn: str  # cdiv min max len
     args: tuple[Expr, ...]
 
 
@@ -107,7 +108,7 @@ _TOKEN = re.compile(
       |(?P<int>[0-9]+)
       |(?P<name>[A-Za-z_][A-Za-z0-9_]*)
       |(?P<str>'[A-Za-z0-9_.\-]*'|"[A-Za-z0-9_.\-]*")
-      |(?P<op>//|==|!=|<=|>=|[-+*<>(),])""",
+      |(?P<op>//|==|!=|<=|>=|[-+*%<>(),])""",
     re.VERBOSE,
 )
 
@@ -131,8 +132,6 @@ def _tokens(src: str) -> list[_Tok]:
                 hint = " (use // for floor division or cdiv(a, b) for ceiling division)"
             elif src.startswith("**", pos):
                 hint = " (powers are not supported)"
-            elif ch == "%":
-                hint = " (write a - a // b * b)"
             raise ExprError(pos, f"unexpected character {ch!r}{hint}")
         kind = m.lastgroup or ""
         if kind != "ws":
@@ -219,7 +218,7 @@ class _Parser:
 
     def term(self) -> Expr:
         left = self.unary()
-        while self.peek().text in ("*", "//") and self.peek().kind == "op":
+        while self.peek().text in ("*", "//", "%") and self.peek().kind == "op":
             op = self.take().text
             left = BinOp(op, left, self.unary())
         return left
@@ -315,6 +314,8 @@ def evaluate(expr: Expr, env: Mapping[str, int | bool | str]) -> int | bool | st
         return expr.value
     if isinstance(expr, Name):
         return env[expr.id]
+    if isinstance(expr, Call) and expr.fn == "len":
+        return len(env[_name_of(expr.args[0])])  # type: ignore[arg-type]
     if isinstance(expr, Neg):
         return -_int(evaluate(expr.operand, env))
     if isinstance(expr, BinOp):
@@ -327,7 +328,7 @@ def evaluate(expr: Expr, env: Mapping[str, int | bool | str]) -> int | bool | st
             return a * b
         if b == 0:
             raise ZeroDivisionError("division by zero in a formula")
-        return a // b
+        return a // b if expr.op == "//" else a % b
     if isinstance(expr, Call):
         args = [_int(evaluate(a, env)) for a in expr.args]
         if expr.fn == "cdiv":
@@ -351,6 +352,12 @@ def evaluate(expr: Expr, env: Mapping[str, int | bool | str]) -> int | bool | st
         vals = (bool(evaluate(a, env)) for a in expr.operands)
         return all(vals) if expr.op == "and" else any(vals)
     raise TypeError(f"not an expression: {expr!r}")
+
+
+def _name_of(e: Expr) -> str:
+    if not isinstance(e, Name):
+        raise TypeError(f"len() takes a list parameter, got {e!r}")
+    return e.id
 
 
 def _int(v: object) -> int:
@@ -438,7 +445,7 @@ def _const_or(expr: Expr, const: Callable[[int | bool | str], Expr]) -> Expr:
 
 
 # -------------------------------------------------------------------------------- printing
-_PREC = {"or": 1, "and": 2, "not": 3, "cmp": 4, "+": 5, "-": 5, "*": 6, "//": 6, "neg": 7}
+_PREC = {"or": 1, "and": 2, "not": 3, "cmp": 4, "+": 5, "-": 5, "*": 6, "//": 6, "%": 6, "neg": 7}
 
 
 def to_source(

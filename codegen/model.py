@@ -13,7 +13,7 @@ from . import expr as E
 from .errors import Collector, Location
 from .load import Document, Path
 
-FillKind = Literal["rule", "mirror", "constant", "engine"]
+FillKind = Literal["rule", "mirror", "constant", "engine", "external", "static"]
 Direction = Literal["input", "output"]
 
 
@@ -35,16 +35,18 @@ class Flag:
     doc: str
     values: tuple[str, ...] | None  # None: a boolean flag
     loc: Location
+    default: str | bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Parameter:
     name: str
     doc: str
-    kind: Literal["int", "dtype"]
-    default: int | str | None
+    kind: Literal["int", "dtype", "bool", "names"]
+    default: int | str | bool | tuple[str, ...] | None
     minimum: int | None
     loc: Location
+    values: tuple[str, ...] = ()  # the names a names parameter may hold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +61,21 @@ class Derived:
 class Check:
     require: Formula
     message: str
+    loc: Location
+    when: Formula | None = None  # a flag condition: the families the check applies to
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexSet:
+    """Members a binding is repeated over: (position, label) pairs, from the names of a names
+    parameter, or numbered labels first .. first + count - 1 kept where `where` holds."""
+
+    name: str
+    doc: str
+    names: str | None
+    first: Formula | None
+    count: Formula | None
+    where: Formula | None
     loc: Location
 
 
@@ -90,9 +107,10 @@ class Fill:
 @dataclasses.dataclass(frozen=True)
 class Binding:
     direction: Direction
-    engine_name: str
+    engine_name: str  # may hold {SET} placeholders, one per set in `each`
     when: Formula | None
     loc: Location
+    each: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +127,7 @@ class Tensor:
     bind: tuple[Binding, ...]
     loc: Location
     field_locs: tuple[tuple[str, Location], ...] = ()
+    ring: int | None = None
 
     def field_loc(self, key: str) -> Location:
         return dict(self.field_locs).get(key, self.loc)
@@ -125,6 +144,7 @@ class Spec:
     sizes: tuple[StepSize, ...]
     families: tuple[Family, ...]
     tensors: tuple[Tensor, ...]
+    index_sets: tuple[IndexSet, ...] = ()
 
     def tensor(self, name: str) -> Tensor:
         return next(t for t in self.tensors if t.name == name)
@@ -152,7 +172,13 @@ class _Builder:
         d = self.doc.data
         kl = self.doc.key_loc
         flags = tuple(
-            Flag(n, r["doc"], tuple(r["values"]) if "values" in r else None, kl(("flags", n)))
+            Flag(
+                n,
+                r["doc"],
+                tuple(r["values"]) if "values" in r else None,
+                kl(("flags", n)),
+                r.get("default"),
+            )
             for n, r in d.get("flags", {}).items()
         )
         for n, r in d.get("flags", {}).items():
@@ -166,9 +192,10 @@ class _Builder:
                 n,
                 r["doc"],
                 r.get("type", "int"),
-                r.get("default"),
+                tuple(r["default"]) if isinstance(r.get("default"), list) else r.get("default"),
                 r.get("min"),
                 kl(("parameters", n)),
+                tuple(r.get("values", ())),
             )
             for n, r in d.get("parameters", {}).items()
         )
@@ -183,6 +210,7 @@ class _Builder:
                 self.formula(r["require"], ("checks", i, "require")),
                 r["message"],
                 self.doc.loc(("checks", i)),
+                self.opt_formula(r, "when", ("checks", i)),
             )
             for i, r in enumerate(d.get("checks", []))
         )
@@ -200,10 +228,31 @@ class _Builder:
             )
             for n, r in d.get("families", {}).items()
         )
+        index_sets = tuple(
+            IndexSet(
+                n,
+                r["doc"],
+                r.get("names"),
+                self.opt_formula(r, "first", ("index_sets", n)),
+                self.opt_formula(r, "count", ("index_sets", n)),
+                self.opt_formula(r, "where", ("index_sets", n)),
+                kl(("index_sets", n)),
+            )
+            for n, r in d.get("index_sets", {}).items()
+        )
         tensors = tuple(self.tensor(r, ("tensors", i)) for i, r in enumerate(d.get("tensors", [])))
         self.errors.raise_if_any()
         return Spec(
-            self.doc.file, d["version"], flags, params, derived, checks, sizes, families, tensors
+            self.doc.file,
+            d["version"],
+            flags,
+            params,
+            derived,
+            checks,
+            sizes,
+            families,
+            tensors,
+            index_sets,
         )
 
     def dims(self, raw: dict[str, Any], key: str, path: Path) -> tuple[Formula, ...] | None:
@@ -214,8 +263,8 @@ class _Builder:
     def tensor(self, raw: dict[str, Any], path: Path) -> Tensor:
         fill_raw = raw["fill"]
         fill_loc = self.doc.loc((*path, "fill"))
-        if fill_raw == "engine":
-            fill = Fill("engine", None, None, fill_loc)
+        if fill_raw in ("engine", "external", "static"):
+            fill = Fill(fill_raw, None, None, fill_loc)
         elif "rule" in fill_raw:
             fill = Fill("rule", fill_raw["rule"], None, self.doc.loc((*path, "fill", "rule")))
         elif "mirror" in fill_raw:
@@ -232,6 +281,7 @@ class _Builder:
                     b[direction],
                     self.opt_formula(b, "when", (*path, "bind", j)),
                     self.doc.loc((*path, "bind", j, direction)),
+                    tuple(b.get("each", ())),
                 )
             )
         return Tensor(
@@ -247,6 +297,7 @@ class _Builder:
             bind=tuple(binds),
             loc=self.doc.loc((*path, "name")),
             field_locs=tuple((k, self.doc.key_loc((*path, k))) for k in raw),
+            ring=raw.get("ring"),
         )
 
 

@@ -23,6 +23,17 @@ class PlannedBinding:
     engine_name: str
     when: E.Expr | None  # residual construct-time condition, None = always
     loc: Location
+    each: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedIndexSet:
+    name: str
+    doc: str
+    names: str | None
+    first: E.Expr | None
+    count: E.Expr | None
+    where: E.Expr | None  # residual (flags folded); None = keep every member
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +53,7 @@ class PlannedTensor:
     bindings: tuple[PlannedBinding, ...]
     checked: bool  # capacity not proven at generate time: guard it every step
     loc: Location
+    ring: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +65,7 @@ class FamilyPlan:
     checks: tuple[Check, ...]
     sizes: tuple[StepSize, ...]
     tensors: tuple[PlannedTensor, ...]
+    index_sets: tuple[PlannedIndexSet, ...] = ()
 
 
 def _conj(a: E.Expr | None, b: E.Expr | None) -> E.Expr | None:
@@ -77,7 +90,7 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
 
     checker = Checker(spec)
     checker.symbols()
-    flags = dict(family.flags)
+    flags = family_flags(spec, family)
     by_name = {t.name: t for t in spec.tensors}
     tensors: list[PlannedTensor] = []
     for t in spec.tensors:
@@ -93,7 +106,7 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
         for b in t.bind:
             bw = _fold(b.when.expr if b.when else None, flags)
             if bw != E.FALSE:
-                binds.append(PlannedBinding(b.direction, b.engine_name, bw, b.loc))
+                binds.append(PlannedBinding(b.direction, b.engine_name, bw, b.loc, b.each))
         assert src.dtype is not None and src.capacity is not None and src.shape is not None
         capacity = tuple(f.expr for f in src.capacity)
         shape = tuple(f.expr for f in src.shape)
@@ -119,8 +132,23 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
                 bindings=tuple(binds),
                 checked=not proven,
                 loc=t.loc,
+                ring=src.ring,
             )
         )
+
+    set_names = {n for pt in tensors for b in pt.bindings for n in b.each}
+    index_sets = tuple(
+        PlannedIndexSet(
+            x.name,
+            x.doc,
+            x.names,
+            x.first.expr if x.first else None,
+            x.count.expr if x.count else None,
+            _fold(x.where.expr if x.where else None, flags),
+        )
+        for x in spec.index_sets
+        if x.name in set_names
+    )
 
     # Which construct-time names does this family read?
     used: set[str] = set()
@@ -139,8 +167,16 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
             use(pb.when)
         if pt.dtype_is_param:
             used.add(pt.dtype)
-    for z in spec.sizes:
+    read = {n.id for pt in tensors for e in pt.shape for n in E.names(e)}
+    sizes = tuple(z for z in spec.sizes if z.name not in vocab.ENCODER_SIZES or z.name in read)
+    for z in sizes:
         use(z.bound.expr if z.bound else None)
+    for x in index_sets:
+        for e in (x.first, x.count, x.where):
+            use(e)
+        if x.names:
+            used.add(x.names)
+    used.discard("index")
     derived_by_name = {d.name: d for d in spec.derived}
 
     def close(names: set[str]) -> set[str]:
@@ -158,6 +194,8 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
     used = close(used)
     checks = []
     for c in spec.checks:
+        if c.when is not None and _fold(c.when.expr, flags) == E.FALSE:
+            continue  # not this family's check
         needs = close({n.id for n in E.names(c.require.expr)})
         params_needed = {n for n in needs if n not in derived_by_name}
         if params_needed <= used:
@@ -165,13 +203,25 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
             used |= needs
     return FamilyPlan(
         family=family,
-        flags=tuple(family.flags),
+        flags=tuple(flags.items()),
         parameters=tuple(p for p in spec.parameters if p.name in used),
         derived=tuple(_topo(d for d in spec.derived if d.name in used)),
         checks=tuple(checks),
-        sizes=spec.sizes,
+        sizes=sizes,
         tensors=tuple(tensors),
+        index_sets=index_sets,
     )
+
+
+def family_flags(spec: Spec, family: Family) -> dict[str, str | bool]:
+    """Every flag's value in `family`: its own setting, else the flag's default (in the
+    order the flags are declared)."""
+    given = dict(family.flags)
+    return {
+        f.name: given.get(f.name, f.default)  # type: ignore[misc]
+        for f in spec.flags
+        if f.name in given or f.default is not None
+    }
 
 
 def _dtypes() -> dict[str, str]:

@@ -41,10 +41,21 @@ def report(spec: Spec, family_name: str, settings: dict[str, str]) -> str:
             raise ReportError(
                 f"family '{family_name}' has no parameter '{key}'{did_you_mean(key, known)}"
             )
-        if known[key].kind == "dtype":
+        kind = known[key].kind
+        if kind == "dtype":
             if raw not in vocab.DTYPES:
                 raise ReportError(f"{key}: '{raw}' is not a dtype{did_you_mean(raw, vocab.DTYPES)}")
             dtypes[key] = raw
+        elif kind == "bool":
+            if raw.lower() not in ("true", "false"):
+                raise ReportError(f"{key}: '{raw}' is not true or false")
+            env[key] = raw.lower() == "true"
+        elif kind == "names":
+            names = tuple(n for n in raw.split(",") if n)
+            for n in names:
+                if n not in known[key].values:
+                    raise ReportError(f"{key}: '{n}' is not one of {', '.join(known[key].values)}")
+            env[key] = names  # type: ignore[assignment]
         else:
             try:
                 env[key] = int(raw)
@@ -53,16 +64,17 @@ def report(spec: Spec, family_name: str, settings: dict[str, str]) -> str:
     for p in plan.parameters:
         if p.kind == "dtype":
             dtypes.setdefault(p.name, str(p.default))
-        elif p.name not in env:
+            continue
+        if p.name not in env:
             if p.default is None:
                 missing = [
                     q.name
                     for q in plan.parameters
-                    if q.kind == "int" and q.default is None and q.name not in env
+                    if q.kind != "dtype" and q.default is None and q.name not in env
                 ]
                 raise ReportError("missing --set for: " + ", ".join(missing))
-            env[p.name] = int(p.default)
-        if p.kind == "int" and p.minimum is not None and int(env[p.name]) < p.minimum:
+            env[p.name] = p.default  # type: ignore[assignment]
+        if p.kind == "int" and p.minimum is not None and int(env[p.name]) < p.minimum:  # type: ignore[arg-type]
             raise ReportError(f"{p.name} must be at least {p.minimum}")
     for d in plan.derived:
         env[d.name] = E.evaluate(d.value.expr, env)

@@ -11,21 +11,37 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import keyword
+import re
 from collections.abc import Iterable
 
 from . import expr as E
 from . import vocab
 from .errors import Collector, Location, SpecError, did_you_mean
-from .model import Formula, Spec, Tensor
+from .model import Binding, Formula, Parameter, Spec, Tensor
 
-RESERVED = {"true", "false", "cdiv", "min", "max", "self", "torch", "rt", "config", "sizes"}
+RESERVED = {
+    "true",
+    "false",
+    "cdiv",
+    "min",
+    "max",
+    "len",
+    "index",
+    "self",
+    "torch",
+    "rt",
+    "config",
+    "sizes",
+}
 
 KIND_TEXT = {
     "flag": "generate-time flag",
     "parameter": "construct-time parameter",
     "dtype": "dtype parameter",
+    "names": "list parameter",
     "derived": "derived value",
     "size": "step size",
+    "index": "index set member",
 }
 
 
@@ -46,6 +62,9 @@ WHEN = Context("'when'", CONSTRUCT | {"flag"}, "bool")
 CAPACITY = Context("a capacity (fixed at construction)", CONSTRUCT, "int")
 SHAPE = Context("a step shape", CONSTRUCT | {"size"}, "int")
 CONSTANT = Context("a constant fill (written at construction)", CONSTRUCT, "int")
+CHECK_WHEN = Context("a check's 'when'", frozenset({"flag"}), "bool")
+SET_BOUND = Context("an index set's first or count", CONSTRUCT, "int")
+SET_WHERE = Context("an index set's 'where'", CONSTRUCT | {"flag", "index"}, "bool")
 
 
 class Checker:
@@ -65,7 +84,10 @@ class Checker:
         s = self.spec
         entries: Iterable[tuple[str, str, Location]] = itertools.chain(
             ((f.name, "flag", f.loc) for f in s.flags),
-            ((p.name, "dtype" if p.kind == "dtype" else "parameter", p.loc) for p in s.parameters),
+            (
+                (p.name, {"dtype": "dtype", "names": "names"}.get(p.kind, "parameter"), p.loc)
+                for p in s.parameters
+            ),
             ((d.name, "derived", d.loc) for d in s.derived),
             ((z.name, "size", z.loc) for z in s.sizes),
         )
@@ -81,6 +103,7 @@ class Checker:
                 continue
             first[name] = loc
             self.kinds[name] = kind
+        self.kinds["index"] = "index"  # the member label inside an index set's 'where'
         for z in s.sizes:
             if z.name not in vocab.STEP_SIZES:
                 self.errors.error(
@@ -106,6 +129,21 @@ class Checker:
                     f.at(n.col), f"'{n.id}' is a dtype parameter; it can only be a tensor's dtype"
                 )
                 ok = False
+            elif kind == "names":
+                if not any(
+                    isinstance(c, E.Call) and c.fn == "len" and c.args[0] == n
+                    for c in E.walk(f.expr)
+                ):
+                    self.errors.error(
+                        f.at(n.col),
+                        f"'{n.id}' is a list parameter; formulas can only take its len()",
+                    )
+                    ok = False
+                elif "parameter" not in ctx.kinds:
+                    self.errors.error(
+                        f.at(n.col), f"'{n.id}' is a list parameter; {ctx.what} cannot use it"
+                    )
+                    ok = False
             elif kind not in ctx.kinds:
                 kinds = sorted(KIND_TEXT[k] + "s" for k in ctx.kinds)
                 allowed = ", ".join(kinds[:-1]) + " and " + kinds[-1]
@@ -141,6 +179,14 @@ class Checker:
         if isinstance(e, E.Name):
             if self.kinds[e.id] == "flag":
                 return "bool" if self.flags[e.id].values is None else f"enum:{e.id}"
+            if self.kinds[e.id] == "parameter" and self.params[e.id].kind == "bool":
+                return "bool"
+            return "int"
+        if isinstance(e, E.Call) and e.fn == "len":
+            arg = e.args[0]
+            if not (isinstance(arg, E.Name) and self.kinds.get(arg.id) == "names"):
+                self.errors.error(f.at(col), "len() takes the name of a list parameter")
+                return None
             return "int"
         if isinstance(e, (E.Neg, E.BinOp, E.Call)):
             parts = (
@@ -222,30 +268,86 @@ class Checker:
     def declarations(self) -> None:
         s = self.spec
         for p in s.parameters:
-            if p.kind == "dtype":
-                if p.default is not None and p.default not in vocab.DTYPES:
-                    self.errors.error(
-                        p.loc,
-                        f"default of '{p.name}' is not a dtype{did_you_mean(str(p.default), vocab.DTYPES)}",
-                    )
-                if p.minimum is not None:
-                    self.errors.error(
-                        p.loc, f"'{p.name}' is a dtype parameter and cannot have 'min'"
-                    )
-            elif p.default is not None and type(p.default) is not int:
-                self.errors.error(p.loc, f"default of '{p.name}' must be an integer")
-            elif p.default is not None and p.minimum is not None and p.default < p.minimum:
+            self.parameter(p)
+        for f in s.flags:
+            if f.default is None:
+                continue
+            if f.values is None and not isinstance(f.default, bool):
                 self.errors.error(
-                    p.loc, f"default {p.default} of '{p.name}' is below its min {p.minimum}"
+                    f.loc, f"default of boolean flag '{f.name}' must be true or false"
+                )
+            elif f.values is not None and f.default not in f.values:
+                self.errors.error(
+                    f.loc,
+                    f"default '{f.default}' of flag '{f.name}' is not one of its values"
+                    f"{did_you_mean(str(f.default), f.values)}",
                 )
         for d in s.derived:
             self.formula(d.value, DERIVED)
         for c in s.checks:
             self.formula(c.require, CHECK)
+            self.formula(c.when, CHECK_WHEN)
         for z in s.sizes:
             self.formula(z.bound, SIZE_BOUND)
+        self.index_sets()
         self.derived_cycles()
         self.families()
+
+    def parameter(self, p: Parameter) -> None:
+        if p.kind != "names" and p.values:
+            self.errors.error(p.loc, f"only a names parameter has 'values'; '{p.name}' is {p.kind}")
+        if p.kind != "int" and p.minimum is not None:
+            self.errors.error(p.loc, f"'{p.name}' is a {p.kind} parameter and cannot have 'min'")
+        if p.kind == "dtype":
+            if p.default is not None and p.default not in vocab.DTYPES:
+                self.errors.error(
+                    p.loc,
+                    f"default of '{p.name}' is not a dtype{did_you_mean(str(p.default), vocab.DTYPES)}",
+                )
+        elif p.kind == "bool":
+            if p.default is not None and not isinstance(p.default, bool):
+                self.errors.error(p.loc, f"default of '{p.name}' must be true or false")
+        elif p.kind == "names":
+            if not p.values:
+                self.errors.error(
+                    p.loc, f"names parameter '{p.name}' needs 'values', the names it may hold"
+                )
+            if p.default is not None:
+                if not isinstance(p.default, tuple):
+                    self.errors.error(p.loc, f"default of '{p.name}' must be a list of names")
+                else:
+                    for v in p.default:
+                        if v not in p.values:
+                            self.errors.error(
+                                p.loc,
+                                f"default of '{p.name}' holds '{v}', which is not one of its "
+                                f"values{did_you_mean(v, p.values)}",
+                            )
+        elif p.default is not None and type(p.default) is not int:
+            self.errors.error(p.loc, f"default of '{p.name}' must be an integer")
+        elif p.default is not None and p.minimum is not None and p.default < p.minimum:
+            self.errors.error(
+                p.loc, f"default {p.default} of '{p.name}' is below its min {p.minimum}"
+            )
+
+    def index_sets(self) -> None:
+        for x in self.spec.index_sets:
+            self.check_name(x.name, x.loc, "index set")
+            if x.names is not None:
+                if x.first is not None or x.count is not None or x.where is not None:
+                    self.errors.error(
+                        x.loc, f"index set '{x.name}' takes either 'names' or 'first' and 'count'"
+                    )
+                if self.kinds.get(x.names) != "names":
+                    self.errors.error(
+                        x.loc,
+                        f"index set '{x.name}': '{x.names}' is not a names parameter"
+                        f"{did_you_mean(x.names, [p.name for p in self.spec.parameters if p.kind == 'names'])}",
+                    )
+                continue
+            self.formula(x.first, SET_BOUND)
+            self.formula(x.count, SET_BOUND)
+            self.formula(x.where, SET_WHERE)
 
     def derived_cycles(self) -> None:
         deps = {
@@ -290,9 +392,10 @@ class Checker:
                         f"values: {', '.join(flag.values)}",
                     )
             for flag in self.spec.flags:
-                if flag.name not in given:
+                if flag.name not in given and flag.default is None:
                     self.errors.error(
-                        fam.loc, f"family '{fam.name}' does not set flag '{flag.name}'"
+                        fam.loc,
+                        f"family '{fam.name}' does not set flag '{flag.name}', which has no default",
                     )
 
     # ---------------------------------------------------------------------------- tensors
@@ -314,9 +417,12 @@ class Checker:
         self.formula(t.when, WHEN)
         for b in t.bind:
             self.formula(b.when, WHEN)
+            self.binding(t, b, by_name)
         if t.fill.kind == "mirror":
             self.mirror(t, by_name)
             return
+        if t.ring is not None:
+            self.ring(t)
         for key in ("dtype", "capacity", "shape"):
             if getattr(t, key) is None:
                 self.errors.error(t.loc, f"tensor '{t.name}' needs '{key}'")
@@ -350,6 +456,48 @@ class Checker:
             self.rule(t)
         elif t.fill.kind == "constant":
             self.formula(t.fill.value, CONSTANT)
+
+    def binding(self, t: Tensor, b: Binding, by_name: dict[str, Tensor]) -> None:
+        sets = {x.name for x in self.spec.index_sets}
+        placeholders = re.findall(r"\{([a-z][a-z0-9_]*)\}", b.engine_name)
+        for name in b.each:
+            if name not in sets:
+                self.errors.error(
+                    b.loc,
+                    f"unknown index set '{name}'{did_you_mean(name, sets)}; declare it under index_sets",
+                )
+        if sorted(placeholders) != sorted(b.each):
+            self.errors.error(
+                b.loc,
+                f"engine name '{b.engine_name}' must hold each index set of 'each' exactly once as "
+                f"{{SET}}; it holds {', '.join(placeholders) or 'none'}, 'each' lists "
+                f"{', '.join(b.each) or 'none'}",
+            )
+        src = by_name.get(t.fill.target or "") if t.fill.kind == "mirror" else t
+        dims = len(src.shape) if src is not None and src.shape is not None else None
+        if dims is not None and len(b.each) >= dims:
+            self.errors.error(
+                b.loc,
+                f"'{t.name}' has {dims} dimensions; 'each' can index at most {dims - 1} leading ones",
+            )
+
+    def ring(self, t: Tensor) -> None:
+        assert t.ring is not None
+        if t.capacity is None or t.shape is None:
+            return
+        first = t.capacity[0].expr
+        if not (isinstance(first, E.Int) and first.value == t.ring):
+            self.errors.error(
+                t.field_loc("ring"),
+                f"ring tensor '{t.name}': its first capacity dimension must be the ring size {t.ring}",
+            )
+        if len(t.capacity) == len(t.shape) and not all(
+            E.equal(a.expr, b.expr) for a, b in zip(t.capacity, t.shape)
+        ):
+            self.errors.error(
+                t.field_loc("ring"),
+                f"ring tensor '{t.name}': its shape must equal its capacity (each step binds one slot)",
+            )
 
     def mirror(self, t: Tensor, by_name: dict[str, Tensor]) -> None:
         for key in ("dtype", "capacity", "shape", "pad"):
@@ -385,17 +533,23 @@ class Checker:
             self.errors.error(
                 t.fill.loc,
                 f"unknown fill rule '{name}'{did_you_mean(name, vocab.FILL_RULES)}; "
-                f"rules: {', '.join(sorted(vocab.FILL_RULES))}",
+                "docs/spec.md lists the rules",
             )
             return
-        if t.memory == "device":
+        if t.memory == "device" and not rule.device:
             self.errors.error(
                 t.field_loc("memory"),
-                f"fill rules run on the host: make '{t.name}' pinned and add a "
+                f"fill rule '{name}' runs on the host: make '{t.name}' pinned and add a "
                 "device tensor with fill: {mirror: " + t.name + "}",
             )
+        if t.memory != "device" and rule.device:
+            self.errors.error(
+                t.field_loc("memory"),
+                f"fill rule '{name}' copies request tensors on the device; '{t.name}' must be "
+                "device memory",
+            )
         for need in rule.needs:
-            if self.kinds.get(need) not in ("parameter", "derived"):
+            if self.kinds.get(need) not in ("parameter", "derived", "names"):
                 self.errors.error(
                     t.fill.loc,
                     f"fill rule '{name}' reads '{need}' from the Config; declare it as a "
@@ -466,20 +620,50 @@ class Checker:
 
         for fam in self.spec.families:
             plan = lower_family(self.spec, fam)
-            seen: dict[tuple[str, str], str] = {}
+            seen: dict[tuple[str, str], list[tuple[str, E.Expr | None]]] = {}
             for pt in plan.tensors:
                 for b in pt.bindings:
                     key = (b.direction, b.engine_name)
-                    if key in seen:
-                        other = self.spec.tensor(seen[key])
+                    cond = _conj(pt.when, b.when)
+                    clash = next(
+                        (n for n, c in seen.get(key, []) if not self.exclusive(c, cond)), None
+                    )
+                    seen.setdefault(key, []).append((pt.name, cond))
+                    if clash is not None:
+                        other = self.spec.tensor(clash)
                         self.errors.error(
                             b.loc,
                             f"engine {b.direction} '{b.engine_name}' is bound by both "
                             f"'{other.name}' (line {other.loc.line}) and '{pt.name}' in family "
                             f"'{fam.name}'; make their 'when' conditions exclusive",
                         )
-                    else:
-                        seen[key] = pt.name
+
+    def exclusive(self, a: E.Expr | None, b: E.Expr | None) -> bool:
+        """True when conditions `a` and `b` (None = always) never hold together: their
+        conjunction folds to false for every value of the boolean parameters they read, or
+        they compare one parameter with different constants."""
+        if a is None or b is None:
+            return False
+        both = E.BoolOp("and", (a, b))
+        bools = sorted(
+            {
+                n.id
+                for n in E.names(both)
+                if self.kinds.get(n.id) == "parameter" and self.params[n.id].kind == "bool"
+            }
+        )
+        if len(bools) > 8:
+            return False
+        for values in itertools.product((False, True), repeat=len(bools)):
+            if E.fold(both, dict(zip(bools, values))) != E.FALSE:
+                return False
+        return True
+
+
+def _conj(a: E.Expr | None, b: E.Expr | None) -> E.Expr | None:
+    if a is None or b is None:
+        return a if b is None else b
+    return E.BoolOp("and", (a, b))
 
 
 def _divides_by_zero(e: E.Expr) -> bool:
@@ -487,7 +671,7 @@ def _divides_by_zero(e: E.Expr) -> bool:
     for node in E.walk(e):
         divisor = (
             node.right
-            if isinstance(node, E.BinOp) and node.op == "//"
+            if isinstance(node, E.BinOp) and node.op in ("//", "%")
             else (node.args[1] if isinstance(node, E.Call) and node.fn == "cdiv" else None)
         )
         if divisor is not None and not list(E.names(divisor)):

@@ -48,6 +48,16 @@ STEP_SIZES: tuple[str, ...] = (
     "num_tokens",
     "num_requests",
     "max_context_length",
+    "num_encoder_tokens",
+    "num_encoder_input_tokens",
+    "max_encoder_input_length",
+)
+
+
+# Sizes the runtime computes only for families whose shapes read them (they read request
+# fields other families do not have).
+ENCODER_SIZES = frozenset(
+    {"num_encoder_tokens", "num_encoder_input_tokens", "max_encoder_input_length"}
 )
 
 
@@ -63,9 +73,12 @@ class FillRule:
     dtypes: tuple[str, ...]
     shape: tuple[str, ...]
     needs: tuple[str, ...] = ()  # construct-time names the rule reads from the Config
+    device: bool = False  # copies request tensors into a device tensor (no host staging)
 
 
 _INT = ("int32", "int64")
+_FLOAT = ("float16", "bfloat16", "float32")
+_LORA = ("lora_modules", "first_local_layer", "num_local_layers")
 _POSITIONS_2D = ("2", "num_context_tokens + num_generation_sequences")
 
 FILL_RULES: dict[str, FillRule] = {
@@ -96,5 +109,105 @@ FILL_RULES: dict[str, FillRule] = {
         ("int32",),
         ("1", "num_sequences", "2", "max_blocks_per_seq"),
         needs=("num_local_layers", "max_blocks_per_seq", "tokens_per_block"),
+    ),
+    "context_position_ids": FillRule(
+        "positions of the context tokens only (a drafter writes the generation part)",
+        _INT,
+        ("num_tokens",),
+    ),
+    "cache_indirection_copies": FillRule(
+        "source, destination and size of each generation request's cache-indirection copy",
+        ("int64",),
+        ("3", "num_generation_requests"),
+        needs=("max_beam_width", "max_attention_window"),
+    ),
+    "cache_indirection_decoder_copies": FillRule(
+        "source, destination and size of each request's decoder cache-indirection copy",
+        ("int64",),
+        ("3", "num_requests"),
+        needs=("max_beam_width", "max_attention_window"),
+    ),
+    "encoder_output_lengths": FillRule(
+        "encoder output length of each sequence's request", _INT, ("num_sequences",)
+    ),
+    "encoder_output": FillRule(
+        "encoder outputs of the context requests, concatenated",
+        _FLOAT,
+        ("num_encoder_tokens", "encoder_hidden_size"),
+        needs=("encoder_hidden_size",),
+        device=True,
+    ),
+    "cross_kv_cache_block_offsets": FillRule(
+        "cross-attention KV-cache block indices of each sequence, K then V",
+        ("int32",),
+        ("1", "num_sequences", "2", "max_cross_blocks_per_seq"),
+        needs=("num_local_layers", "max_cross_blocks_per_seq"),
+    ),
+    "cross_attention_mask": FillRule(
+        "each token's row of its request's cross-attention mask",
+        ("bool",),
+        ("num_tokens", "max_encoder_input_length"),
+    ),
+    "skip_cross_attn_blocks": FillRule(
+        "whether every request skips the cross-attention blocks", ("bool",), ("1",)
+    ),
+    "encoder_input_ids": FillRule(
+        "encoder input tokens of each request, concatenated", _INT, ("num_encoder_input_tokens",)
+    ),
+    "encoder_position_ids": FillRule(
+        "0 .. length - 1 over each request's encoder input", _INT, ("num_encoder_input_tokens",)
+    ),
+    "encoder_input_lengths": FillRule(
+        "encoder input length of each request", _INT, ("num_requests",)
+    ),
+    "lora_weights_pointers": FillRule(
+        "(A, B, DoRA scale) adapter addresses per module, layer and sequence",
+        ("int64",),
+        ("num_lora_modules", "num_local_layers", "num_sequences", "3"),
+        needs=_LORA,
+    ),
+    "lora_ranks": FillRule(
+        "adapter rank per module, layer and sequence",
+        _INT,
+        ("num_lora_modules", "num_local_layers", "num_sequences"),
+        needs=_LORA,
+    ),
+    "prompt_embedding_table": FillRule(
+        "each request's prompt table at rows [b * max_prompt_vocab_size, ...)",
+        _FLOAT,
+        ("max_prompt_embedding_table_size", "hidden_size"),
+        needs=("max_prompt_vocab_size", "hidden_size"),
+        device=True,
+    ),
+    "prompt_tasks": FillRule("prompt table (task) of every input token", _INT, ("num_tokens",)),
+    "slot_mapping": FillRule(
+        "state slot of each sequence", _INT, ("num_sequences",), needs=("max_batch_size",)
+    ),
+    "mrope_rotary_cos_sin": FillRule(
+        "each context request's M-RoPE cos/sin table in its row",
+        ("float32",),
+        ("num_sequences", "max_position_embeddings * rotary_embedding_dim"),
+        needs=("max_position_embeddings", "rotary_embedding_dim"),
+        device=True,
+    ),
+    "mrope_position_deltas": FillRule(
+        "M-RoPE position delta of each generation sequence", _INT, ("num_sequences", "1")
+    ),
+    "language_adapter_routings": FillRule(
+        "language adapter of every input token",
+        _INT,
+        ("num_tokens", "1"),
+        needs=("num_languages",),
+    ),
+    "posterior_thresholds": FillRule(
+        "Eagle posterior threshold of each request", ("float32",), ("num_sequences",)
+    ),
+    "posterior_alphas": FillRule(
+        "square root of each request's Eagle posterior threshold", ("float32",), ("num_sequences",)
+    ),
+    "chunked_context_next_tokens": FillRule(
+        "the token after each context chunk, -1 on a last chunk and for generation",
+        _INT,
+        ("num_sequences",),
     ),
 }

@@ -85,11 +85,9 @@ class Executor:
             max_batch_size=max_batch_size,
             max_num_tokens=token_budget,
             vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
             num_layers=cfg.num_hidden_layers,
             max_attention_window=max_sequence_length,
             tokens_per_block=tokens_per_block,
-            model_dtype=dtype,
             logits_dtype=dtype,
         )
         self.buffers = llama.RuntimeBuffers(self.config, device=device)

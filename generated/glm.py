@@ -2,7 +2,7 @@
 # Regenerate with: make generate
 """Runtime buffers of the glm family: GLM-10B with two-row position ids and a mask position.
 
-Flags: model_variant='glm', paged_kv_cache=False.
+Flags: model_variant='glm', engine='decoder', transformer=True, paged_kv_cache=False, rnn=False, pipeline_parallel=False, cross_attention=False, lora=False, prompt_tuning=False, mrope=False, language_adapter=False, spec_decoding='none'.
 
 This module is data: each tensor's dtype, memory, shapes, fill and engine bindings, with
 construct-time formulas as small lambdas over the Config `c` and the step sizes `s`. All
@@ -21,7 +21,7 @@ from bufc.runtime import fills
 rt.check_format_version(1)
 
 FAMILY = 'glm'
-FLAGS = {'model_variant': 'glm', 'paged_kv_cache': False}
+FLAGS = {'model_variant': 'glm', 'engine': 'decoder', 'transformer': True, 'paged_kv_cache': False, 'rnn': False, 'pipeline_parallel': False, 'cross_attention': False, 'lora': False, 'prompt_tuning': False, 'mrope': False, 'language_adapter': False, 'spec_decoding': 'none'}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,10 +38,8 @@ class Config(rt.ConfigBase):
     """Most speculative draft tokens per request (0 without speculative decoding)."""
     vocab_size: int
     """Vocabulary size of the model."""
-    hidden_size: int
-    """Hidden size of the model (all tensor-parallel ranks together)."""
     num_layers: int
-    """Transformer layers of the whole model."""
+    """Layers of the whole model."""
     tp_size: int = 1
     """Tensor-parallel world size."""
     pp_size: int = 1
@@ -52,10 +50,12 @@ class Config(rt.ConfigBase):
     """Attention window of every layer, in tokens."""
     sink_token_length: int = 0
     """Attention sink tokens kept at the start of the window."""
-    model_dtype: torch.dtype = torch.float16
-    """Activation dtype of the model (hidden states between pipeline ranks)."""
     logits_dtype: torch.dtype = torch.float32
     """Dtype of the engine's logits output."""
+    gather_context_logits: bool = False
+    """Keep the logits of every context token (context logits), not only the last."""
+    gather_generation_logits: bool = False
+    """Keep generation logits in an 8-step ring on the device for the requests to read."""
     world_size: int = dataclasses.field(init=False)
     """Ranks in the tensor- and pipeline-parallel world."""
     vocab_size_padded: int = dataclasses.field(init=False)
@@ -73,23 +73,24 @@ class Config(rt.ConfigBase):
         rt.check_int(self, 'max_num_tokens', minimum=1)
         rt.check_int(self, 'max_draft_tokens', minimum=0)
         rt.check_int(self, 'vocab_size', minimum=1)
-        rt.check_int(self, 'hidden_size', minimum=1)
         rt.check_int(self, 'num_layers', minimum=1)
         rt.check_int(self, 'tp_size', minimum=1)
         rt.check_int(self, 'pp_size', minimum=1)
         rt.check_int(self, 'pp_rank', minimum=0)
         rt.check_int(self, 'max_attention_window', minimum=1)
         rt.check_int(self, 'sink_token_length', minimum=0)
-        rt.check_dtype(self, 'model_dtype')
         rt.check_dtype(self, 'logits_dtype')
+        rt.check_bool(self, 'gather_context_logits')
+        rt.check_bool(self, 'gather_generation_logits')
         object.__setattr__(self, 'world_size', self.tp_size * self.pp_size)
         object.__setattr__(self, 'vocab_size_padded', rt.cdiv(self.vocab_size, self.world_size) * self.world_size)
         object.__setattr__(self, 'max_num_sequences', self.max_batch_size * self.max_beam_width)
         object.__setattr__(self, 'max_num_logits', self.max_batch_size * max(1 + self.max_draft_tokens, self.max_beam_width))
         object.__setattr__(self, 'num_local_layers', self.num_layers // self.pp_size)
-        rt.require(self, self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml:97)')
-        rt.require(self, self.num_layers // self.pp_size * self.pp_size == self.num_layers, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:99)')
-        rt.require(self, self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:101)')
+        rt.require(self, self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml:220)')
+        rt.require(self, self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:222)')
+        rt.require(self, self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:224)')
+        rt.require(self, self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:226)')
 
 
 # Step sizes checked against these bounds before any buffer is written.
@@ -106,7 +107,7 @@ SIZE_BOUNDS = (
 )
 
 TENSORS = (
-    # buffers.yaml:153: Token ids of the packed batch, staged on the host.
+    # buffers.yaml:355: Token ids of the packed batch, staged on the host.
     rt.TensorDecl(
         'host_input_ids',
         dtype=torch.int32,
@@ -117,7 +118,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.pp_rank == 0,
     ),
-    # buffers.yaml:162: Token ids of the packed batch; context chunks first, then each generation beam.
+    # buffers.yaml:364: Token ids of the packed batch; context chunks first, then each generation beam.
     rt.TensorDecl(
         'input_ids',
         dtype=torch.int32,
@@ -129,7 +130,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == 0,
         inputs=(rt.Bind('input_ids'),),
     ),
-    # buffers.yaml:188: GLM-10B two-row positions with the mask position, staged on the host.
+    # buffers.yaml:392: GLM-10B two-row positions with the mask position, staged on the host.
     rt.TensorDecl(
         'host_glm_position_ids',
         dtype=torch.int32,
@@ -140,7 +141,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:209: GLM-10B two-row position ids of the packed batch.
+    # buffers.yaml:422: GLM-10B two-row position ids of the packed batch.
     rt.TensorDecl(
         'glm_position_ids',
         dtype=torch.int32,
@@ -152,7 +153,7 @@ TENSORS = (
         inputs=(rt.Bind('position_ids'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:217: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+    # buffers.yaml:436: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
     rt.TensorDecl(
         'host_context_lengths',
         dtype=torch.int32,
@@ -163,7 +164,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_lengths'),),
     ),
-    # buffers.yaml:227: Device copy of host_context_lengths.
+    # buffers.yaml:447: Device copy of host_context_lengths.
     rt.TensorDecl(
         'context_lengths',
         dtype=torch.int32,
@@ -174,7 +175,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('context_lengths'),),
     ),
-    # buffers.yaml:233: Tokens of each sequence once this step's inputs are appended, staged on the host.
+    # buffers.yaml:453: Tokens of each sequence once this step's inputs are appended, staged on the host.
     rt.TensorDecl(
         'host_sequence_lengths',
         dtype=torch.int32,
@@ -184,7 +185,7 @@ TENSORS = (
         fill=fills.sequence_lengths,
         pad=0,
     ),
-    # buffers.yaml:241: Tokens of each sequence once this step's inputs are appended.
+    # buffers.yaml:462: Tokens of each sequence once this step's inputs are appended.
     rt.TensorDecl(
         'sequence_length',
         dtype=torch.int32,
@@ -195,7 +196,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('sequence_length'),),
     ),
-    # buffers.yaml:247: Kind of each sequence, 0 for context and 1 for generation.
+    # buffers.yaml:468: Kind of each sequence, 0 for context and 1 for generation.
     rt.TensorDecl(
         'host_request_types',
         dtype=torch.int32,
@@ -206,7 +207,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
-    # buffers.yaml:257: KV-cache length of each sequence after this step (generation excludes drafts).
+    # buffers.yaml:479: KV-cache length of each sequence after this step (generation excludes drafts).
     rt.TensorDecl(
         'host_past_key_value_lengths',
         dtype=torch.int32,
@@ -217,7 +218,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_past_key_value_lengths'),),
     ),
-    # buffers.yaml:269: 1-based index in the packed tokens of the last token of each logit row.
+    # buffers.yaml:492: 1-based index in the packed tokens of the last token of each logit row.
     rt.TensorDecl(
         'host_last_token_ids',
         dtype=torch.int32,
@@ -227,7 +228,7 @@ TENSORS = (
         fill=fills.last_token_ids,
         pad=0,
     ),
-    # buffers.yaml:277: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
+    # buffers.yaml:501: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
     rt.TensorDecl(
         'last_token_ids',
         dtype=torch.int32,
@@ -238,7 +239,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('last_token_ids'),),
     ),
-    # buffers.yaml:283: Logits of every logit row over the padded vocabulary (last pipeline rank).
+    # buffers.yaml:507: Logits of every logit row over the padded vocabulary (last pipeline rank).
     rt.TensorDecl(
         'logits',
         dtype=lambda c: c.logits_dtype,
@@ -246,22 +247,117 @@ TENSORS = (
         capacity=lambda c: (c.max_num_logits, c.vocab_size_padded),
         shape=lambda c, s: (s.num_logits, c.vocab_size_padded),
         fill=rt.ENGINE,
-        when=lambda c: c.pp_rank == c.pp_size - 1,
+        when=lambda c: c.pp_rank == c.pp_size - 1 and not c.gather_context_logits and not c.gather_generation_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:314: Hidden states exchanged between pipeline ranks (input on later, output on earlier ranks).
+    # buffers.yaml:521: Logits of every token of the step (gather_context_logits), last pipeline rank.
     rt.TensorDecl(
-        'hidden_states',
-        dtype=lambda c: c.model_dtype,
+        'context_logits',
+        dtype=lambda c: c.logits_dtype,
         memory=rt.DEVICE,
-        capacity=lambda c: (c.max_num_tokens, c.hidden_size),
-        shape=lambda c, s: (s.num_tokens, c.hidden_size),
+        capacity=lambda c: (c.max_num_tokens, c.vocab_size_padded),
+        shape=lambda c, s: (s.num_tokens, c.vocab_size_padded),
         fill=rt.ENGINE,
-        when=lambda c: c.pp_size > 1,
-        inputs=(rt.Bind('hidden_states_input', when=lambda c: c.pp_rank > 0),),
-        outputs=(rt.Bind('hidden_states_output', when=lambda c: c.pp_rank < c.pp_size - 1),),
+        when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_context_logits,
+        outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:329: Attention window of each layer on this pipeline rank.
+    # buffers.yaml:533: Ring of 8 step buffers of generation logits (gather_generation_logits), one bound per step.
+    rt.TensorDecl(
+        'generation_logits_cache',
+        dtype=lambda c: c.logits_dtype,
+        memory=rt.DEVICE,
+        capacity=lambda c: (8, c.max_num_sequences, c.vocab_size_padded),
+        shape=lambda c, s: (8, c.max_num_sequences, c.vocab_size_padded),
+        fill=rt.ENGINE,
+        when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits and not c.gather_context_logits,
+        outputs=(rt.Bind('logits'),),
+        ring=8,
+    ),
+    # buffers.yaml:546: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
+    rt.TensorDecl(
+        'generation_logits_transposed',
+        dtype=lambda c: c.logits_dtype,
+        memory=rt.DEVICE,
+        capacity=lambda c: (c.max_beam_width, 8, c.vocab_size_padded),
+        shape=lambda c, s: (c.max_beam_width, 8, c.vocab_size_padded),
+        fill=rt.EXTERNAL,
+        when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
+    ),
+    # buffers.yaml:554: Device pointers of the logits fragments to merge.
+    rt.TensorDecl(
+        'generation_logits_fragment_pointers',
+        dtype=torch.int64,
+        memory=rt.DEVICE,
+        capacity=lambda c: (8,),
+        shape=lambda c, s: (8,),
+        fill=rt.EXTERNAL,
+        when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
+    ),
+    # buffers.yaml:562: Host pointer lists of the logits fragments, one row per merge.
+    rt.TensorDecl(
+        'host_generation_logits_fragment_pointers',
+        dtype=torch.int64,
+        memory=rt.PINNED,
+        capacity=lambda c: (c.max_batch_size, 8),
+        shape=lambda c, s: (c.max_batch_size, 8),
+        fill=rt.EXTERNAL,
+        when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
+    ),
+    # buffers.yaml:621: Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
+    rt.TensorDecl(
+        'cache_indirection',
+        dtype=torch.int32,
+        memory=rt.DEVICE,
+        capacity=lambda c: (c.max_batch_size, c.max_beam_width, c.max_attention_window),
+        shape=lambda c, s: (c.max_batch_size, c.max_beam_width, c.max_attention_window),
+        fill=rt.EXTERNAL,
+        inputs=(rt.Bind('cache_indirection'),),
+    ),
+    # buffers.yaml:632: Source, destination and size of the copy of each generation request's cache indirection.
+    rt.TensorDecl(
+        'host_cache_indirection_copies',
+        dtype=torch.int64,
+        memory=rt.PINNED,
+        capacity=lambda c: (3, c.max_batch_size),
+        shape=lambda c, s: (3, s.num_generation_requests),
+        fill=fills.cache_indirection_copies,
+        pad=0,
+        when=lambda c: c.max_beam_width > 1,
+    ),
+    # buffers.yaml:641: Device copy of host_cache_indirection_copies, read by the batched copy kernel.
+    rt.TensorDecl(
+        'cache_indirection_copies',
+        dtype=torch.int64,
+        memory=rt.DEVICE,
+        capacity=lambda c: (3, c.max_batch_size),
+        shape=lambda c, s: (3, s.num_generation_requests),
+        fill=rt.Mirror('host_cache_indirection_copies'),
+        pad=0,
+        when=lambda c: c.max_beam_width > 1,
+    ),
+    # buffers.yaml:645: Source, destination and size of each request's decoder output-to-input indirection copy.
+    rt.TensorDecl(
+        'host_cache_indirection_decoder_copies',
+        dtype=torch.int64,
+        memory=rt.PINNED,
+        capacity=lambda c: (3, c.max_batch_size),
+        shape=lambda c, s: (3, s.num_requests),
+        fill=fills.cache_indirection_decoder_copies,
+        pad=0,
+        when=lambda c: c.max_beam_width > 1,
+    ),
+    # buffers.yaml:654: Device copy of host_cache_indirection_decoder_copies.
+    rt.TensorDecl(
+        'cache_indirection_decoder_copies',
+        dtype=torch.int64,
+        memory=rt.DEVICE,
+        capacity=lambda c: (3, c.max_batch_size),
+        shape=lambda c, s: (3, s.num_requests),
+        fill=rt.Mirror('host_cache_indirection_decoder_copies'),
+        pad=0,
+        when=lambda c: c.max_beam_width > 1,
+    ),
+    # buffers.yaml:660: Attention window of each layer on this pipeline rank.
     rt.TensorDecl(
         'host_max_attention_window_sizes',
         dtype=torch.int32,
@@ -271,7 +367,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.max_attention_window),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),
-    # buffers.yaml:338: Attention sink tokens.
+    # buffers.yaml:680: Attention sink tokens.
     rt.TensorDecl(
         'host_sink_token_length',
         dtype=torch.int32,
@@ -281,7 +377,40 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.sink_token_length),
         inputs=(rt.Bind('host_sink_token_length'),),
     ),
-    # buffers.yaml:347: Decoder slot of each request, context requests first.
+    # buffers.yaml:690: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
+    rt.TensorDecl(
+        'host_context_progress',
+        dtype=torch.int64,
+        memory=rt.HOST,
+        capacity=lambda c: (1,),
+        shape=lambda c, s: (1,),
+        fill=rt.EXTERNAL,
+        pad=0,
+        inputs=(rt.Bind('host_context_progress'),),
+    ),
+    # buffers.yaml:701: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
+    rt.TensorDecl(
+        'host_runtime_perf_knobs',
+        dtype=torch.int64,
+        memory=rt.HOST,
+        capacity=lambda c: (16,),
+        shape=lambda c, s: (16,),
+        fill=rt.STATIC,
+        pad=-1,
+        inputs=(rt.Bind('host_runtime_perf_knobs'),),
+    ),
+    # buffers.yaml:712: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
+    rt.TensorDecl(
+        'host_all_reduce_workspace',
+        dtype=torch.int64,
+        memory=rt.HOST,
+        capacity=lambda c: (7 * c.tp_size + 3,),
+        shape=lambda c, s: (7 * c.tp_size + 3,),
+        fill=rt.STATIC,
+        when=lambda c: c.tp_size > 1,
+        inputs=(rt.Bind('all_reduce_workspace'),),
+    ),
+    # buffers.yaml:722: Decoder slot of each request, context requests first.
     rt.TensorDecl(
         'host_seq_slots',
         dtype=torch.int32,
@@ -291,7 +420,7 @@ TENSORS = (
         fill=fills.seq_slots,
         pad=0,
     ),
-    # buffers.yaml:355: Device copy of host_seq_slots, for decoder-side gathers.
+    # buffers.yaml:731: Device copy of host_seq_slots, for decoder-side gathers.
     rt.TensorDecl(
         'seq_slots',
         dtype=torch.int32,
@@ -310,3 +439,4 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     config_type = Config
     size_bounds = SIZE_BOUNDS
     tensor_decls = TENSORS
+    step_sizes = ('num_context_requests', 'num_context_tokens', 'num_generation_requests', 'num_generation_sequences', 'num_generation_tokens', 'num_logits', 'num_sequences', 'num_tokens', 'num_requests', 'max_context_length')

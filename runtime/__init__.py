@@ -8,8 +8,21 @@ from __future__ import annotations
 
 from .batch import STEP_SIZES, Batch, StepSizes
 from .buffers import KV_CACHE_LENGTH_ROUND, RuntimeBuffers, Step
-from .config import ConfigBase, cdiv, check_dtype, check_int, require
-from .decl import DEVICE, ENGINE, HOST, PINNED, Bind, Constant, Mirror, SizeBound, TensorDecl
+from .config import ConfigBase, cdiv, check_bool, check_dtype, check_int, check_names, require
+from .decl import (
+    DEVICE,
+    ENGINE,
+    EXTERNAL,
+    HOST,
+    PINNED,
+    STATIC,
+    Bind,
+    Constant,
+    IndexSet,
+    Mirror,
+    SizeBound,
+    TensorDecl,
+)
 from .errors import BatchError, ConfigError
 from .request import Request
 
@@ -29,10 +42,12 @@ def check_format_version(version: int) -> None:
 __all__ = [
     "DEVICE",
     "ENGINE",
+    "EXTERNAL",
     "FORMAT_VERSION",
     "HOST",
     "KV_CACHE_LENGTH_ROUND",
     "PINNED",
+    "STATIC",
     "STEP_SIZES",
     "Batch",
     "BatchError",
@@ -40,6 +55,7 @@ __all__ = [
     "ConfigBase",
     "ConfigError",
     "Constant",
+    "IndexSet",
     "Mirror",
     "Request",
     "RuntimeBuffers",
@@ -48,8 +64,10 @@ __all__ = [
     "StepSizes",
     "TensorDecl",
     "cdiv",
+    "check_bool",
     "check_dtype",
     "check_format_version",
     "check_int",
+    "check_names",
     "require",
 ]

@@ -36,6 +36,10 @@ class StepSizes:
     num_tokens: int
     num_requests: int
     max_context_length: int
+    # computed only for families that read them (encoder-decoder models)
+    num_encoder_tokens: int = 0
+    num_encoder_input_tokens: int = 0
+    max_encoder_input_length: int = 0
 
     def generation_bucket(self, rows: int) -> StepSizes:
         """The sizes of a generation-only step (one token per sequence) padded to `rows`
@@ -113,6 +117,7 @@ class Batch:  # not slotted: cached_property needs __dict__
         max_beam_width: int = 1,
         max_draft_tokens: int = 0,
         reuse: dict | None = None,
+        encoder: bool = False,
     ) -> Batch:
         """Validate the scheduled requests and lay them out; raise BatchError on a problem.
 
@@ -243,6 +248,8 @@ class Batch:  # not slotted: cached_property needs __dict__
             num_requests=n_ctx + n_gen,
             max_context_length=int(c_plen.max()) if n_ctx else 0,
         )
+        if encoder:
+            sizes = dataclasses.replace(sizes, **_encoder_sizes(context, generation))
         return Batch(
             context=context,
             generation=generation,
@@ -296,6 +303,36 @@ class Batch:  # not slotted: cached_property needs __dict__
         if not self.context:
             return gen
         return np.concatenate((self.ctx_begin + self.ctx_input_len, gen))
+
+
+def encoder_input_length(r: Any) -> int:
+    n = getattr(r, "encoder_input_length", None)
+    if n is None:
+        ids = getattr(r, "encoder_input_ids", None)
+        if ids is None:
+            raise BatchError(
+                f"request (seq_slot {getattr(r, 'seq_slot', None)!r}) has neither "
+                "encoder_input_length nor encoder_input_ids"
+            )
+        n = len(ids)
+    return int(n)
+
+
+def encoder_output_length(r: Any) -> int:
+    n = getattr(r, "encoder_output_length", None)
+    return encoder_input_length(r) if n is None else int(n)
+
+
+def _encoder_sizes(context: tuple, generation: tuple) -> dict[str, int]:
+    """The reference's EncoderBuffers::setBufferSizes: sums over the context requests, the
+    longest input over every request."""
+    inputs = [encoder_input_length(r) for r in context]
+    longest = max(inputs + [encoder_input_length(r) for r in generation], default=0)
+    return {
+        "num_encoder_tokens": sum(encoder_output_length(r) for r in context),
+        "num_encoder_input_tokens": sum(inputs),
+        "max_encoder_input_length": max(1, longest),
+    }
 
 
 def _prompt_cache(reuse: dict | None, context: tuple) -> dict:

@@ -23,13 +23,14 @@ import numpy as np
 import torch
 
 from .batch import Batch, StepSizes
-from .decl import DEVICE, PINNED, Constant, Mirror, SizeBound, TensorDecl
+from .decl import DEVICE, PINNED, STATIC, Constant, Mirror, SizeBound, TensorDecl
 from .errors import BatchError
 from .fills import Decode, Rule, past_key_value_lengths
 
 ALIGN = 256  # bytes; every arena member starts on this boundary
 KV_CACHE_LENGTH_ROUND = 256  # the reference's CUDA-graph key rounding
 HALVES = 2
+ENCODER_SIZES = ("num_encoder_tokens", "num_encoder_input_tokens", "max_encoder_input_length")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,14 +41,25 @@ class Step:
     outputs: dict[str, torch.Tensor]
     sizes: StepSizes
     max_kv_cache_length_rounded: int
+    ring_slots: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The slot each ring tensor (e.g. generation_logits_cache) binds in this step."""
 
 
 class RuntimeBuffers:
     config_type: ClassVar[type]
     size_bounds: ClassVar[tuple[SizeBound, ...]]
     tensor_decls: ClassVar[tuple[TensorDecl, ...]]
+    step_sizes: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, config: Any, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        config: Any,
+        device: str | torch.device = "cpu",
+        static_inputs: dict[str, Any] | None = None,
+    ) -> None:
+        """Allocate every tensor of the family for `config` on `device` (staging in pinned
+        memory on CUDA). `static_inputs` gives the values of the static tensors (tensor name
+        -> array-like broadcastable to its capacity shape; see ``set_static``)."""
         if not isinstance(config, self.config_type):
             raise TypeError(
                 f"expected {self.config_type.__module__}.Config, got {type(config).__name__}"
@@ -114,9 +126,18 @@ class RuntimeBuffers:
         self._guards = tuple((d.name, d.shape, self._numel[d.name]) for d in decls if d.checked)
         rules = [(d.name, d.fill) for d in decls if isinstance(d.fill, Rule)]
         self._checks = tuple(dict.fromkeys(r.check for _, r in rules if r.check is not None))
+        # host rules write numpy views of the staging storage; device rules write the torch
+        # tensor (copies of request tensors, enqueued on the current stream)
         self._fills = [
             tuple(
-                (name, rule, self._flat[h][name].numpy(), self.decls[name].pad)
+                (
+                    name,
+                    rule,
+                    self._flat[h][name]
+                    if self.decls[name].memory == DEVICE
+                    else self._flat[h][name].numpy(),
+                    self.decls[name].pad,
+                )
                 for name, rule in rules
             )
             for h in range(HALVES)
@@ -138,18 +159,40 @@ class RuntimeBuffers:
         self._device_high_water = 0
         self.copies_per_step = 1 if end else 0
 
-        self._inputs = tuple(
-            (b.engine_name, d.name, d.shape)
+        # engine bindings: (engine name, tensor, step shape, index into its leading dims);
+        # static tensors are bound once (static_inputs), ring tensors bind one slot per step
+        def bindings(which: str) -> tuple:
+            return tuple(
+                (name, d.name, d.shape, index)
+                for d in decls
+                if d.fill is not STATIC and d.ring is None
+                for b in getattr(d, which)
+                if b.when is None or b.when(c)
+                for name, index in b.expand(c)
+            )
+
+        self._inputs = bindings("inputs")
+        self._outputs = bindings("outputs")
+        self._rings = tuple(
+            (which, b.engine_name, d.name, d.ring)
             for d in decls
+            if d.ring is not None
+            for which in ("inputs", "outputs")
+            for b in getattr(d, which)
+            if b.when is None or b.when(c)
+        )
+        self._ring_step = 0
+        self._static_bindings = {
+            name: (d.name, index)
+            for d in decls
+            if d.fill is STATIC
             for b in d.inputs
             if b.when is None or b.when(c)
-        )
-        self._outputs = tuple(
-            (b.engine_name, d.name, d.shape)
-            for d in decls
-            for b in d.outputs
-            if b.when is None or b.when(c)
-        )
+            for name, index in b.expand(c)
+        }
+        for name, values in (static_inputs or {}).items():
+            self.set_static(name, values)
+        self._encoder_sizes = any(z in self.step_sizes for z in ENCODER_SIZES)
         self._reuse: dict = {}  # per-request columns kept from the last step (Batch.build)
         self._views: list[dict[str, dict[tuple[int, ...], torch.Tensor]]] = [
             {name: {} for name in self.decls} for _ in range(HALVES)
@@ -186,6 +229,32 @@ class RuntimeBuffers:
             view = cache[shape] = self._flat[self._half][name][: math.prod(shape)].view(shape)
         return view
 
+    def set_static(self, name: str, values: Any) -> None:
+        """Write a static tensor (broadcast to its capacity shape), e.g. the KV pool pointers
+        once the pools exist. Its engine bindings are in ``static_inputs``."""
+        d = self.decls.get(name)
+        if d is None or d.fill is not STATIC:
+            statics = ", ".join(n for n, x in self.decls.items() if x.fill is STATIC) or "none"
+            raise ValueError(f"{name!r} is not a static tensor of this family (static: {statics})")
+        target = self._flat[0][name].view(self._capacity_shape[name])
+        try:
+            source = torch.as_tensor(values, dtype=target.dtype)
+            target.copy_(source.expand_as(target))
+        except RuntimeError as exc:
+            raise ValueError(
+                f"{name}: values of shape {tuple(torch.as_tensor(values).shape)} do not fit "
+                f"its shape {self._capacity_shape[name]}"
+            ) from exc
+
+    @property
+    def static_inputs(self) -> dict[str, torch.Tensor]:
+        """Engine inputs bound once (the reference's setStaticInputTensors)."""
+        out = {}
+        for engine_name, (name, index) in self._static_bindings.items():
+            view = self._flat[0][name].view(self._capacity_shape[name])
+            out[engine_name] = view[index] if index else view
+        return out
+
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor at its capacity shape (staged host tensors: the half of the last step)."""
@@ -208,6 +277,7 @@ class RuntimeBuffers:
             max_beam_width=getattr(c, "max_beam_width", 1),
             max_draft_tokens=getattr(c, "max_draft_tokens", 0),
             reuse=self._reuse,
+            encoder=self._encoder_sizes,
         )
         s = batch.sizes
         for size, bound in self._bounds:
@@ -324,17 +394,22 @@ class RuntimeBuffers:
     def _step(self, s: StepSizes) -> Step:
         cached = self._step_views[self._half]
         if cached is None or cached[0] != s:  # steady decoding repeats the sizes: reuse the views
-            c = self.config
-            cached = self._step_views[self._half] = (
-                s,
-                {e: self._view(n, f(c, s)) for e, n, f in self._inputs},
-                {e: self._view(n, f(c, s)) for e, n, f in self._outputs},
-            )
+            cached = self._step_views[self._half] = (s, *self.views(s))
+        inputs, outputs = dict(cached[1]), dict(cached[2])
+        slots = {}
+        for which, engine_name, name, ring in self._rings:
+            slot = self._ring_step % ring
+            view = self._view(name, self._capacity_shape[name])[slot]
+            (inputs if which == "inputs" else outputs)[engine_name] = view
+            slots[name] = slot
+        if self._rings:
+            self._ring_step += 1
         return Step(
-            inputs=dict(cached[1]),
-            outputs=dict(cached[2]),
+            inputs=inputs,
+            outputs=outputs,
             sizes=s,
             max_kv_cache_length_rounded=self._max_kv_rounded(),
+            ring_slots=slots,
         )
 
     def views(self, sizes: StepSizes) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -342,9 +417,14 @@ class RuntimeBuffers:
         step): the same storage as the step's views, with the rows past the step holding their
         pad values."""
         c = self.config
+
+        def view(n: str, f: Any, index: tuple[int, ...]) -> torch.Tensor:
+            v = self._view(n, f(c, sizes))
+            return v[index] if index else v
+
         return (
-            {e: self._view(n, f(c, sizes)) for e, n, f in self._inputs},
-            {e: self._view(n, f(c, sizes)) for e, n, f in self._outputs},
+            {e: view(n, f, i) for e, n, f, i in self._inputs},
+            {e: view(n, f, i) for e, n, f, i in self._outputs},
         )
 
     def _max_kv_rounded(self) -> int:

@@ -48,6 +48,25 @@ def check_dtype(config: Any, name: str) -> None:
         )
 
 
+def check_bool(config: Any, name: str) -> None:
+    value = getattr(config, name)
+    if type(value) is not bool:
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+
+
+def check_names(config: Any, name: str, allowed: tuple[str, ...]) -> None:
+    value = getattr(config, name)
+    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{name} must be a sequence of names, got {value!r}")
+    value = tuple(value)
+    for v in value:
+        if v not in allowed:
+            raise ConfigError(f"{name}: {v!r} is not one of {', '.join(allowed)}")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"{name} names a module twice: {value!r}")
+    object.__setattr__(config, name, value)
+
+
 def require(config: Any, condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(f"{type(config).__module__}.Config: {message}")

@@ -39,15 +39,75 @@ class _Engine:
 ENGINE = _Engine()
 """Written by the engine (outputs, and tensors the engine exchanges between ranks)."""
 
-Fill = Rule | Mirror | Constant | _Engine
+
+class _External:
+    def __repr__(self) -> str:
+        return "rt.EXTERNAL"
+
+
+EXTERNAL = _External()
+"""Written by the decoder or the caller after prepare_step, on the same stream; bufc
+allocates it at capacity (holding its pad value), shapes it per step and binds it."""
+
+
+class _Static:
+    def __repr__(self) -> str:
+        return "rt.STATIC"
+
+
+STATIC = _Static()
+"""Values handed to the constructor (``static_inputs``), bound once."""
+
+Fill = Rule | Mirror | Constant | _Engine | _External | _Static
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexSet:
+    """Members a binding is repeated over, as (position, label) pairs: the names of a names
+    parameter, or the labels first .. first + count - 1 kept where `where(config, label)`
+    holds (the position counts all members, kept or not)."""
+
+    name: str
+    names: ConfigFn | None = None
+    first: ConfigFn | None = None
+    count: ConfigFn | None = None
+    where: Callable[[Any, int], bool] | None = None
+
+    def members(self, config: Any) -> list[tuple[int, str]]:
+        if self.names is not None:
+            return [(i, str(n)) for i, n in enumerate(self.names(config))]
+        assert self.first is not None and self.count is not None
+        first = self.first(config)
+        return [
+            (i, str(first + i))
+            for i in range(self.count(config))
+            if self.where is None or self.where(config, first + i)
+        ]
 
 
 @dataclasses.dataclass(frozen=True)
 class Bind:
-    """An engine IO name a tensor is bound to, optionally only when `when(config)` holds."""
+    """An engine IO name a tensor is bound to, optionally only when `when(config)` holds.
+
+    With `each`, the binding is repeated for every combination of the sets' members: the
+    name's ``{set}`` placeholders take the members' labels and the view is the tensor's step
+    view indexed by their positions (one leading dimension per set)."""
 
     engine_name: str
     when: ConfigFn | None = None
+    each: tuple[IndexSet, ...] = ()
+
+    def expand(self, config: Any) -> list[tuple[str, tuple[int, ...]]]:
+        """(engine name, index into the leading dimensions) of every repetition."""
+        out: list[tuple[str, tuple[int, ...]]] = [(self.engine_name, ())]
+        for s in self.each:
+            members = s.members(config)
+            out = [
+                (name.replace("{" + s.name + "}", label), index + (pos,))
+                for name, index in out
+                for pos, label in members
+            ]
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,3 +131,4 @@ class TensorDecl:
     inputs: tuple[Bind, ...] = ()
     outputs: tuple[Bind, ...] = ()
     checked: bool = False
+    ring: int | None = None  # the leading dimension is a ring of step buffers, one bound per step

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from . import feature_fills as F
 from .batch import Batch
 from .errors import BatchError
 
@@ -53,9 +54,9 @@ class Rule:
     `prev` (same shape) in O(1) Python work, and returns the elements written."""
 
     name: str
-    fill: Callable[[np.ndarray, Batch, Any], int]
+    fill: Callable[[Any, Batch, Any], int]  # out: a numpy view, or a torch device tensor
     check: Callable[[Batch, Any], None] | None = None
-    advance: Callable[[np.ndarray, np.ndarray, Decode, Any], int] | None = None
+    advance: Callable[[Any, Any, Decode, Any], int] | None = None
     advance_check: Callable[[Decode, Any], None] | None = None
 
     def __repr__(self) -> str:
@@ -130,6 +131,16 @@ def _position_ids(out: np.ndarray, b: Batch, config: Any = None) -> int:
                     r.position_ids[-1] + b.gen_max_generated[g]
                 )
     return n
+
+
+def _context_position_ids(out: np.ndarray, b: Batch, config: Any = None) -> int:
+    """The context tokens' positions only: with lookahead and ReDrafter the drafter writes the
+    generation tokens' positions on the device after the step's copy (the reference skips
+    generation requests here for these modes)."""
+    n = _position_ids(out, b)
+    o = b.sizes.num_context_tokens
+    out[o:n] = 0
+    return o
 
 
 def _reject_explicit_positions(b: Batch, config: Any = None) -> None:
@@ -288,7 +299,11 @@ def _kv_check(b: Batch, config: Any) -> None:
 
 
 def _write_kv_rows(rows: np.ndarray, lists: list, config: Any) -> None:
-    """rows[i] = the [K/V, max_blocks_per_seq] block indices of lists[i], zero-padded."""
+    write_kv_rows(rows, lists, config.num_local_layers)
+
+
+def write_kv_rows(rows: np.ndarray, lists: list, num_local_layers: int) -> None:
+    """rows[i] = the [K/V, width] block indices of lists[i], zero-padded."""
     if not lists:
         return
     rows[:] = 0
@@ -297,7 +312,7 @@ def _write_kv_rows(rows: np.ndarray, lists: list, config: Any) -> None:
     blocks = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total)
     seq = np.repeat(np.arange(len(lists)), lengths)
     col = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    index = blocks * (config.num_local_layers * 2)
+    index = blocks * (num_local_layers * 2)
     rows[seq, 0, col] = index
     rows[seq, 1, col] = index + 1
 
@@ -431,9 +446,50 @@ kv_cache_block_offsets = Rule(
     "kv_cache_block_offsets", _kv_cache_block_offsets, _kv_check, _advance_kv, _advance_kv_check
 )
 
+context_position_ids = Rule("context_position_ids", _context_position_ids)
+cache_indirection_copies = Rule(
+    "cache_indirection_copies",
+    F.cache_indirection_copies,
+    advance=_advance_same(lambda b: 3 * b.sizes.num_generation_requests),
+)
+cache_indirection_decoder_copies = Rule(
+    "cache_indirection_decoder_copies",
+    F.cache_indirection_decoder_copies,
+    advance=_advance_same(lambda b: 3 * b.sizes.num_requests),
+)
+_FEATURE_RULES = tuple(
+    Rule(name, getattr(F, name), F.CHECKS.get(name))
+    for name in (
+        "encoder_output_lengths",
+        "encoder_output",
+        "cross_kv_cache_block_offsets",
+        "cross_attention_mask",
+        "skip_cross_attn_blocks",
+        "encoder_input_ids",
+        "encoder_position_ids",
+        "encoder_input_lengths",
+        "lora_weights_pointers",
+        "lora_ranks",
+        "prompt_embedding_table",
+        "prompt_tasks",
+        "slot_mapping",
+        "mrope_rotary_cos_sin",
+        "mrope_position_deltas",
+        "language_adapter_routings",
+        "posterior_thresholds",
+        "posterior_alphas",
+        "chunked_context_next_tokens",
+    )
+)
+globals().update({r.name: r for r in _FEATURE_RULES})  # fills.<name>, as generated code reads
+
 RULES = {
     r.name: r
     for r in (
+        context_position_ids,
+        cache_indirection_copies,
+        cache_indirection_decoder_copies,
+        *_FEATURE_RULES,
         token_ids,
         position_ids,
         chatglm_position_ids,

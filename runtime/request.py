@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 
 @dataclasses.dataclass(eq=False)
@@ -33,3 +34,33 @@ class Request:
     """GLM: set by the runtime during the context step, read in generation."""
     kv_block_ids: Sequence[Sequence[int]] | None = None
     """Paged KV cache: the request's block ids, one list per beam (or one shared list)."""
+    # ---- encoder-decoder models
+    encoder_input_ids: Sequence[int] | None = None
+    """Encoder engine: the request's encoder input tokens."""
+    encoder_input_length: int | None = None
+    """Encoder input tokens (default: len(encoder_input_ids))."""
+    encoder_output_length: int | None = None
+    """Encoder output rows (default: the encoder input length)."""
+    encoder_output: Any = None
+    """Decoder of an encoder-decoder model, context phase: the encoder's output rows
+    ([encoder_output_length, encoder_hidden_size] tensor)."""
+    cross_kv_block_ids: Sequence[Sequence[int]] | None = None
+    """Cross-attention KV cache block ids, one list per beam (or one shared list)."""
+    cross_attention_mask: Any = None
+    """Optional [rows, encoder input length] bool array: row p is the mask of position p."""
+    skip_cross_attn_blocks: bool = False
+    """Skip the cross-attention blocks (every scheduled request must, for the step to skip)."""
+    # ---- adapters and multimodal inputs
+    lora_weights: Sequence[tuple[str, int, int, int, int | None, int]] | None = None
+    """LoRA adapter rows: (module, global layer, A address, B address, DoRA scale address or
+    None, rank)."""
+    prompt_table: Any = None
+    """Prompt tuning: the request's [vocab, hidden] prompt embedding table."""
+    mrope_rotary_cos_sin: Any = None
+    """M-RoPE: the request's flattened cos/sin table (context phase)."""
+    mrope_position_deltas: int | None = None
+    """M-RoPE: the request's position delta (generation phase)."""
+    language_adapter_uid: int | None = None
+    """The language adapter of the request."""
+    eagle_posterior_threshold: float | None = None
+    """Eagle: the request's posterior threshold (default 0.09)."""

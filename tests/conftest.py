@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 from pathlib import Path
@@ -36,9 +37,18 @@ def family(name: str):
     return importlib.import_module(f"bufc.generated.{name}")
 
 
-def make_buffers(name: str, device: str = "cpu", **overrides):
+def make_config(name: str, **overrides):
+    """The family's Config from BASE (the parameters it has) and `overrides` (all passed)."""
     mod = family(name)
-    return mod.RuntimeBuffers(mod.Config(**{**BASE, **overrides}), device=device)
+    fields = {f.name for f in dataclasses.fields(mod.Config) if f.init}
+    return mod.Config(**{**{k: v for k, v in BASE.items() if k in fields}, **overrides})
+
+
+def make_buffers(name: str, device: str = "cpu", static_inputs=None, **overrides):
+    mod = family(name)
+    return mod.RuntimeBuffers(
+        make_config(name, **overrides), device=device, static_inputs=static_inputs
+    )
 
 
 @pytest.fixture(params=FAMILIES)

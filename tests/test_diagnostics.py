@@ -122,7 +122,7 @@ CASES = [
         '    shape: ["num_tokens"]',
         '    shpae: ["num_tokens"]',
         [
-            "buffers.yaml:19:5: unknown key 'shpae' in tensors[0] (did you mean 'shape'?); allowed keys: bind, capacity, doc, dtype, fill, memory, name, pad, shape, when"
+            "buffers.yaml:19:5: unknown key 'shpae' in tensors[0] (did you mean 'shape'?); allowed keys: bind, capacity, doc, dtype, fill, memory, name, pad, ring, shape, when"
         ],
         id="unknownkey",
     ),
@@ -217,7 +217,8 @@ CASES = [
         '  num_requests: {doc: Requests., max: "max_batch_size"}\n  max_batch_size: {doc: X.}',
         [
             "buffers.yaml:11:3: name 'max_batch_size' is already declared at line 5; flags, parameters, derived values and sizes share one namespace",
-            "buffers.yaml:11:3: unknown step size 'max_batch_size'; the runtime computes: num_context_requests, num_context_tokens, num_generation_requests, num_generation_sequences, num_generation_tokens, num_logits, num_sequences, num_tokens, num_requests, max_context_length",
+            "buffers.yaml:11:3: unknown step size 'max_batch_size'; the runtime computes: num_context_requests, num_context_tokens, num_generation_requests, num_generation_sequences, num_generation_tokens, num_logits, num_sequences, num_tokens, num_requests, max_context_length, "
+            "num_encoder_tokens, num_encoder_input_tokens, max_encoder_input_length",
         ],
         id="dupsym",
     ),
@@ -225,7 +226,8 @@ CASES = [
         "  num_requests: {doc",
         "  num_reqs: {doc",
         [
-            "buffers.yaml:10:3: unknown step size 'num_reqs' (did you mean 'num_requests'?); the runtime computes: num_context_requests, num_context_tokens, num_generation_requests, num_generation_sequences, num_generation_tokens, num_logits, num_sequences, num_tokens, num_requests, max_context_length"
+            "buffers.yaml:10:3: unknown step size 'num_reqs' (did you mean 'num_requests'?); the runtime computes: num_context_requests, num_context_tokens, num_generation_requests, num_generation_sequences, num_generation_tokens, num_logits, num_sequences, num_tokens, num_requests, max_context_length, "
+            "num_encoder_tokens, num_encoder_input_tokens, max_encoder_input_length"
         ],
         id="unknownsize",
     ),
@@ -358,7 +360,7 @@ CASES = [
     pytest.param(
         "{doc: A., flags: {variant: a}}",
         "{doc: A.}",
-        ["buffers.yaml:12:3: family 'fam_a' does not set flag 'variant'"],
+        ["buffers.yaml:12:3: family 'fam_a' does not set flag 'variant', which has no default"],
         id="fammissing",
     ),
     pytest.param(
@@ -429,7 +431,8 @@ CASES = [
         "    fill: {rule: token_ids}",
         "    fill: {rule: token_id}",
         [
-            "buffers.yaml:20:18: unknown fill rule 'token_id' (did you mean 'token_ids'?); rules: chatglm_position_ids, context_lengths, glm_position_ids, kv_cache_block_offsets, last_token_ids, past_key_value_lengths, position_ids, request_types, seq_slots, sequence_lengths, token_ids"
+            "buffers.yaml:20:18: unknown fill rule 'token_id' (did you mean 'token_ids'?); "
+            "docs/spec.md lists the rules"
         ],
         id="unknownrule",
     ),
@@ -437,7 +440,7 @@ CASES = [
         '    memory: pinned\n    capacity: ["max_num_tokens"]\n    shape: ["num_tokens"]\n    fill: {rule: token_ids}',
         '    memory: device\n    capacity: ["max_num_tokens"]\n    shape: ["num_tokens"]\n    fill: {rule: token_ids}',
         [
-            "buffers.yaml:17:5: fill rules run on the host: make 'host_ids' pinned and add a device tensor with fill: {mirror: host_ids}",
+            "buffers.yaml:17:5: fill rule 'token_ids' runs on the host: make 'host_ids' pinned and add a device tensor with fill: {mirror: host_ids}",
             "buffers.yaml:24:20: mirror source 'host_ids' must be pinned host memory, not device (it is staged in the pinned arena that is copied to the device each step)",
         ],
         id="ruledevice",
@@ -501,9 +504,8 @@ def test_all_errors_are_reported_sorted():
     )
     assert diagnostics(text) == [
         "buffers.yaml:18:17: unknown name 'max_num_tokns' (did you mean 'max_num_tokens'?)",
-        "buffers.yaml:20:18: unknown fill rule 'tokens' (did you mean 'token_ids'?); rules: "
-        "chatglm_position_ids, context_lengths, glm_position_ids, kv_cache_block_offsets, last_token_ids, "
-        "past_key_value_lengths, position_ids, request_types, seq_slots, sequence_lengths, token_ids",
+        "buffers.yaml:20:18: unknown fill rule 'tokens' (did you mean 'token_ids'?); "
+        "docs/spec.md lists the rules",
     ]
 
 

@@ -62,7 +62,7 @@ from bufc.generated import gpt
 from bufc.runtime import Request
 assert bufc.__file__.startswith(TARGET), bufc.__file__
 assert gpt.__file__.startswith(TARGET), gpt.__file__
-config = gpt.Config(max_batch_size=4, max_num_tokens=64, vocab_size=50, hidden_size=8,
+config = gpt.Config(max_batch_size=4, max_num_tokens=64, vocab_size=50,
                     num_layers=2, max_attention_window=64)
 step = gpt.RuntimeBuffers(config).prepare_step([Request(seq_slot=0, prompt=[1, 2, 3])], [])
 assert step.inputs["input_ids"].tolist() == [1, 2, 3]

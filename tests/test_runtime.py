@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import BASE, family, make_buffers
+from conftest import BASE, family, make_buffers, make_config
 
 from bufc.runtime import BatchError, ConfigError, Request
 
@@ -36,19 +36,19 @@ def gen(slot=1, n=5, generated=((7, 8),), **kw):
 
 # ------------------------------------------------------------------------------ construction
 def test_config_is_frozen_and_has_exactly_the_family_parameters(family_name):
-    mod = family(family_name)
-    config = mod.Config(**BASE)
+    config = make_config(family_name)
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.max_batch_size = 3
     fields = {f.name for f in dataclasses.fields(config) if f.init}
     assert fields == {
-        *BASE,
+        *(k for k in BASE if k != "hidden_size"),  # only pipeline ranks exchange hidden states
         "tp_size",
         "pp_size",
         "pp_rank",
         "sink_token_length",
-        "model_dtype",
         "logits_dtype",
+        "gather_context_logits",
+        "gather_generation_logits",
         *(["tokens_per_block"] if family_name == "llama" else []),
     }
     assert config.vocab_size_padded == 1000 and config.max_num_logits == 8 * 4
@@ -62,18 +62,22 @@ def test_config_is_frozen_and_has_exactly_the_family_parameters(family_name):
         ({"max_batch_size": True}, "max_batch_size must be an int, got True"),
         ({"pp_size": 2, "pp_rank": 2}, "pp_rank must be below pp_size (buffers.yaml:"),
         ({"num_layers": 3, "pp_size": 2}, "num_layers must split evenly over the pipeline ranks"),
-        ({"model_dtype": "float17"}, "model_dtype must be a torch.dtype or one of"),
+        ({"logits_dtype": "float17"}, "logits_dtype must be a torch.dtype or one of"),
+        ({"pp_size": 2}, "this family has no pipeline-parallel buffers; use its pipeline-parallel"),
+        ({"gather_context_logits": 1}, "gather_context_logits must be True or False, got 1"),
     ],
 )
 def test_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=None) as exc:
-        family("gpt").Config(**{**BASE, **overrides})
+        make_config(
+            "gpt_pp" if "pp_rank" in overrides or "num_layers" in overrides else "gpt", **overrides
+        )
     assert message in str(exc.value)
 
 
 def test_unknown_config_field_is_a_type_error():
     with pytest.raises(TypeError):
-        family("gpt").Config(**BASE, use_lora=True)
+        make_config("gpt", use_lora=True)
 
 
 def test_everything_is_allocated_at_capacity():
@@ -149,6 +153,8 @@ def test_engine_io_names():
             "last_token_ids",
             "host_max_attention_window_sizes",
             "host_sink_token_length",
+            "host_context_progress",
+            "cache_indirection",
         ]
     )
     assert list(step.outputs) == ["logits"]
@@ -288,7 +294,8 @@ def test_logits_capacity_is_enforced():
 # ----------------------------------------------------------------------- pipeline roles
 def io(name, **cfg):
     b = make_buffers(name, **cfg)
-    step = b.prepare_step([ctx(0)], [gen(1)])
+    kv = {"kv_block_ids": [[1]]} if "kv_cache_block_offsets" in b.decls else {}
+    step = b.prepare_step([ctx(0, **kv)], [gen(1, **kv)])
     return step, b
 
 
@@ -299,9 +306,9 @@ def test_single_rank_binds_input_ids_and_logits():
 
 
 def test_first_middle_and_last_pipeline_ranks():
-    first, _ = io("gpt", pp_size=4, pp_rank=0)
-    middle, mb = io("gpt", pp_size=4, pp_rank=1)
-    last, _ = io("gpt", pp_size=4, pp_rank=3)
+    first, _ = io("gpt_pp", pp_size=4, pp_rank=0)
+    middle, mb = io("gpt_pp", pp_size=4, pp_rank=1)
+    last, _ = io("gpt_pp", pp_size=4, pp_rank=3)
     assert "input_ids" in first.inputs and "hidden_states_input" not in first.inputs
     assert list(first.outputs) == ["hidden_states_output"]
     assert "input_ids" not in middle.inputs and "host_input_ids" not in mb.tensors
@@ -320,7 +327,7 @@ def test_first_middle_and_last_pipeline_ranks():
 
 
 def test_vocabulary_is_padded_to_the_world_size():
-    step, _ = io("gpt", vocab_size=1001, tp_size=2, pp_size=2, pp_rank=1)
+    step, _ = io("gpt_pp", vocab_size=1001, tp_size=2, pp_size=2, pp_rank=1)
     assert step.outputs["logits"].shape == (2, 1004)
 
 

@@ -1,0 +1,524 @@
+"""Fill rules of the optional feature groups: beam-search copies, encoder-decoder, LoRA, prompt
+tuning, recurrent state, M-RoPE, language adapters and Eagle (buffer-inventory.md §1.1-1.11,
+§2.3.8-2.3.12).
+
+Same contract as ``fills``: a rule writes one step into `out` (a flat numpy view of the
+staging storage; a flat torch tensor for the rules that copy request tensors on the device),
+returns the elements written, and its check raises BatchError before anything is written.
+Rows follow the reference's layout: context requests one row each, then every beam of each
+generation request. Where the reference has a bug, the rule says so and does it right.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .batch import Batch, encoder_input_length, encoder_output_length
+from .errors import BatchError
+
+DEFAULT_POSTERIOR_THRESHOLD = 0.09  # Eagle's default (EagleConfig)
+
+
+# ------------------------------------------------------------------------------- helpers
+def _where(b: Batch, i: int) -> str:
+    """'context request i (seq_slot s)' or 'generation request j (...)' for request row i."""
+    n_ctx = len(b.context)
+    kind, j, r = (
+        ("context", i, b.context[i])
+        if i < n_ctx
+        else ("generation", i - n_ctx, b.generation[i - n_ctx])
+    )
+    return f"{kind} request {j} (seq_slot {getattr(r, 'seq_slot', None)})"
+
+
+def _requests(b: Batch) -> tuple[Any, ...]:
+    return b.context + b.generation
+
+
+def _per_sequence(b: Batch, per_request: Sequence[Any] | np.ndarray) -> np.ndarray:
+    """One value per request (context first) -> one per sequence (every generation beam)."""
+    values = np.asarray(per_request)
+    n_ctx = len(b.context)
+    return np.concatenate((values[:n_ctx], b.per_sequence(values[n_ctx:])))
+
+
+def _tokens_per_request(b: Batch) -> np.ndarray:
+    """Input tokens of each request this step: chunk plus drafts on a last chunk, and per
+    generation request its beams plus drafts (so the counts add up to num_tokens)."""
+    return np.concatenate((b.ctx_input_len, b.gen_beam_width + b.gen_drafts))
+
+
+def _field(b: Batch, name: str, what: str) -> list[Any]:
+    """Every request's `name`, raising a BatchError that names the first request without it."""
+    values = [getattr(r, name, None) for r in _requests(b)]
+    if None in values:
+        i = values.index(None)
+        raise BatchError(f"{_where(b, i)}: {what} needs the request's {name}")
+    return values
+
+
+# -------------------------------------------------------------- beam search: cache indirection
+def cache_indirection_copies(out: np.ndarray, b: Batch, config: Any) -> int:
+    """[src, dst, size] of each generation request's copy from the decoder's cache indirection
+    into the engine's [batch, beam, window] input, whose beam dimension is the step's widest
+    generation beam. The reference strides the source by the first generation request's beam
+    width; the decoder's buffer is [slots, max_beam_width, window], so the source stride is
+    max_beam_width * window (the same when every beam width is the maximum)."""
+    n = len(b.generation)
+    aw = config.max_attention_window
+    widest = int(b.gen_beam_width.max()) if n else 0
+    out[:n] = b.seq_slot[len(b.context) :] * (config.max_beam_width * aw)
+    out[n : 2 * n] = np.arange(n) * (widest * aw)
+    out[2 * n : 3 * n] = b.gen_beam_width * aw
+    return 3 * n
+
+
+def cache_indirection_decoder_copies(out: np.ndarray, b: Batch, config: Any) -> int:
+    """[src, dst, size] of each request's copy of the decoder's cache indirection from its
+    output to its input, after the step: src = dst = slot * max_beam_width * window."""
+    n = len(b.context) + len(b.generation)
+    aw = config.max_attention_window
+    widths = np.asarray([r.beam_width for r in b.context] + list(b.gen_beam_width), np.int64)
+    out[:n] = b.seq_slot * (config.max_beam_width * aw)
+    out[n : 2 * n] = out[:n]
+    out[2 * n : 3 * n] = widths * aw
+    return 3 * n
+
+
+# -------------------------------------------------------------- encoder-decoder, decoder side
+def _encoder_lengths_check(b: Batch, config: Any) -> None:
+    for i, r in enumerate(_requests(b)):
+        try:
+            n = encoder_output_length(r)
+        except BatchError:
+            raise BatchError(
+                f"{_where(b, i)}: an encoder-decoder request needs encoder_input_length, "
+                "encoder_output_length or encoder_input_ids"
+            ) from None
+        if n < 1:
+            raise BatchError(f"{_where(b, i)}: its encoder output is empty")
+
+
+def encoder_output_lengths(out: np.ndarray, b: Batch, config: Any = None) -> int:
+    """Each sequence's request's encoder output length (every beam of a generation request)."""
+    values = _per_sequence(b, [encoder_output_length(r) for r in _requests(b)])
+    out[: len(values)] = values
+    return len(values)
+
+
+def _encoder_output_check(b: Batch, config: Any) -> None:
+    _encoder_lengths_check(b, config)
+    for i, r in enumerate(b.context):
+        t = getattr(r, "encoder_output", None)
+        want = (encoder_output_length(r), config.encoder_hidden_size)
+        if t is None:
+            raise BatchError(f"{_where(b, i)}: a context request needs its encoder_output")
+        if tuple(t.shape) != want:
+            raise BatchError(
+                f"{_where(b, i)}: encoder_output has shape {list(t.shape)}, expected {list(want)}"
+            )
+
+
+def encoder_output(out: torch.Tensor, b: Batch, config: Any) -> int:
+    """The encoder outputs of the context requests, concatenated (device copies)."""
+    h = config.encoder_hidden_size
+    o = 0
+    for r in b.context:
+        rows = r.encoder_output.shape[0]
+        out[o * h : (o + rows) * h].view(rows, h).copy_(r.encoder_output, non_blocking=True)
+        o += rows
+    return o * h
+
+
+def _cross_kv_check(b: Batch, config: Any) -> None:
+    lists = []
+    for i, r in enumerate(_requests(b)):
+        ids = getattr(r, "cross_kv_block_ids", None)
+        beams = 1 if i < len(b.context) else int(r.beam_width)
+        if not ids or len(ids) not in (1, beams):
+            raise BatchError(
+                f"{_where(b, i)}: cross_kv_block_ids needs one block list (shared by all beams) "
+                f"or one per beam, got {0 if not ids else len(ids)}"
+            )
+        for blocks in ids:
+            if len(blocks) > config.max_cross_blocks_per_seq:
+                raise BatchError(
+                    f"{_where(b, i)}: {len(blocks)} cross KV blocks exceed "
+                    f"max_cross_blocks_per_seq={config.max_cross_blocks_per_seq}"
+                )
+        lists += [ids[k if len(ids) > 1 else 0] for k in range(beams)]
+    b.scratch["cross_kv_lists"] = lists
+
+
+def cross_kv_cache_block_offsets(out: np.ndarray, b: Batch, config: Any) -> int:
+    """[pools=1, sequences, K/V, max_cross_blocks_per_seq] cross-attention block indices, with
+    the encoding of kv_cache_block_offsets; columns past a sequence's blocks hold 0."""
+    from .fills import write_kv_rows  # the same encoding as the self-attention offsets
+
+    width = config.max_cross_blocks_per_seq
+    n = b.sizes.num_sequences
+    rows = out[: n * 2 * width].reshape(n, 2, width)
+    write_kv_rows(rows, b.scratch["cross_kv_lists"], config.num_local_layers)
+    return rows.size
+
+
+def _token_positions(b: Batch) -> np.ndarray:
+    """The position of every input token of the step, in token order (context chunk and
+    drafts, then per generation beam its last token and the request's drafts)."""
+    parts = []
+    for begin, n in zip(b.ctx_begin, b.ctx_input_len):
+        parts.append(np.arange(begin, begin + n))
+    seq = 0
+    for j, bw in enumerate(b.gen_beam_width):
+        for _ in range(bw):
+            last = b.seq_num_tokens[seq] - 1
+            parts.append(np.arange(last, last + 1 + b.gen_drafts[j]))
+            seq += 1
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _cross_mask_check(b: Batch, config: Any) -> None:
+    _encoder_lengths_check(b, config)
+    width = b.sizes.max_encoder_input_length
+    for i, r in enumerate(_requests(b)):
+        m = getattr(r, "cross_attention_mask", None)
+        if m is not None and (np.ndim(m) != 2 or np.shape(m)[1] > width or np.shape(m)[0] < 1):
+            raise BatchError(
+                f"{_where(b, i)}: cross_attention_mask must be [rows >= 1, encoder input length "
+                f"<= {width}], got shape {list(np.shape(m))}"
+            )
+
+
+def cross_attention_mask(out: np.ndarray, b: Batch, config: Any = None) -> int:
+    """[tokens, longest encoder input] mask. Every row starts all true; a context request
+    without a mask gets the padding mask (its encoder input positions only); a request with a
+    mask gives each of its tokens the mask row of the token's position (clamped to the last
+    row) over the mask's columns. The reference gives a generation request one row, not one
+    per beam and draft token, so later rows are stale; here every token gets its row."""
+    width = b.sizes.max_encoder_input_length
+    n = b.sizes.num_tokens
+    rows = out[: n * width].reshape(n, width)
+    rows[:] = True
+    positions = _token_positions(b)
+    counts = _tokens_per_request(b)
+    starts = np.cumsum(counts) - counts
+    for i, r in enumerate(_requests(b)):
+        lo, hi = int(starts[i]), int(starts[i] + counts[i])
+        if lo == hi:
+            continue
+        m = getattr(r, "cross_attention_mask", None)
+        if m is None:
+            if i < len(b.context):
+                rows[lo:hi, encoder_input_length(r) :] = False
+            continue
+        m = np.asarray(m, dtype=bool)
+        rows[lo:hi, : m.shape[1]] = m[np.minimum(positions[lo:hi], m.shape[0] - 1)]
+    return rows.size
+
+
+def skip_cross_attn_blocks(out: np.ndarray, b: Batch, config: Any = None) -> int:
+    """True when every scheduled request skips the cross-attention blocks (a request without
+    the field does not; an empty step skips nothing)."""
+    requests = _requests(b)
+    out[0] = bool(requests) and all(getattr(r, "skip_cross_attn_blocks", False) for r in requests)
+    return 1
+
+
+# ------------------------------------------------------------------ encoder engine inputs
+def _encoder_ids_check(b: Batch, config: Any) -> None:
+    if b.generation:
+        raise BatchError(
+            "the encoder engine runs context requests only; got "
+            f"{len(b.generation)} generation requests"
+        )
+    for i, r in enumerate(b.context):
+        ids = getattr(r, "encoder_input_ids", None)
+        if ids is None or len(ids) == 0:
+            raise BatchError(f"{_where(b, i)}: the encoder needs the request's encoder_input_ids")
+        if encoder_input_length(r) != len(ids):
+            raise BatchError(
+                f"{_where(b, i)}: encoder_input_length {encoder_input_length(r)} differs from "
+                f"its {len(ids)} encoder_input_ids"
+            )
+
+
+def encoder_input_ids(out: np.ndarray, b: Batch, config: Any = None) -> int:
+    o = 0
+    for r in b.context:
+        ids = r.encoder_input_ids
+        out[o : o + len(ids)] = ids
+        o += len(ids)
+    return o
+
+
+def encoder_position_ids(out: np.ndarray, b: Batch, config: Any = None) -> int:
+    lengths = np.asarray([encoder_input_length(r) for r in b.context], np.int64)
+    n = int(lengths.sum())
+    out[:n] = np.arange(n) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return n
+
+
+def encoder_input_lengths(out: np.ndarray, b: Batch, config: Any = None) -> int:
+    values = [encoder_input_length(r) for r in _requests(b)]
+    out[: len(values)] = values
+    return len(values)
+
+
+# ------------------------------------------------------------------------------------ LoRA
+def _lora_check(b: Batch, config: Any) -> None:
+    """Parse every request's adapter rows into (sequence, module, layer, a, b, scale, rank)
+    columns. Rows of layers held by other pipeline ranks are skipped."""
+    modules = {m: k for k, m in enumerate(config.lora_modules)}
+    first, count = config.first_local_layer, config.num_local_layers
+    seq_of_request = np.concatenate(
+        (np.arange(len(b.context)), len(b.context) + np.cumsum(b.gen_beam_width) - b.gen_beam_width)
+    ).astype(np.int64)
+    widths = np.concatenate((np.ones(len(b.context), np.int64), b.gen_beam_width))
+    cols: list[list[int]] = [[] for _ in range(7)]
+    for i, r in enumerate(_requests(b)):
+        rows = getattr(r, "lora_weights", None)
+        if rows is None:
+            continue
+        if len(rows) == 0:
+            raise BatchError(f"{_where(b, i)}: lora_weights is empty; give None for no adapter")
+        for row in rows:
+            if len(row) != 6:
+                raise BatchError(
+                    f"{_where(b, i)}: a lora_weights row is (module, layer, A address, "
+                    f"B address, DoRA scale address or None, rank), got {row!r}"
+                )
+            module, layer, a, w, scale, rank = row
+            if module not in modules:
+                raise BatchError(
+                    f"{_where(b, i)}: LoRA module {module!r} is not one of the engine's "
+                    f"lora_modules ({', '.join(config.lora_modules)})"
+                )
+            if not first <= layer < first + count:
+                continue  # another pipeline rank's layer
+            if rank < 0:
+                raise BatchError(f"{_where(b, i)}: LoRA rank {rank} is negative")
+            # One row per sequence: the reference indexes the rows by request, so the beams of
+            # a beam-search request overwrite the next request's rows (a bug).
+            for k in range(int(widths[i])):
+                for col, v in zip(
+                    cols,
+                    (seq_of_request[i] + k, modules[module], layer - first, a, w, scale or 0, rank),
+                ):
+                    col.append(int(v))
+    b.scratch["lora"] = tuple(np.asarray(c, dtype=np.int64) for c in cols)
+
+
+def lora_weights_pointers(out: np.ndarray, b: Batch, config: Any) -> int:
+    """[modules, local layers, sequences, 3]: (A, B, DoRA scale or 0) of each adapter row;
+    zero where a sequence has no adapter for that module and layer."""
+    s = b.sizes.num_sequences
+    view = out[: config.num_lora_modules * config.num_local_layers * s * 3].reshape(
+        config.num_lora_modules, config.num_local_layers, s, 3
+    )
+    view[:] = 0
+    seq, module, layer, a, w, scale, _ = b.scratch["lora"]
+    view[module, layer, seq] = np.stack((a, w, scale), axis=-1) if len(seq) else 0
+    return view.size
+
+
+def lora_ranks(out: np.ndarray, b: Batch, config: Any) -> int:
+    """[modules, local layers, sequences]: the adapter rank, 0 without an adapter."""
+    s = b.sizes.num_sequences
+    view = out[: config.num_lora_modules * config.num_local_layers * s].reshape(
+        config.num_lora_modules, config.num_local_layers, s
+    )
+    view[:] = 0
+    seq, module, layer, _, _, _, rank = b.scratch["lora"]
+    view[module, layer, seq] = rank
+    return view.size
+
+
+# ---------------------------------------------------------------------------- prompt tuning
+def _prompt_check(b: Batch, config: Any) -> None:
+    for i, r in enumerate(_requests(b)):
+        t = getattr(r, "prompt_table", None)
+        if t is None:
+            continue
+        if t.dim() != 2 or t.shape[1] != config.hidden_size:
+            raise BatchError(
+                f"{_where(b, i)}: prompt_table must be [vocab, hidden_size={config.hidden_size}], "
+                f"got {list(t.shape)}"
+            )
+        if t.shape[0] > config.max_prompt_vocab_size:
+            raise BatchError(
+                f"{_where(b, i)}: its prompt table has {t.shape[0]} rows, more than "
+                f"max_prompt_vocab_size={config.max_prompt_vocab_size}"
+            )
+        if t.dtype != config.model_dtype:
+            raise BatchError(
+                f"{_where(b, i)}: prompt_table is {t.dtype}, the model dtype is {config.model_dtype}"
+            )
+
+
+def prompt_embedding_table(out: torch.Tensor, b: Batch, config: Any) -> int:
+    """Request b's table at rows [b * max_prompt_vocab_size, ...) (b counts requests, context
+    first); the rows of requests without a table are left as they are (no task reads them)."""
+    h, v = config.hidden_size, config.max_prompt_vocab_size
+    for i, r in enumerate(_requests(b)):
+        t = getattr(r, "prompt_table", None)
+        if t is not None:
+            start = i * v * h
+            out[start : start + t.shape[0] * h].view(t.shape[0], h).copy_(t, non_blocking=True)
+    return out.numel()
+
+
+def prompt_tasks(out: np.ndarray, b: Batch, config: Any = None) -> int:
+    """The task of every input token: request b's index if it has a prompt table, else 0. The
+    reference gives generation draft tokens no entry (the tensor is then shorter than the
+    tokens); every token gets its request's task here."""
+    tasks = np.asarray(
+        [
+            i if getattr(r, "prompt_table", None) is not None else 0
+            for i, r in enumerate(_requests(b))
+        ],
+        dtype=np.int64,
+    )
+    values = np.repeat(tasks, _tokens_per_request(b))
+    out[: len(values)] = values
+    return len(values)
+
+
+# --------------------------------------------------------------------------- recurrent state
+def _slot_check(b: Batch, config: Any) -> None:
+    if len(b.seq_slot) and b.seq_slot.max() >= config.max_batch_size:
+        i = int(np.argmax(b.seq_slot))
+        raise BatchError(
+            f"{_where(b, i)}: seq_slot {b.seq_slot[i]} has no recurrent state slot "
+            f"(slots 0 .. {config.max_batch_size - 1})"
+        )
+
+
+def slot_mapping(out: np.ndarray, b: Batch, config: Any = None) -> int:
+    values = _per_sequence(b, b.seq_slot)
+    out[: len(values)] = values
+    return len(values)
+
+
+# ------------------------------------------------------------------------------------ M-RoPE
+def _mrope_check(b: Batch, config: Any) -> None:
+    width = config.max_position_embeddings * config.rotary_embedding_dim
+    for i, r in enumerate(b.context):
+        t = getattr(r, "mrope_rotary_cos_sin", None)
+        if t is None or t.numel() != width:
+            got = "none" if t is None else f"{t.numel()} values"
+            raise BatchError(
+                f"{_where(b, i)}: mrope_rotary_cos_sin needs max_position_embeddings * "
+                f"rotary_embedding_dim = {width} values, got {got}"
+            )
+    for j, r in enumerate(b.generation):
+        if getattr(r, "mrope_position_deltas", None) is None:
+            raise BatchError(
+                f"{_where(b, len(b.context) + j)}: a generation request needs mrope_position_deltas"
+            )
+
+
+def mrope_rotary_cos_sin(out: torch.Tensor, b: Batch, config: Any) -> int:
+    """Row i <- context request i's cos/sin table (device copies). Generation rows are not
+    written: the engine reads them only in context steps."""
+    width = config.max_position_embeddings * config.rotary_embedding_dim
+    for i, r in enumerate(b.context):
+        out[i * width : (i + 1) * width].copy_(
+            r.mrope_rotary_cos_sin.reshape(-1), non_blocking=True
+        )
+    return b.sizes.num_sequences * width
+
+
+def mrope_position_deltas(out: np.ndarray, b: Batch, config: Any = None) -> int:
+    """Each generation sequence's delta in its own row (context rows 0). The reference writes
+    the generation rows from row 0, over the context rows (a bug)."""
+    n_ctx, s = len(b.context), b.sizes.num_sequences
+    out[:n_ctx] = 0
+    out[n_ctx:s] = b.per_sequence(
+        np.asarray([r.mrope_position_deltas for r in b.generation], np.int64)
+    )
+    return s
+
+
+# -------------------------------------------------------------------------- language adapter
+def _language_check(b: Batch, config: Any) -> None:
+    for i, uid in enumerate(_field(b, "language_adapter_uid", "the language adapter")):
+        if not 0 <= uid < config.num_languages:
+            raise BatchError(
+                f"{_where(b, i)}: language_adapter_uid {uid} is outside 0 .. "
+                f"{config.num_languages - 1} (num_languages)"
+            )
+
+
+def language_adapter_routings(out: np.ndarray, b: Batch, config: Any) -> int:
+    """The request's adapter for every input token. The reference writes none for draft
+    tokens, so the tensor is short of the tokens; every token gets its request's adapter."""
+    uids = np.asarray([r.language_adapter_uid for r in _requests(b)], np.int64)
+    values = np.repeat(uids, _tokens_per_request(b))
+    out[: len(values)] = values
+    return len(values)
+
+
+# --------------------------------------------------------------------------------------- Eagle
+def _thresholds(b: Batch) -> np.ndarray:
+    values = [getattr(r, "eagle_posterior_threshold", None) for r in _requests(b)]
+    return _per_sequence(
+        b, np.asarray([DEFAULT_POSTERIOR_THRESHOLD if v is None else v for v in values], np.float64)
+    )
+
+
+def _threshold_check(b: Batch, config: Any) -> None:
+    for i, r in enumerate(_requests(b)):
+        v = getattr(r, "eagle_posterior_threshold", None)
+        if v is not None and not (v >= 0 and math.isfinite(v)):
+            raise BatchError(f"{_where(b, i)}: eagle_posterior_threshold {v} must be >= 0")
+
+
+def posterior_thresholds(out: np.ndarray, b: Batch, config: Any = None) -> int:
+    values = _thresholds(b)
+    out[: len(values)] = values
+    return len(values)
+
+
+def posterior_alphas(out: np.ndarray, b: Batch, config: Any = None) -> int:
+    values = np.sqrt(_thresholds(b))
+    out[: len(values)] = values
+    return len(values)
+
+
+def chunked_context_next_tokens(out: np.ndarray, b: Batch, config: Any = None) -> int:
+    """For a context request on a chunk that is not its last, the prompt token right after the
+    chunk; -1 on a last chunk and for every generation sequence."""
+    s = b.sizes.num_sequences
+    out[:s] = -1
+    for i, (r, begin, chunk, plen) in enumerate(
+        zip(b.context, b.ctx_begin, b.ctx_chunk, b.ctx_prompt_len)
+    ):
+        if begin + chunk < plen:
+            out[i] = r.prompt[begin + chunk]
+    return s
+
+
+CHECKS: dict[str, Callable[[Batch, Any], None]] = {
+    "encoder_output_lengths": _encoder_lengths_check,
+    "encoder_output": _encoder_output_check,
+    "cross_kv_cache_block_offsets": _cross_kv_check,
+    "cross_attention_mask": _cross_mask_check,
+    "encoder_input_ids": _encoder_ids_check,
+    "encoder_position_ids": _encoder_ids_check,
+    "encoder_input_lengths": _encoder_ids_check,
+    "lora_weights_pointers": _lora_check,
+    "lora_ranks": _lora_check,
+    "prompt_embedding_table": _prompt_check,
+    "prompt_tasks": _prompt_check,
+    "slot_mapping": _slot_check,
+    "mrope_rotary_cos_sin": _mrope_check,
+    "mrope_position_deltas": _mrope_check,
+    "language_adapter_routings": _language_check,
+    "posterior_thresholds": _threshold_check,
+    "posterior_alphas": _threshold_check,
+}
