@@ -6,6 +6,8 @@ capacity shapes and bytes, their engine bindings, and the total.
 
 from __future__ import annotations
 
+import math
+
 from . import expr as E
 from . import vocab
 from .errors import did_you_mean
@@ -82,37 +84,46 @@ def report(spec: Spec, family_name: str, settings: dict[str, str]) -> str:
         if not E.evaluate(c.require.expr, env):
             raise ReportError(f"{c.message} ({c.require.text})")
 
-    rows = []
-    total = 0
+    staged = {t.fill_target for t in plan.tensors if t.fill_kind == "mirror"}
+    groups: dict[str, list[tuple[str, ...]]] = {"device": [], "pinned": [], "host": []}
+    totals = dict.fromkeys(groups, 0)
     for t in plan.tensors:
         if t.when is not None and not E.evaluate(t.when, env):
             continue
         shape = [int(E.evaluate(e, env)) for e in t.capacity]
         dtype = dtypes[t.dtype] if t.dtype_is_param else t.dtype
-        nbytes = vocab.DTYPE_BYTES[dtype]
-        for dim in shape:
-            nbytes *= dim
-        total += nbytes
+        nbytes = vocab.DTYPE_BYTES[dtype] * math.prod(shape)
+        copies = 2 if t.name in staged else 1  # staging is double-buffered
+        totals[t.memory] += nbytes * copies
         binds = [
             f"{'in' if b.direction == 'input' else 'out'}:{b.engine_name}"
             for b in t.bindings
             if b.when is None or E.evaluate(b.when, env)
         ]
-        rows.append(
+        groups[t.memory].append(
             (
                 t.name,
                 dtype,
-                t.memory,
                 "[" + ", ".join(map(str, shape)) + "]",
-                _human(nbytes),
+                _human(nbytes) + (" x2" if copies == 2 else ""),
+                t.fill_kind if t.fill_kind != "rule" else f"rule {t.fill_target}",
                 " ".join(binds) or "-",
             )
         )
-    head = ("tensor", "dtype", "memory", "capacity", "bytes", "binds")
+    head = ("tensor", "dtype", "capacity", "bytes", "fill", "binds")
+    rows = [r for g in groups.values() for r in g]
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     lines = [f"family {family_name}: " + ", ".join(f"{k}={v}" for k, v in plan.flags)]
-    lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
-    for r in rows:
-        lines.append("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
-    lines.append(f"{len(rows)} tensors, {_human(total)} allocated for runtime buffers")
+    for memory, group in groups.items():
+        if not group:
+            continue
+        lines.append("")
+        lines.append(f"{memory} memory: {len(group)} tensors, {_human(totals[memory])}")
+        lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
+        for r in group:
+            lines.append("  " + "  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
+    lines.append("")
+    total = sum(totals.values())
+    split = ", ".join(f"{k} {_human(v)}" for k, v in totals.items() if v)
+    lines.append(f"{len(rows)} tensors, {_human(total)} allocated for runtime buffers ({split})")
     return "\n".join(lines) + "\n"

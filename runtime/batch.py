@@ -311,8 +311,7 @@ def encoder_input_length(r: Any) -> int:
         ids = getattr(r, "encoder_input_ids", None)
         if ids is None:
             raise BatchError(
-                f"request (seq_slot {getattr(r, 'seq_slot', None)!r}) has neither "
-                "encoder_input_length nor encoder_input_ids"
+                "an encoder-decoder request needs encoder_input_length or encoder_input_ids"
             )
         n = len(ids)
     return int(n)
@@ -326,6 +325,13 @@ def encoder_output_length(r: Any) -> int:
 def _encoder_sizes(context: tuple, generation: tuple) -> dict[str, int]:
     """The reference's EncoderBuffers::setBufferSizes: sums over the context requests, the
     longest input over every request."""
+    for kind, reqs in (("context", context), ("generation", generation)):
+        for i, r in enumerate(reqs):
+            try:
+                if encoder_output_length(r) < 1:
+                    raise BatchError("its encoder output is empty")
+            except BatchError as exc:
+                raise BatchError(f"{_where(f'{kind} request {i}', r)}: {exc}") from None
     inputs = [encoder_input_length(r) for r in context]
     longest = max(inputs + [encoder_input_length(r) for r in generation], default=0)
     return {

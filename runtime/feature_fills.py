@@ -91,19 +91,6 @@ def cache_indirection_decoder_copies(out: np.ndarray, b: Batch, config: Any) -> 
 
 
 # -------------------------------------------------------------- encoder-decoder, decoder side
-def _encoder_lengths_check(b: Batch, config: Any) -> None:
-    for i, r in enumerate(_requests(b)):
-        try:
-            n = encoder_output_length(r)
-        except BatchError:
-            raise BatchError(
-                f"{_where(b, i)}: an encoder-decoder request needs encoder_input_length, "
-                "encoder_output_length or encoder_input_ids"
-            ) from None
-        if n < 1:
-            raise BatchError(f"{_where(b, i)}: its encoder output is empty")
-
-
 def encoder_output_lengths(out: np.ndarray, b: Batch, config: Any = None) -> int:
     """Each sequence's request's encoder output length (every beam of a generation request)."""
     values = _per_sequence(b, [encoder_output_length(r) for r in _requests(b)])
@@ -112,7 +99,6 @@ def encoder_output_lengths(out: np.ndarray, b: Batch, config: Any = None) -> int
 
 
 def _encoder_output_check(b: Batch, config: Any) -> None:
-    _encoder_lengths_check(b, config)
     for i, r in enumerate(b.context):
         t = getattr(r, "encoder_output", None)
         want = (encoder_output_length(r), config.encoder_hidden_size)
@@ -183,7 +169,6 @@ def _token_positions(b: Batch) -> np.ndarray:
 
 
 def _cross_mask_check(b: Batch, config: Any) -> None:
-    _encoder_lengths_check(b, config)
     width = b.sizes.max_encoder_input_length
     for i, r in enumerate(_requests(b)):
         m = getattr(r, "cross_attention_mask", None)
@@ -504,7 +489,6 @@ def chunked_context_next_tokens(out: np.ndarray, b: Batch, config: Any = None) -
 
 
 CHECKS: dict[str, Callable[[Batch, Any], None]] = {
-    "encoder_output_lengths": _encoder_lengths_check,
     "encoder_output": _encoder_output_check,
     "cross_kv_cache_block_offsets": _cross_kv_check,
     "cross_attention_mask": _cross_mask_check,

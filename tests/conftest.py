@@ -107,12 +107,12 @@ def generation_request(draw, variant: str, slot: int, max_beam: int = 3, max_dra
 
 
 @st.composite
-def batch(draw, variant: str, max_requests: int = 8):
+def batch(draw, variant: str, max_requests: int = 8, max_beam: int = 3, slots: int = 64):
     n_ctx = draw(st.integers(0, max_requests))
     n_gen = draw(st.integers(0, max_requests - n_ctx))
-    slots = draw(st.permutations(range(64)))[: n_ctx + n_gen]
-    ctx = [draw(context_request(variant, slots[i])) for i in range(n_ctx)]
-    gen = [draw(generation_request(variant, slots[n_ctx + i])) for i in range(n_gen)]
+    picked = draw(st.permutations(range(slots)))[: n_ctx + n_gen]
+    ctx = [draw(context_request(variant, picked[i], max_beam)) for i in range(n_ctx)]
+    gen = [draw(generation_request(variant, picked[n_ctx + i], max_beam)) for i in range(n_gen)]
     return ctx, gen
 
 

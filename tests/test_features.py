@@ -1,0 +1,365 @@
+"""The feature groups' host-side fills against their loop-by-loop references, on random batches
+(chunked contexts, drafts, beams), with the core tensors checked against the core reference in
+the same steps."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_matches_reference, family, batch, make_buffers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference import reference_step
+
+import reference_features as R
+from bufc.runtime import BatchError, Request
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MODULES = ("attn_qkv", "attn_dense", "mlp_gate")
+ENC = dict(max_input_length=16, max_encoder_length=16, encoder_hidden_size=8, tokens_per_block=4)
+MROPE = dict(max_position_embeddings=6, rotary_embedding_dim=2)
+PROMPT = dict(max_prompt_embedding_table_size=8 * 5, hidden_size=4)  # 5 rows per request
+
+
+def check_core(buffers, step, ctx, gen):
+    c = buffers.config
+    want = reference_step(
+        "gpt",
+        copy.deepcopy(ctx),
+        copy.deepcopy(gen),
+        vocab_size=c.vocab_size,
+        kv=(c.max_blocks_per_seq, c.num_local_layers),
+    )
+    assert_matches_reference(step, want, paged=True)
+
+
+@st.composite
+def enc_dec_batch(draw):
+    ctx, gen = draw(batch("gpt"))
+    for r in ctx + gen:
+        n_in = draw(st.integers(1, 16))
+        if draw(st.booleans()):
+            r.encoder_input_length = n_in
+        else:
+            r.encoder_input_ids = [7] * n_in
+        r.encoder_output_length = draw(st.none() | st.integers(1, 16))
+        beams = 1 if r in ctx else r.beam_width
+        r.cross_kv_block_ids = [
+            draw(st.lists(st.integers(0, 500), min_size=1, max_size=4))
+            for _ in range(draw(st.sampled_from([1, beams])))
+        ]
+        if draw(st.booleans()):
+            rows = draw(st.integers(1, 60))
+            cols = draw(st.integers(1, n_in))
+            r.cross_attention_mask = np.asarray(
+                draw(st.lists(st.booleans(), min_size=rows * cols, max_size=rows * cols))
+            ).reshape(rows, cols)
+        r.skip_cross_attn_blocks = draw(st.booleans())
+    for r in ctx:
+        r.encoder_output = torch.randn(R.enc_out(r), 8, dtype=torch.float16)
+    return ctx, gen
+
+
+@SETTINGS
+@given(st.lists(enc_dec_batch(), min_size=1, max_size=2))
+def test_encoder_decoder_fills(batches):
+    b = make_buffers("enc_dec", **ENC)
+    for ctx, gen in batches:
+        step = b.prepare_step(ctx, gen)
+        check_core(b, step, ctx, gen)
+        sizes = R.encoder_sizes(ctx, gen)
+        assert {k: getattr(step.sizes, k) for k in sizes} == sizes
+        i = step.inputs
+        assert i["encoder_input_lengths"].tolist() == R.encoder_output_lengths(ctx, gen)
+        assert i["encoder_max_input_length"].shape == (sizes["max_encoder_input_length"],)
+        want = torch.cat([r.encoder_output for r in ctx]) if ctx else torch.zeros(0, 8)
+        assert torch.equal(i["encoder_output"], want.to(i["encoder_output"].dtype))
+        assert i["cross_kv_cache_block_offsets"].tolist() == R.cross_kv_offsets(
+            ctx, gen, b.config.max_cross_blocks_per_seq, b.config.num_local_layers
+        )
+        assert torch.equal(
+            i["host_cross_kv_cache_block_offsets"], i["cross_kv_cache_block_offsets"]
+        )
+        assert i["cross_attention_mask"].tolist() == R.cross_attention_mask(ctx, gen)
+        assert i["skip_cross_attn_blocks"].tolist() == R.skip_cross_attn_blocks(ctx, gen)
+
+
+@st.composite
+def lora_batch(draw):
+    ctx, gen = draw(batch("gpt"))
+    for r in ctx + gen:
+        if draw(st.booleans()):
+            r.lora_weights = draw(
+                st.lists(
+                    st.tuples(
+                        st.sampled_from(MODULES),
+                        st.integers(0, 3),
+                        st.integers(1, 2**40),
+                        st.integers(1, 2**40),
+                        st.none() | st.integers(1, 2**40),
+                        st.integers(1, 64),
+                    ),
+                    min_size=1,
+                    max_size=6,
+                    unique_by=lambda row: row[:2],
+                )
+            )
+    return ctx, gen
+
+
+@SETTINGS
+@given(lora_batch())
+def test_lora_fills_one_row_per_sequence(case):
+    ctx, gen = case
+    b = make_buffers("gpt_lora", lora_modules=MODULES)
+    step = b.prepare_step(ctx, gen)
+    check_core(b, step, ctx, gen)
+    c = b.config
+    ptrs, ranks = R.lora(ctx, gen, list(MODULES), c.first_local_layer, c.num_local_layers)
+    for m, module in enumerate(MODULES):
+        for layer in range(c.num_local_layers):
+            name = f"{module}_lora_weights_pointers_{c.first_local_layer + layer}"
+            assert step.inputs[name].tolist() == ptrs[m][layer], name
+            assert (
+                step.inputs[f"{module}_lora_ranks_{c.first_local_layer + layer}"].tolist()
+                == (ranks[m][layer])
+            )
+
+
+@st.composite
+def prompt_batch(draw):
+    ctx, gen = draw(batch("gpt"))
+    for r in ctx + gen:
+        if draw(st.booleans()):
+            rows = draw(st.integers(1, 5))
+            r.prompt_table = (
+                torch.arange(rows * 4, dtype=torch.float16).reshape(rows, 4) + r.seq_slot
+            )
+    return ctx, gen
+
+
+@SETTINGS
+@given(prompt_batch())
+def test_prompt_tuning_fills(case):
+    ctx, gen = case
+    b = make_buffers("gpt_prompt_tuning", **PROMPT)
+    step = b.prepare_step(ctx, gen)
+    check_core(b, step, ctx, gen)
+    assert step.inputs["tasks"].tolist() == R.prompt_tasks(ctx, gen)
+    assert step.inputs["prompt_vocab_size"].tolist() == [5]
+    table = step.inputs["prompt_embedding_table"]
+    for i, r in enumerate(ctx + gen):
+        if r.prompt_table is not None:
+            rows = r.prompt_table.shape[0]
+            assert torch.equal(table[i * 5 : i * 5 + rows], r.prompt_table)
+
+
+@st.composite
+def adapter_batch(draw):
+    ctx, gen = draw(batch("gpt"))
+    for r in ctx:
+        r.mrope_rotary_cos_sin = torch.full((12,), float(r.seq_slot))
+    for r in ctx + gen:
+        r.mrope_position_deltas = draw(st.integers(-50, 50))
+        r.language_adapter_uid = draw(st.integers(0, 3))
+    return ctx, gen
+
+
+@SETTINGS
+@given(adapter_batch())
+def test_mrope_and_language_adapter_fills(case):
+    ctx, gen = case
+    b = make_buffers("qwen2_vl", **MROPE)
+    step = b.prepare_step(ctx, gen)
+    check_core(b, step, ctx, gen)
+    assert step.inputs["mrope_position_deltas"].tolist() == R.mrope_position_deltas(ctx, gen)
+    cos_sin = step.inputs["mrope_rotary_cos_sin"]
+    for i, r in enumerate(ctx):
+        assert torch.equal(cos_sin[i], r.mrope_rotary_cos_sin)
+    b = make_buffers("gpt_language_adapter", num_languages=4)
+    step = b.prepare_step(ctx, gen)
+    check_core(b, step, ctx, gen)
+    assert step.inputs["language_adapter_routings"].tolist() == R.language_adapter_routings(
+        ctx, gen
+    )
+
+
+@SETTINGS
+@given(batch("gpt", max_beam=1, slots=8))
+def test_recurrent_state_slot_mapping(case):
+    ctx, gen = case
+    b = make_buffers("mamba", max_beam_width=1)
+    step = b.prepare_step(ctx, gen)
+    assert step.inputs["slot_mapping"].tolist() == R.slot_mapping(ctx, gen)
+    assert "position_ids" not in step.inputs and "host_past_key_value_lengths" not in step.inputs
+
+
+@SETTINGS
+@given(batch("gpt", max_beam=1), st.lists(st.none() | st.floats(0, 1), min_size=8, max_size=8))
+def test_eagle_fills(case, thresholds):
+    ctx, gen = case
+    for r, t in zip(ctx + gen, thresholds):
+        r.eagle_posterior_threshold = t
+    b = make_buffers("eagle", max_beam_width=1, num_draft_paths=2, max_draft_path_len=3)
+    step = b.prepare_step(ctx, gen)
+    check_core(b, step, ctx, gen)
+    want_t, want_a = R.posterior(ctx, gen)
+    assert step.inputs["posterior_threshold"].tolist() == pytest.approx(want_t)
+    assert step.inputs["posterior_alpha"].tolist() == pytest.approx(want_a)
+    assert step.inputs["chunked_context_next_tokens"].tolist() == R.chunked_context_next_tokens(
+        ctx, gen
+    )
+
+
+@SETTINGS
+@given(st.lists(batch("gpt"), min_size=1, max_size=3))
+def test_beam_search_cache_indirection_copies(batches):
+    b = make_buffers("llama")  # BASE: max_beam_width 3
+    c = b.config
+    for ctx, gen in batches:
+        b.prepare_step(ctx, gen)
+        t = b.tensors
+        n, r = len(gen), len(ctx) + len(gen)
+        got = t["cache_indirection_copies"].flatten()[: 3 * n].reshape(3, n).tolist()
+        assert got == R.cache_indirection_copies(ctx, gen, c.max_beam_width, c.max_attention_window)
+        got = t["cache_indirection_decoder_copies"].flatten()[: 3 * r].reshape(3, r).tolist()
+        assert got == R.cache_indirection_decoder_copies(
+            ctx, gen, c.max_beam_width, c.max_attention_window
+        )
+
+
+def test_encoder_engine_fills():
+    b = make_buffers("encoder", max_input_length=16, max_encoder_length=16, encoder_hidden_size=8)
+    reqs = [
+        Request(seq_slot=3, prompt=[1], encoder_input_ids=[5, 6, 7]),
+        Request(seq_slot=1, prompt=[1], encoder_input_ids=[8], encoder_output_length=2),
+    ]
+    step = b.prepare_step(reqs, [])
+    want = R.encoder_engine(reqs)
+    assert step.inputs["input_ids"].tolist() == want["input_ids"]
+    assert step.inputs["position_ids"].tolist() == want["position_ids"]
+    assert step.inputs["input_lengths"].tolist() == want["input_lengths"]
+    assert step.inputs["max_input_length"].shape == (3,)
+    assert step.outputs["encoder_output"].shape == (5, 8)
+    assert set(step.inputs) == {"input_ids", "position_ids", "input_lengths", "max_input_length"}
+    with pytest.raises(BatchError, match="the encoder engine runs context requests only"):
+        b.prepare_step(
+            [], [Request(seq_slot=0, prompt=[1], generated=[[2]], encoder_input_ids=[1])]
+        )
+
+
+# ---------------------------------------------------------------- the checks that reject input
+def kv(**kw):
+    return {"kv_block_ids": [[1]], **kw}
+
+
+@pytest.mark.parametrize(
+    ("family", "config", "request_", "message"),
+    [
+        (
+            "gpt_lora",
+            {"lora_modules": MODULES},
+            Request(seq_slot=0, prompt=[1], **kv(lora_weights=[("mlp_4h_to_h", 0, 1, 2, None, 8)])),
+            "context request 0 (seq_slot 0): LoRA module 'mlp_4h_to_h' is not one of the engine's "
+            "lora_modules (attn_qkv, attn_dense, mlp_gate)",
+        ),
+        (
+            "gpt_lora",
+            {"lora_modules": MODULES},
+            Request(seq_slot=0, prompt=[1], **kv(lora_weights=[])),
+            "lora_weights is empty; give None for no adapter",
+        ),
+        (
+            "gpt_prompt_tuning",
+            PROMPT,
+            Request(
+                seq_slot=0, prompt=[1], **kv(prompt_table=torch.zeros(6, 4, dtype=torch.float16))
+            ),
+            "its prompt table has 6 rows, more than max_prompt_vocab_size=5",
+        ),
+        (
+            "gpt_prompt_tuning",
+            PROMPT,
+            Request(seq_slot=0, prompt=[1], **kv(prompt_table=torch.zeros(2, 4))),
+            "prompt_table is torch.float32, the model dtype is torch.float16",
+        ),
+        (
+            "qwen2_vl",
+            MROPE,
+            Request(seq_slot=0, prompt=[1], **kv(mrope_rotary_cos_sin=torch.zeros(5))),
+            "mrope_rotary_cos_sin needs max_position_embeddings * rotary_embedding_dim = 12 "
+            "values, got 5 values",
+        ),
+        (
+            "gpt_language_adapter",
+            {"num_languages": 2},
+            Request(seq_slot=0, prompt=[1], **kv(language_adapter_uid=2)),
+            "language_adapter_uid 2 is outside 0 .. 1 (num_languages)",
+        ),
+        (
+            "gpt_language_adapter",
+            {"num_languages": 2},
+            Request(seq_slot=0, prompt=[1], **kv()),
+            "the language adapter needs the request's language_adapter_uid",
+        ),
+        (
+            "mamba",
+            {"max_beam_width": 1},
+            Request(seq_slot=8, prompt=[1]),
+            "seq_slot 8 has no recurrent state slot (slots 0 .. 7)",
+        ),
+        (
+            "enc_dec",
+            ENC,
+            Request(seq_slot=0, prompt=[1], **kv(cross_kv_block_ids=[[1]])),
+            "context request 0 (seq_slot 0): an encoder-decoder request needs "
+            "encoder_input_length or encoder_input_ids",
+        ),
+        (
+            "enc_dec",
+            ENC,
+            Request(seq_slot=0, prompt=[1], **kv(encoder_input_length=3, cross_kv_block_ids=[[1]])),
+            "a context request needs its encoder_output",
+        ),
+        (
+            "enc_dec",
+            ENC,
+            Request(
+                seq_slot=0,
+                prompt=[1],
+                **kv(encoder_input_length=3, cross_kv_block_ids=[[1]] * 2),
+                encoder_output=torch.zeros(3, 8, dtype=torch.float16),
+            ),
+            "cross_kv_block_ids needs one block list (shared by all beams) or one per beam, got 2",
+        ),
+        (
+            "eagle",
+            {"max_beam_width": 1, "num_draft_paths": 2, "max_draft_path_len": 3},
+            Request(seq_slot=0, prompt=[1], **kv(eagle_posterior_threshold=-1.0)),
+            "eagle_posterior_threshold -1.0 must be >= 0",
+        ),
+    ],
+)
+def test_feature_checks_reject_bad_requests_before_writing(family, config, request_, message):
+    b = make_buffers(family, **config)
+    before = {k: v.clone() for k, v in b.tensors.items()}
+    with pytest.raises(BatchError) as exc:
+        b.prepare_step([request_], [])
+    assert message in str(exc.value)
+    for k, v in b.tensors.items():
+        assert torch.equal(before[k], v), k
+
+
+def test_spec_decoding_and_recurrent_families_need_beam_width_one():
+    import dataclasses
+
+    from bufc.runtime import ConfigError
+
+    extra = dict(num_medusa_heads=2, num_draft_paths=2, max_draft_path_len=3)
+    for name in ("medusa", "lookahead", "redrafter", "eagle", "mamba", "recurrentgemma"):
+        fields = {f.name for f in dataclasses.fields(family(name).Config)}
+        with pytest.raises(ConfigError, match="beam"):
+            make_buffers(name, **{k: v for k, v in extra.items() if k in fields})
