@@ -8,13 +8,13 @@ import copy
 
 import numpy as np
 import pytest
+import reference_features as R
 import torch
-from conftest import assert_matches_reference, family, batch, make_buffers
+from conftest import assert_matches_reference, batch, family, make_buffers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import reference_step
 
-import reference_features as R
 from bufc.runtime import BatchError, Request
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
