@@ -422,10 +422,12 @@ class RuntimeBuffers:
             v = self._view(n, f(c, sizes))
             return v[index] if index else v
 
-        return (
-            {e: view(n, f, i) for e, n, f, i in self._inputs},
-            {e: view(n, f, i) for e, n, f, i in self._outputs},
-        )
+        inputs = {e: view(n, f, i) for e, n, f, i in self._inputs}
+        outputs = {e: view(n, f, i) for e, n, f, i in self._outputs}
+        for which, engine_name, name, ring in self._rings:  # the slot the next step binds
+            slot_view = self._view(name, self._capacity_shape[name])[self._ring_step % ring]
+            (inputs if which == "inputs" else outputs)[engine_name] = slot_view
+        return inputs, outputs
 
     def _max_kv_rounded(self) -> int:
         if self._past_kv is None:
