@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import os
 import shutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -184,7 +185,13 @@ def test_report_lists_tensors_shapes_and_bytes(capsys):
     assert code == 0
     assert "logits" in out and "[64, 32000]" in out and "out:logits" in out
     assert "hidden_states" not in out  # pp_size 1: not allocated
-    assert out.strip().splitlines()[-1].endswith("allocated for runtime buffers")
+    last = out.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"20 tensors, 9\.0 MiB allocated for runtime buffers "
+        r"\(device 8\.9 MiB, pinned 130\.0 KiB, host 780 B\)",
+        last,
+    ), last
+    assert "device memory: 9 tensors, 8.9 MiB" in out  # grouped by memory kind, with totals
 
 
 @pytest.mark.parametrize(

@@ -377,7 +377,7 @@ def test_capacities_equal_the_references(name, scale):
         want["rand_data_validation"] = (c.max_batch_size, c.max_draft_tokens + 1)
     got_in, got_out = b.views(b_sizes(b))
     checked = 0
-    for engine_name, view in {**got_in, **got_out}.items():
+    for engine_name in {**got_in, **got_out}:
         decl = b.decls[_owner(b, engine_name)]
         shape = tuple(decl.capacity(c))
         expected = want.get(engine_name)
