@@ -41,7 +41,7 @@ KIND_TEXT = {
     "names": "list parameter",
     "derived": "derived value",
     "size": "step size",
-    "index": "index set member",
+    "index": "member label of an index set",
 }
 
 
@@ -146,7 +146,9 @@ class Checker:
                     ok = False
             elif kind not in ctx.kinds:
                 kinds = sorted(KIND_TEXT[k] + "s" for k in ctx.kinds)
-                allowed = ", ".join(kinds[:-1]) + " and " + kinds[-1]
+                allowed = (
+                    kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + " and " + kinds[-1]
+                )
                 self.errors.error(
                     f.at(n.col),
                     f"'{n.id}' is a {KIND_TEXT[kind]}; {ctx.what} may use only {allowed}",
