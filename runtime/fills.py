@@ -457,31 +457,81 @@ cache_indirection_decoder_copies = Rule(
     F.cache_indirection_decoder_copies,
     advance=_advance_same(lambda b: 3 * b.sizes.num_requests),
 )
-_FEATURE_RULES = tuple(
-    Rule(name, getattr(F, name), F.CHECKS.get(name))
-    for name in (
-        "encoder_output_lengths",
-        "encoder_output",
-        "cross_kv_cache_block_offsets",
-        "cross_attention_mask",
-        "skip_cross_attn_blocks",
-        "encoder_input_ids",
-        "encoder_position_ids",
-        "encoder_input_lengths",
-        "lora_weights_pointers",
-        "lora_ranks",
-        "prompt_embedding_table",
-        "prompt_tasks",
-        "slot_mapping",
-        "mrope_rotary_cos_sin",
-        "mrope_position_deltas",
-        "language_adapter_routings",
-        "posterior_thresholds",
-        "posterior_alphas",
-        "chunked_context_next_tokens",
-    )
+# the feature groups' rules (runtime/feature_fills.py)
+encoder_output_lengths = Rule(
+    "encoder_output_lengths", F.encoder_output_lengths, F.CHECKS.get("encoder_output_lengths")
 )
-globals().update({r.name: r for r in _FEATURE_RULES})  # fills.<name>, as generated code reads
+encoder_output = Rule("encoder_output", F.encoder_output, F.CHECKS.get("encoder_output"))
+cross_kv_cache_block_offsets = Rule(
+    "cross_kv_cache_block_offsets",
+    F.cross_kv_cache_block_offsets,
+    F.CHECKS.get("cross_kv_cache_block_offsets"),
+)
+cross_attention_mask = Rule(
+    "cross_attention_mask", F.cross_attention_mask, F.CHECKS.get("cross_attention_mask")
+)
+skip_cross_attn_blocks = Rule(
+    "skip_cross_attn_blocks", F.skip_cross_attn_blocks, F.CHECKS.get("skip_cross_attn_blocks")
+)
+encoder_input_ids = Rule(
+    "encoder_input_ids", F.encoder_input_ids, F.CHECKS.get("encoder_input_ids")
+)
+encoder_position_ids = Rule(
+    "encoder_position_ids", F.encoder_position_ids, F.CHECKS.get("encoder_position_ids")
+)
+encoder_input_lengths = Rule(
+    "encoder_input_lengths", F.encoder_input_lengths, F.CHECKS.get("encoder_input_lengths")
+)
+lora_weights_pointers = Rule(
+    "lora_weights_pointers", F.lora_weights_pointers, F.CHECKS.get("lora_weights_pointers")
+)
+lora_ranks = Rule("lora_ranks", F.lora_ranks, F.CHECKS.get("lora_ranks"))
+prompt_embedding_table = Rule(
+    "prompt_embedding_table", F.prompt_embedding_table, F.CHECKS.get("prompt_embedding_table")
+)
+prompt_tasks = Rule("prompt_tasks", F.prompt_tasks, F.CHECKS.get("prompt_tasks"))
+slot_mapping = Rule("slot_mapping", F.slot_mapping, F.CHECKS.get("slot_mapping"))
+mrope_rotary_cos_sin = Rule(
+    "mrope_rotary_cos_sin", F.mrope_rotary_cos_sin, F.CHECKS.get("mrope_rotary_cos_sin")
+)
+mrope_position_deltas = Rule(
+    "mrope_position_deltas", F.mrope_position_deltas, F.CHECKS.get("mrope_position_deltas")
+)
+language_adapter_routings = Rule(
+    "language_adapter_routings",
+    F.language_adapter_routings,
+    F.CHECKS.get("language_adapter_routings"),
+)
+posterior_thresholds = Rule(
+    "posterior_thresholds", F.posterior_thresholds, F.CHECKS.get("posterior_thresholds")
+)
+posterior_alphas = Rule("posterior_alphas", F.posterior_alphas, F.CHECKS.get("posterior_alphas"))
+chunked_context_next_tokens = Rule(
+    "chunked_context_next_tokens",
+    F.chunked_context_next_tokens,
+    F.CHECKS.get("chunked_context_next_tokens"),
+)
+_FEATURE_RULES = (
+    encoder_output_lengths,
+    encoder_output,
+    cross_kv_cache_block_offsets,
+    cross_attention_mask,
+    skip_cross_attn_blocks,
+    encoder_input_ids,
+    encoder_position_ids,
+    encoder_input_lengths,
+    lora_weights_pointers,
+    lora_ranks,
+    prompt_embedding_table,
+    prompt_tasks,
+    slot_mapping,
+    mrope_rotary_cos_sin,
+    mrope_position_deltas,
+    language_adapter_routings,
+    posterior_thresholds,
+    posterior_alphas,
+    chunked_context_next_tokens,
+)
 
 RULES = {
     r.name: r
