@@ -94,6 +94,20 @@ class Family:
     flags: tuple[tuple[str, str | bool], ...]
     loc: Location
     flag_locs: tuple[tuple[str, Location], ...] = ()
+    additional_outputs: tuple[AdditionalOutput, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class AdditionalOutput:
+    """An extra engine output of a family (the reference's AdditionalModelOutput): one row per
+    token, [num_tokens, *dims], written by the engine on the last pipeline rank."""
+
+    name: str
+    doc: str
+    dtype: str
+    dims: tuple[Formula, ...]
+    loc: Location
+    when: Formula | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +239,20 @@ class _Builder:
                 tuple(r.get("flags", {}).items()),
                 kl(("families", n)),
                 tuple((f, kl(("families", n, "flags", f))) for f in r.get("flags", {})),
+                tuple(
+                    AdditionalOutput(
+                        o,
+                        v["doc"],
+                        v["dtype"],
+                        tuple(
+                            self.formula(x, ("families", n, "additional_outputs", o, "dims", j))
+                            for j, x in enumerate(v.get("dims", []))
+                        ),
+                        kl(("families", n, "additional_outputs", o)),
+                        self.opt_formula(v, "when", ("families", n, "additional_outputs", o)),
+                    )
+                    for o, v in r.get("additional_outputs", {}).items()
+                ),
             )
             for n, r in d.get("families", {}).items()
         )

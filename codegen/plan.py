@@ -136,6 +136,7 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
             )
         )
 
+    tensors += _additional_outputs(spec, family)
     set_names = {n for pt in tensors for b in pt.bindings for n in b.each}
     index_sets = tuple(
         PlannedIndexSet(
@@ -211,6 +212,42 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
         tensors=tuple(tensors),
         index_sets=index_sets,
     )
+
+
+def _additional_outputs(spec: Spec, family: Family) -> list[PlannedTensor]:
+    """A family's extra engine outputs as engine-written tensors: one row per token (capacity:
+    the bound of num_tokens), where their `when` holds."""
+    if not family.additional_outputs:
+        return []
+    rows = next(z for z in spec.sizes if z.name == "num_tokens")
+    assert rows.bound is not None
+    flags = family_flags(spec, family)
+    out = []
+    for o in family.additional_outputs:
+        when = _fold(o.when.expr if o.when else None, flags)
+        if when == E.FALSE:
+            continue
+        dims = tuple(f.expr for f in o.dims)
+        out.append(
+            PlannedTensor(
+                name=o.name,
+                doc=o.doc,
+                dtype=o.dtype,
+                dtype_is_param=o.dtype not in _dtypes(),
+                memory="device",
+                capacity=(rows.bound.expr, *dims),
+                shape=(E.Name("num_tokens"), *dims),
+                when=when,
+                fill_kind="engine",
+                fill_target=None,
+                constant=None,
+                pad=None,
+                bindings=(PlannedBinding("output", o.name, None, o.loc),),
+                checked=False,
+                loc=o.loc,
+            )
+        )
+    return out
 
 
 def family_flags(spec: Spec, family: Family) -> dict[str, str | bool]:

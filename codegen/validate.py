@@ -393,6 +393,23 @@ class Checker:
                         f"'{value}' is not a value of flag '{name}'{did_you_mean(str(value), flag.values)}; "
                         f"values: {', '.join(flag.values)}",
                     )
+            tensor_names = {t.name for t in self.spec.tensors}
+            for o in fam.additional_outputs:
+                if o.name in tensor_names:
+                    self.errors.error(
+                        o.loc,
+                        f"additional output '{o.name}' of family '{fam.name}' has the name of a "
+                        "tensor; name it after the engine output, differently from every tensor",
+                    )
+                if o.dtype not in vocab.DTYPES and self.kinds.get(o.dtype) != "dtype":
+                    self.errors.error(
+                        o.loc,
+                        f"additional output '{o.name}': unknown dtype '{o.dtype}'"
+                        f"{did_you_mean(o.dtype, vocab.DTYPES)}",
+                    )
+                for f in o.dims:
+                    self.formula(f, CAPACITY)
+                self.formula(o.when, WHEN)
             for flag in self.spec.flags:
                 if flag.name not in given and flag.default is None:
                     self.errors.error(

@@ -544,6 +544,27 @@ def test_billion_laughs_is_rejected_before_expansion():
 # ---- the format extensions of issue 5: one edited spec and its exact messages each
 FORMAT_CASES = [
     pytest.param(
+        'version: 1\nflags:\n  variant: {doc: Variant., values: [a, b]}\nparameters:\n  max_batch_size: {doc: Batch., min: 1}\n  max_num_tokens: {doc: Tokens., min: 1}\n  act_dtype: {doc: Dtype., type: dtype, default: float16}\nsizes:\n  num_tokens: {doc: Tokens., max: "max_num_tokens"}\n  num_requests: {doc: Requests., max: "max_batch_size"}\nfamilies:\n  fam_a:\n    doc: A.\n    flags: {variant: a}\n    additional_outputs:\n      ids: {doc: Ids., dtype: int32}\n\ntensors:\n  - name: host_ids\n    doc: Ids.\n    dtype: int32\n    memory: pinned\n    capacity: ["max_num_tokens"]\n    shape: ["num_tokens"]\n    fill: {rule: token_ids}\n  - name: ids\n    doc: Ids on device.\n    memory: device\n    fill: {mirror: host_ids}\n    bind:\n      - input: input_ids\n',
+        [
+            "buffers.yaml:16:7: additional output 'ids' of family 'fam_a' has the name of a tensor; name it after the engine output, differently from every tensor"
+        ],
+        id="outputnamedliketensor",
+    ),
+    pytest.param(
+        'version: 1\nflags:\n  variant: {doc: Variant., values: [a, b]}\nparameters:\n  max_batch_size: {doc: Batch., min: 1}\n  max_num_tokens: {doc: Tokens., min: 1}\n  act_dtype: {doc: Dtype., type: dtype, default: float16}\nsizes:\n  num_tokens: {doc: Tokens., max: "max_num_tokens"}\n  num_requests: {doc: Requests., max: "max_batch_size"}\nfamilies:\n  fam_a:\n    doc: A.\n    flags: {variant: a}\n    additional_outputs:\n      input_ids: {doc: Ids., dtype: int32}\n\ntensors:\n  - name: host_ids\n    doc: Ids.\n    dtype: int32\n    memory: pinned\n    capacity: ["max_num_tokens"]\n    shape: ["num_tokens"]\n    fill: {rule: token_ids}\n  - name: ids\n    doc: Ids on device.\n    memory: device\n    fill: {mirror: host_ids}\n    bind:\n      - output: input_ids\n',
+        [
+            "buffers.yaml:16:7: engine output 'input_ids' is bound by both 'ids' (line 26) and 'input_ids' in family 'fam_a'; make their 'when' conditions exclusive"
+        ],
+        id="outputcollides",
+    ),
+    pytest.param(
+        'version: 1\nflags:\n  variant: {doc: Variant., values: [a, b]}\nparameters:\n  max_batch_size: {doc: Batch., min: 1}\n  max_num_tokens: {doc: Tokens., min: 1}\n  act_dtype: {doc: Dtype., type: dtype, default: float16}\nsizes:\n  num_tokens: {doc: Tokens., max: "max_num_tokens"}\n  num_requests: {doc: Requests., max: "max_batch_size"}\nfamilies:\n  fam_a:\n    doc: A.\n    flags: {variant: a}\n    additional_outputs:\n      extra: {doc: Extra., dtype: int31, dims: ["max_batch_size"]}\n\ntensors:\n  - name: host_ids\n    doc: Ids.\n    dtype: int32\n    memory: pinned\n    capacity: ["max_num_tokens"]\n    shape: ["num_tokens"]\n    fill: {rule: token_ids}\n  - name: ids\n    doc: Ids on device.\n    memory: device\n    fill: {mirror: host_ids}\n    bind:\n      - input: input_ids\n',
+        [
+            "buffers.yaml:16:7: additional output 'extra': unknown dtype 'int31' (did you mean 'int32'?)"
+        ],
+        id="outputdtype",
+    ),
+    pytest.param(
         'version: 1\nflags:\n  variant: {doc: Variant., values: [a, b]}\n  paged: {doc: Paged., type: bool, default: \'yes\'}\nparameters:\n  max_batch_size: {doc: Batch., min: 1}\n  max_num_tokens: {doc: Tokens., min: 1}\n  act_dtype: {doc: Dtype., type: dtype, default: float16}\nsizes:\n  num_tokens: {doc: Tokens., max: "max_num_tokens"}\n  num_requests: {doc: Requests., max: "max_batch_size"}\nfamilies:\n  fam_a: {doc: A., flags: {variant: a}}\ntensors:\n  - name: host_ids\n    doc: Ids.\n    dtype: int32\n    memory: pinned\n    capacity: ["max_num_tokens"]\n    shape: ["num_tokens"]\n    fill: {rule: token_ids}\n  - name: ids\n    doc: Ids on device.\n    memory: device\n    fill: {mirror: host_ids}\n    bind:\n      - input: input_ids\n',
         ["buffers.yaml:4:3: default of boolean flag 'paged' must be true or false"],
         id="flagdefaultbool",
@@ -652,3 +673,26 @@ FORMAT_CASES = [
 @pytest.mark.parametrize(("text", "expected"), FORMAT_CASES)
 def test_format_extension_diagnostic(text, expected):
     assert diagnostics(text) == expected
+
+
+def test_bindings_under_exclusive_boolean_parameters_may_share_an_engine_name():
+    text = BASE.replace(
+        "  act_dtype: {doc: Dtype., type: dtype, default: float16}",
+        "  act_dtype: {doc: Dtype., type: dtype, default: float16}\n"
+        "  wide: {doc: Wide., type: bool, default: false}",
+    ).replace(
+        "      - input: input_ids",
+        "      - input: input_ids\n        when: wide\n      - input: ids_b\n        when: max_batch_size > 1",
+    )
+    text += (
+        "  - name: other\n    doc: Other.\n    memory: device\n    fill: {mirror: host_ids}\n"
+        "    bind:\n      - input: input_ids\n        when: not wide\n"
+    )
+    assert diagnostics(text) == []
+    overlapping = text.replace(
+        "        when: not wide\n", "        when: wide or max_batch_size > 1\n"
+    )
+    assert diagnostics(overlapping) == [
+        "buffers.yaml:36:16: engine input 'input_ids' is bound by both 'ids' (line 22) and 'other' "
+        "in family 'fam_a'; make their 'when' conditions exclusive"
+    ]

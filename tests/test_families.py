@@ -171,6 +171,7 @@ CASES = [
         STATIC_TRANSFORMER | STATIC_KV,
     ),
     ("gpt_lora", {}, PAGED | lora_names(range(4)), {"logits"}, STATIC_TRANSFORMER | STATIC_KV),
+    ("gpt_outputs", {}, PAGED, {"logits", "hidden_states_last"}, STATIC_TRANSFORMER | STATIC_KV),
     (
         "gpt_prompt_tuning",
         {},
@@ -321,6 +322,7 @@ def capacities(c, flags) -> dict:
         "host_kv_cache_block_offsets": (1, B * W, 2, Mb),
         "hidden_states_input": (T, g("hidden_size")),
         "hidden_states_output": (T, g("hidden_size")),
+        "hidden_states_last": (T, g("hidden_size")),
         "slot_mapping": (B,),
         "mrope_rotary_cos_sin": (
             B * W,
