@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from bufc.generated import llama
+from bufc.generated import gpt_pp, llama
 from bufc.runtime import Request
 
 from .llama import PackedLlama
 from .paged_cache import BlockAllocator, PagedKVCache
+from .parallel import Parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,14 +75,18 @@ class Executor:
         device: str = "cpu",
         bucketed_decode: bool = False,
         cuda_graphs: bool = False,
+        parallel: Parallel | None = None,
     ) -> None:
         """`bucketed_decode` runs generation-only steps through the fixed-shape decode over a
         power-of-two batch bucket (the padding rows are the buffers' pad values);
-        `cuda_graphs` also captures one CUDA graph per bucket and replays it."""
+        `cuda_graphs` also captures one CUDA graph per bucket and replays it. With `parallel`
+        (a rank of a torch.distributed world, ``parallel.init``) this rank holds its pipeline
+        stage's layers and its tensor-parallel share, and its buffers are the gpt_pp family's
+        for its role; every rank runs the same schedule."""
         cfg = hf_model.config
         dtype = next(hf_model.parameters()).dtype
-        self.model = PackedLlama(hf_model)
-        self.config = llama.Config(
+        par = self.parallel = parallel or Parallel()
+        common = dict(
             max_batch_size=max_batch_size,
             max_num_tokens=token_budget,
             vocab_size=cfg.vocab_size,
@@ -90,22 +95,37 @@ class Executor:
             tokens_per_block=tokens_per_block,
             logits_dtype=dtype,
         )
-        self.buffers = llama.RuntimeBuffers(self.config, device=device)
+        if par.distributed:
+            self.config = gpt_pp.Config(
+                **common,
+                hidden_size=cfg.hidden_size,
+                model_dtype=dtype,
+                tp_size=par.tp_size,
+                pp_size=par.pp_size,
+                pp_rank=par.pp_rank,
+            )
+            self.buffers = gpt_pp.RuntimeBuffers(self.config, device=device)
+        else:
+            self.config = llama.Config(**common)
+            self.buffers = llama.RuntimeBuffers(self.config, device=device)
+        self.model = PackedLlama(hf_model, par, self.config.vocab_size_padded)
         blocks = (
             num_blocks or max_batch_size * self.config.max_blocks_per_seq + BlockAllocator.RESERVED
         )
         self.allocator = BlockAllocator(blocks)
         self.cache = PagedKVCache(
             blocks,
-            cfg.num_hidden_layers,
+            self.model.num_layers,  # this stage's layers
             tokens_per_block,
-            cfg.num_key_value_heads,
+            self.model.kv_heads,  # this rank's share of the heads
             self.model.head_dim,
             dtype,
             device,
         )
         self.chunk_size = chunk_size or token_budget
         self.token_budget = token_budget
+        if par.distributed and (bucketed_decode or cuda_graphs):
+            raise ValueError("bucketed decode and CUDA graphs run in one process")
         self.bucketed_decode = bucketed_decode or cuda_graphs
         self.cuda_graphs = cuda_graphs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -161,7 +181,7 @@ class Executor:
                 self._decode(step)
             else:
                 self.model.forward(step, self.cache)
-            sampled = step.outputs["logits"].argmax(dim=-1).tolist()
+            sampled = self._sample(step)
             last_generation = generation if not context else None
             last_tokens = sampled
             for row, a in enumerate([*context, *generation]):
@@ -194,6 +214,17 @@ class Executor:
                 on_step(stats)
             step_index += 1
         return result
+
+    def _sample(self, step) -> list[int]:
+        """Greedy tokens of the step's logit rows (over the real vocabulary, not its padding),
+        from the last pipeline stage to every rank."""
+        par = self.parallel
+        if par.last_stage:
+            tokens = step.outputs["logits"][:, : self.config.vocab_size].argmax(dim=-1)
+        else:
+            device = step.inputs["position_ids"].device
+            tokens = torch.empty(step.sizes.num_logits, dtype=torch.int64, device=device)
+        return par.share_tokens(tokens).tolist()
 
     def _decode(self, step) -> None:
         n = step.sizes.num_sequences

@@ -2,9 +2,11 @@
 
 It reads only the engine inputs of a prepared step (``input_ids``, ``position_ids``,
 ``host_request_types``, ``host_context_lengths``, ``sequence_length``, ``last_token_ids``,
-``kv_cache_block_offsets``) and writes ``step.outputs["logits"]``. Attention reads and writes
-the paged cache through the block offsets. Weights, norms, MLP and rotary embedding come from
-a Hugging Face ``LlamaForCausalLM``; the packing, paging and attention are ours.
+``kv_cache_block_offsets``, and ``hidden_states_input`` on later pipeline stages) and writes
+``step.outputs["logits"]`` (or ``hidden_states_output`` before the last stage). Attention reads
+and writes the paged cache through the block offsets. Weights, norms, MLP and rotary embedding
+come from a Hugging Face ``LlamaForCausalLM``; the packing, paging, attention and the
+pipeline/tensor split (``parallel.py``) are ours.
 """
 
 from __future__ import annotations
@@ -13,18 +15,35 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .paged_cache import PagedKVCache
+from .parallel import Parallel, shard_layer, vocab_shard
 
 
 class PackedLlama:
-    def __init__(self, hf_model: torch.nn.Module) -> None:
+    def __init__(
+        self, hf_model: torch.nn.Module, parallel: Parallel | None = None, vocab_padded: int = 0
+    ) -> None:
+        """This rank's part of the model: its pipeline stage's layers, each holding its
+        tensor-parallel share of the heads and of the MLP, and its share of the vocabulary
+        (`vocab_padded` rows in all, the buffers' vocab_size_padded)."""
         cfg = hf_model.config
+        par = self.par = parallel or Parallel()
         self.hf = hf_model
         self.model = hf_model.model
-        self.lm_head = hf_model.lm_head
-        self.num_heads = cfg.num_attention_heads
-        self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads // par.tp_size
+        self.kv_heads = cfg.num_key_value_heads // par.tp_size
+        self.num_layers = cfg.num_hidden_layers // par.pp_size
+        first = par.pp_rank * self.num_layers
+        layers = list(self.model.layers[first : first + self.num_layers])
+        if par.tp_size > 1:
+            layers = [
+                shard_layer(x, cfg.num_attention_heads, cfg.num_key_value_heads, self.head_dim, par)
+                for x in layers
+            ]
+        self.layers = layers
+        self.vocab_size = cfg.vocab_size
+        padded = vocab_padded or cfg.vocab_size
+        self.lm_weight = vocab_shard(hf_model.lm_head, padded, par) if par.last_stage else None
 
     def _qkv(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Queries, keys (rotated) and values of packed tokens: [tokens, heads, head_dim]."""
@@ -38,14 +57,13 @@ class PackedLlama:
 
     @torch.no_grad()
     def forward(self, step, cache: PagedKVCache) -> None:
-        inp = step.inputs
-        ids = inp["input_ids"].long()
+        inp, par = step.inputs, self.par
         positions = inp["position_ids"].long()
         types = inp["host_request_types"].tolist()
         lengths = inp["host_context_lengths"].tolist()
         seq_len = inp["sequence_length"].cpu().tolist()
         offsets = inp["kv_cache_block_offsets"][0]
-        tokens = ids.numel()
+        tokens = step.sizes.num_tokens
         # tokens of each sequence this step: its context length for a context row, one for a
         # generation row (this example runs no draft tokens)
         new = [n if t == 0 else 1 for t, n in zip(types, lengths)]
@@ -54,7 +72,7 @@ class PackedLlama:
         starts = [0]
         for n in new:
             starts.append(starts[-1] + n)
-        device = ids.device
+        device = positions.device
         kv_pos = [
             torch.arange(seq_len[i] - new[i], seq_len[i], device=device) for i in range(len(new))
         ]
@@ -64,10 +82,14 @@ class PackedLlama:
             for i in range(len(new))
         ]
 
-        x = self.model.embed_tokens(ids)
+        if par.first_stage:
+            x = self.model.embed_tokens(inp["input_ids"].long())
+        else:  # the previous stage's hidden states, received into the buffers' input
+            par.recv_hidden(inp["hidden_states_input"])
+            x = inp["hidden_states_input"]
         cos, sin = self.model.rotary_emb(x[None], positions[None])
         group = self.num_heads // self.kv_heads
-        for layer_idx, layer in enumerate(self.model.layers[: self.num_layers]):
+        for layer_idx, layer in enumerate(self.layers):
             attn = layer.self_attn
             q, k, v = self._qkv(layer, x, cos, sin)
             out = torch.empty_like(q)
@@ -82,11 +104,15 @@ class PackedLlama:
                 causal = kv_pos[i][:, None] >= torch.arange(seq_len[i], device=device)[None, :]
                 scores = scores.masked_fill(~causal, float("-inf"))
                 out[a:b] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
-            x = x + attn.o_proj(out.reshape(tokens, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + par.all_reduce(attn.o_proj(out.reshape(tokens, -1)))
+            x = x + par.all_reduce(layer.mlp(layer.post_attention_layernorm(x)))
+        if not par.last_stage:
+            step.outputs["hidden_states_output"].copy_(x)
+            par.send_hidden(step.outputs["hidden_states_output"])
+            return
         x = self.model.norm(x)
         last = inp["last_token_ids"].long() - 1  # 1-based index of each logit row's last token
-        step.outputs["logits"].copy_(self.lm_head(x[last]))
+        par.gather_vocab(x[last] @ self.lm_weight.T, step.outputs["logits"])
 
     @torch.no_grad()
     def decode(self, inputs: dict, outputs: dict, cache: PagedKVCache) -> None:
@@ -109,9 +135,11 @@ class PackedLlama:
         visible = kv_pos[None, :] < seq_len[:, None]  # [B, window]
         group = self.num_heads // self.kv_heads
 
+        if self.par.distributed:
+            raise NotImplementedError("the fixed-shape decode runs in one process")
         x = self.model.embed_tokens(ids)
         cos, sin = self.model.rotary_emb(x[None], positions[None])
-        for layer_idx, layer in enumerate(self.model.layers[: self.num_layers]):
+        for layer_idx, layer in enumerate(self.layers):
             attn = layer.self_attn
             q, k, v = self._qkv(layer, x, cos, sin)
             cache.write(layer_idx, new_slab, new_slot, k, v)
@@ -125,4 +153,4 @@ class PackedLlama:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = self.model.norm(x)
         last = (inputs["last_token_ids"].long() - 1).clamp(min=0)
-        outputs["logits"].copy_(self.lm_head(x[last]))
+        outputs["logits"].copy_(x[last] @ self.lm_weight.T)
