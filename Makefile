@@ -10,7 +10,7 @@ check: check-generated lint
 check-generated: $(STAMP) ; $(PY) -m bufc.codegen check
 lint: $(STAMP) ; $(VENV)/bin/ruff check codegen runtime tests bufc schema bench examples && $(VENV)/bin/ruff format --check codegen runtime tests bufc schema bench examples && $(VENV)/bin/mypy --ignore-missing-imports codegen runtime
 test: $(STAMP) ; $(PY) -m pytest
-demo: $(STAMP) ; $(PY) -m bufc.codegen demo --device $(or $(DEVICE),cpu)
+demo: $(STAMP) ; $(PY) -m bufc.codegen demo --device $(or $(DEVICE),cpu) --pp $(or $(PP),1) --tp $(or $(TP),1) --backend $(or $(BACKEND),gloo)
 bench: $(STAMP) ; $(PY) bench/prepare_step.py --device $(or $(DEVICE),cpu) --json bench/results/$(or $(DEVICE),cpu).json
 venv: $(STAMP)
 $(STAMP): requirements-dev.txt pyproject.toml ; rm -f $(VENV)/.installed-* && (test -x $(PY) || python3 -m venv $(VENV)) && $(PY) -m pip install -q -r requirements-dev.txt && $(PY) -m pip install -q --no-deps --no-build-isolation -e . && touch $@

@@ -32,6 +32,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--every", type=int, default=10, help="print figures every N steps")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel processes")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel processes")
+    p.add_argument(
+        "--backend", default="gloo", help="torch.distributed backend: gloo (CPU) or nccl (GPUs)"
+    )
     return p
 
 
@@ -43,25 +48,25 @@ def main(argv: list[str] | None = None) -> int:
         print("bufc demo needs transformers: pip install transformers", file=sys.stderr)
         return 1
     model = tiny_llama(args.seed).to(args.device)
-    jobs = workload(
-        args.requests,
-        seed=args.seed + 1,
-        vocab_size=model.config.vocab_size,
-        max_prompt=args.max_prompt,
-    )
-    executor = Executor(
-        model,
+    jobs_args = dict(n=args.requests, seed=args.seed + 1, max_prompt=args.max_prompt)
+    jobs = workload(vocab_size=model.config.vocab_size, **jobs_args)
+    executor_args = dict(
         max_batch_size=args.max_batch_size,
         token_budget=args.token_budget,
         chunk_size=args.chunk_size,
         tokens_per_block=args.tokens_per_block,
         max_sequence_length=args.max_prompt + 16,
-        device=args.device,
+    )
+    world = args.pp * args.tp
+    where = (
+        f"{world} processes (pp {args.pp} x tp {args.tp}, {args.backend})"
+        if world > 1
+        else f"device {args.device}"
     )
     print(
         f"bufc demo: {len(jobs)} requests (prompts 1-{args.max_prompt} tokens), "
         f"budget {args.token_budget} tokens/step, chunks <= {args.chunk_size}, "
-        f"{args.tokens_per_block} tokens/block, device {args.device}"
+        f"{args.tokens_per_block} tokens/block, {where}"
     )
     print(f"{'step':>5} {'in flight':>9} {'ctx':>4} {'gen':>4} {'tokens':>6} {'prepare_step':>13}")
     tty = sys.stdout.isatty()
@@ -76,9 +81,24 @@ def main(argv: list[str] | None = None) -> int:
         if tty:
             print("\r" + _bar(s.finished, len(jobs)), end="", flush=True)
 
-    start = time.perf_counter()
-    result = executor.run(jobs, on_step=on_step)
-    elapsed = time.perf_counter() - start
+    if world > 1:
+        from .distributed import run_world
+
+        run = run_world(
+            args.tp,
+            args.pp,
+            backend=args.backend,
+            model_args={"seed": args.seed},
+            jobs_args=jobs_args,
+            executor_args=executor_args,
+            every=args.every,
+        )
+        result, elapsed = run.result, run.elapsed_s
+    else:
+        executor = Executor(model, device=args.device, **executor_args)
+        start = time.perf_counter()
+        result = executor.run(jobs, on_step=on_step)
+        elapsed = time.perf_counter() - start
     print(("\r" if tty else "") + _bar(len(jobs), len(jobs)))
     ref_start = time.perf_counter()
     reference = reference_tokens(model, jobs)

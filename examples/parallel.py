@@ -81,7 +81,9 @@ class Parallel:
 def init(tp_size: int, pp_size: int, rank: int, backend: str, init_method: str) -> Parallel:
     """Join the world and build the tensor-parallel groups (every rank creates every group, in
     the same order, as torch.distributed requires)."""
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=tp_size * pp_size)
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=tp_size * pp_size
+    )
     mine = None
     for stage in range(pp_size):
         ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
@@ -101,7 +103,9 @@ def _rows(linear: torch.nn.Linear, start: int, stop: int) -> torch.nn.Linear:
 
 
 def _cols(linear: torch.nn.Linear, start: int, stop: int, keep_bias: bool) -> torch.nn.Linear:
-    out = torch.nn.Linear(stop - start, linear.out_features, bias=linear.bias is not None and keep_bias)
+    out = torch.nn.Linear(
+        stop - start, linear.out_features, bias=linear.bias is not None and keep_bias
+    )
     out = out.to(linear.weight.dtype).to(linear.weight.device)
     out.weight.data.copy_(linear.weight.data[:, start:stop])
     if linear.bias is not None and keep_bias:
