@@ -255,47 +255,64 @@ def encoder_input_lengths(out: np.ndarray, b: Batch, config: Any = None) -> int:
 
 
 # ------------------------------------------------------------------------------------ LoRA
-def _lora_check(b: Batch, config: Any) -> None:
-    """Parse every request's adapter rows into (sequence, module, layer, a, b, scale, rank)
-    columns. Rows of layers held by other pipeline ranks are skipped."""
+def _parse_lora(b: Batch, i: int, rows: Any, config: Any) -> np.ndarray:
+    """One request's adapter rows as an [n, 6] array (module index, local layer, A, B, scale,
+    rank), keeping the rows of this pipeline rank's layers; raises on a bad row."""
     modules = {m: k for k, m in enumerate(config.lora_modules)}
     first, count = config.first_local_layer, config.num_local_layers
+    if len(rows) == 0:
+        raise BatchError(f"{_where(b, i)}: lora_weights is empty; give None for no adapter")
+    parsed = []
+    for row in rows:
+        if len(row) != 6:
+            raise BatchError(
+                f"{_where(b, i)}: a lora_weights row is (module, layer, A address, "
+                f"B address, DoRA scale address or None, rank), got {row!r}"
+            )
+        module, layer, a, w, scale, rank = row
+        if module not in modules:
+            raise BatchError(
+                f"{_where(b, i)}: LoRA module {module!r} is not one of the engine's "
+                f"lora_modules ({', '.join(config.lora_modules)})"
+            )
+        if rank < 0:
+            raise BatchError(f"{_where(b, i)}: LoRA rank {rank} is negative")
+        if first <= layer < first + count:  # other rows belong to other pipeline ranks
+            parsed.append((modules[module], layer - first, a, w, scale or 0, rank))
+    return np.asarray(parsed, dtype=np.int64).reshape(-1, 6)
+
+
+def _lora_check(b: Batch, config: Any) -> None:
+    """Every request's adapter rows, one row per sequence, as (sequence, module, layer, a, b,
+    scale, rank) columns. A request's parsed rows are memoised while its lora_weights compare
+    equal to the copy they were parsed from, so steady steps convert nothing."""
     seq_of_request = np.concatenate(
         (np.arange(len(b.context)), len(b.context) + np.cumsum(b.gen_beam_width) - b.gen_beam_width)
     ).astype(np.int64)
     widths = np.concatenate((np.ones(len(b.context), np.int64), b.gen_beam_width))
-    cols: list[list[int]] = [[] for _ in range(7)]
+    memo = b.carry.setdefault("lora", {})
+    seen = {}
+    parts = []
     for i, r in enumerate(_requests(b)):
         rows = getattr(r, "lora_weights", None)
         if rows is None:
             continue
-        if len(rows) == 0:
-            raise BatchError(f"{_where(b, i)}: lora_weights is empty; give None for no adapter")
-        for row in rows:
-            if len(row) != 6:
-                raise BatchError(
-                    f"{_where(b, i)}: a lora_weights row is (module, layer, A address, "
-                    f"B address, DoRA scale address or None, rank), got {row!r}"
-                )
-            module, layer, a, w, scale, rank = row
-            if module not in modules:
-                raise BatchError(
-                    f"{_where(b, i)}: LoRA module {module!r} is not one of the engine's "
-                    f"lora_modules ({', '.join(config.lora_modules)})"
-                )
-            if not first <= layer < first + count:
-                continue  # another pipeline rank's layer
-            if rank < 0:
-                raise BatchError(f"{_where(b, i)}: LoRA rank {rank} is negative")
-            # One row per sequence: the reference indexes the rows by request, so the beams of
-            # a beam-search request overwrite the next request's rows (a bug).
-            for k in range(int(widths[i])):
-                for col, v in zip(
-                    cols,
-                    (seq_of_request[i] + k, modules[module], layer - first, a, w, scale or 0, rank),
-                ):
-                    col.append(int(v))
-    b.scratch["lora"] = tuple(np.asarray(c, dtype=np.int64) for c in cols)
+        kept = memo.get(id(r))
+        snapshot = tuple(rows)
+        if kept is None or kept[0] != snapshot:
+            kept = (snapshot, _parse_lora(b, i, rows, config))
+        seen[id(r)] = kept
+        parsed = kept[1]
+        # One row per sequence: the reference indexes the rows by request, so the beams of a
+        # beam-search request overwrite the next request's rows (a bug).
+        for k in range(int(widths[i])):
+            parts.append(
+                np.column_stack((np.full(len(parsed), seq_of_request[i] + k, np.int64), parsed))
+            )
+    memo.clear()
+    memo.update(seen)  # requests no longer scheduled are forgotten
+    table = np.concatenate(parts) if parts else np.zeros((0, 7), np.int64)
+    b.scratch["lora"] = tuple(table[:, j] for j in range(7))
 
 
 def lora_weights_pointers(out: np.ndarray, b: Batch, config: Any) -> int:

@@ -363,3 +363,15 @@ def test_spec_decoding_and_recurrent_families_need_beam_width_one():
         fields = {f.name for f in dataclasses.fields(family(name).Config)}
         with pytest.raises(ConfigError, match="beam"):
             make_buffers(name, **{k: v for k, v in extra.items() if k in fields})
+
+
+def test_lora_rows_edited_in_place_are_seen_on_the_next_step():
+    b = make_buffers("gpt_lora", lora_modules=MODULES)
+    rows = [("attn_qkv", 1, 10, 20, None, 8)]
+    r = Request(seq_slot=0, prompt=[1, 2], generated=[[3]], kv_block_ids=[[1]], lora_weights=rows)
+    assert b.prepare_step([], [r]).inputs["attn_qkv_lora_ranks_1"].tolist() == [8]
+    rows[0] = ("attn_qkv", 1, 10, 20, None, 16)  # the same list, edited
+    rows.append(("mlp_gate", 0, 30, 40, 50, 4))
+    step = b.prepare_step([], [r])
+    assert step.inputs["attn_qkv_lora_ranks_1"].tolist() == [16]
+    assert step.inputs["mlp_gate_lora_weights_pointers_0"].tolist() == [[30, 40, 50]]
