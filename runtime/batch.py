@@ -129,29 +129,37 @@ class Batch:  # not slotted: cached_property needs __dict__
         context, generation = tuple(context), tuple(generation)
         limits = (max_beam_width, max_draft_tokens)
 
-        # ---- context columns (context lists are short; a decode step has none)
+        # ---- context columns: one pass in plain Python (context lists are short, and numpy's
+        # per-call cost outweighs its loops at these sizes; a decode step has none)
         if context:
-            c_plen = _i64([len(r.prompt) for r in context])
-            c_begin = _i64([r.context_position for r in context])
-            sizes_ = [r.context_chunk_size for r in context]
-            c_chunk = (
-                c_plen - c_begin
-                if all(x is None for x in sizes_)
-                else _i64([p - b if x is None else x for x, p, b in zip(sizes_, c_plen, c_begin)])
-            )
-            c_ndraft = _i64([len(r.draft_tokens) if r.draft_tokens else 0 for r in context])
-            c_beam = _i64([r.beam_width for r in context])
+            plen_l, begin_l, chunk_l, ndraft_l, beam_l = [], [], [], [], []
+            bad = False
+            for r in context:
+                n, b, x, beam = (
+                    len(r.prompt),
+                    r.context_position,
+                    r.context_chunk_size,
+                    r.beam_width,
+                )
+                c = n - b if x is None else x
+                drafts = r.draft_tokens
+                plen_l.append(n)
+                begin_l.append(b)
+                chunk_l.append(c)
+                ndraft_l.append(len(drafts) if drafts else 0)
+                beam_l.append(beam)
+                if (
+                    n < 1
+                    or not 0 <= b < n
+                    or c < 1
+                    or b + c > n
+                    or (r.generated and any(r.generated))
+                    or not 1 <= beam <= max_beam_width
+                ):
+                    bad = True
+            c_plen, c_begin, c_chunk = _i64(plen_l), _i64(begin_l), _i64(chunk_l)
+            c_ndraft, c_beam = _i64(ndraft_l), _i64(beam_l)
             c_explicit = [r.position_ids for r in context]
-            bad = bool(
-                (c_plen < 1).any()
-                or (c_begin < 0).any()
-                or (c_begin >= c_plen).any()
-                or (c_chunk < 1).any()
-                or (c_begin + c_chunk > c_plen).any()
-                or any(r.generated and any(r.generated) for r in context)
-                or (c_beam < 1).any()
-                or (c_beam > max_beam_width).any()
-            )
         else:
             c_plen = c_begin = c_chunk = c_ndraft = c_beam = _EMPTY
             c_explicit = []
