@@ -527,10 +527,11 @@ TENSORS = (
         'encoder_max_input_length',
         dtype=torch.int32,
         memory=rt.DEVICE,
-        capacity=lambda c: (c.max_input_length,),
+        capacity=lambda c: (c.max_encoder_length,),
         shape=lambda c, s: (s.max_encoder_input_length,),
         fill=rt.Constant(lambda c: 0),
         inputs=(rt.Bind('encoder_max_input_length'),),
+        checked=True,  # capacity not provable from the formulas: guarded every step
     ),
     # buffers.yaml:786: Encoder outputs of this step's context requests, concatenated.
     rt.TensorDecl(
@@ -599,21 +600,23 @@ TENSORS = (
         'host_cross_attention_mask',
         dtype=torch.bool,
         memory=rt.PINNED,
-        capacity=lambda c: (c.max_num_tokens, c.max_input_length),
+        capacity=lambda c: (c.max_num_tokens, c.max_encoder_length),
         shape=lambda c, s: (s.num_tokens, s.max_encoder_input_length),
         fill=fills.cross_attention_mask,
         pad=1,
+        checked=True,  # capacity not provable from the formulas: guarded every step
     ),
     # buffers.yaml:852: Which encoder positions each token attends to.
     rt.TensorDecl(
         'cross_attention_mask',
         dtype=torch.bool,
         memory=rt.DEVICE,
-        capacity=lambda c: (c.max_num_tokens, c.max_input_length),
+        capacity=lambda c: (c.max_num_tokens, c.max_encoder_length),
         shape=lambda c, s: (s.num_tokens, s.max_encoder_input_length),
         fill=rt.Mirror('host_cross_attention_mask'),
         pad=1,
         inputs=(rt.Bind('cross_attention_mask'),),
+        checked=True,  # capacity not provable from the formulas: guarded every step
     ),
     # buffers.yaml:858: Bit-packed cross-attention mask of the context requests, built by the FMHA mask kernel.
     rt.TensorDecl(

@@ -171,10 +171,11 @@ TENSORS = (
         'encoder_engine_output',
         dtype=lambda c: c.model_dtype,
         memory=rt.DEVICE,
-        capacity=lambda c: (c.max_batch_size * c.max_encoder_length, c.encoder_hidden_size),
+        capacity=lambda c: (c.max_batch_size * c.max_input_length, c.encoder_hidden_size),
         shape=lambda c, s: (s.num_encoder_tokens, c.encoder_hidden_size),
         fill=rt.ENGINE,
         outputs=(rt.Bind('encoder_output'),),
+        checked=True,  # capacity not provable from the formulas: guarded every step
     ),
 )
 

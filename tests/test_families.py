@@ -334,8 +334,8 @@ def capacities(c, flags) -> dict:
         "tasks": (T,),
         "prompt_vocab_size": (1,),
         "encoder_input_lengths": (B * W,) if flags["engine"] == "decoder" else None,
-        "encoder_max_input_length": (Ein,),
-        "encoder_output": (B * E, Henc) if E else None,
+        "encoder_max_input_length": (E,),
+        "encoder_output": (B * (E if flags["engine"] == "decoder" else Ein), Henc) if E else None,
         "input_lengths": (B,),
         "max_input_length": (Ein,),
         "cross_kv_cache_gen": (1,),
@@ -345,7 +345,7 @@ def capacities(c, flags) -> dict:
         "host_cross_kv_cache_block_offsets": (1, B * W, 2, -(-E // g("tokens_per_block", 64)))
         if E
         else None,
-        "cross_attention_mask": (T, Ein),
+        "cross_attention_mask": (T, E),
         "cross_attention_packed_mask": (B * (-(-Ein // 128) * 128), -(-E // 256) * 256 // 32)
         if E
         else None,
