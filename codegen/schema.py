@@ -17,7 +17,10 @@ from .load import Document
 if TYPE_CHECKING:  # jsonschema is imported where it is used: `bufc demo` runs without it
     from jsonschema.exceptions import ValidationError
 
-_FILL_HELP = "fill must be 'engine' or one of {rule: NAME}, {mirror: TENSOR}, {constant: FORMULA}"
+_FILL_HELP = (
+    "fill must be 'engine', 'external' or 'static', or one of {rule: NAME}, {mirror: TENSOR}, "
+    "{constant: FORMULA}"
+)
 
 
 @lru_cache(maxsize=1)
@@ -102,10 +105,20 @@ def _diagnostics(doc: Document, err: ValidationError) -> list[Diagnostic]:
         ]
     if kind == "oneOf" and path and path[-1] == "fill":
         return [Diagnostic(loc, _FILL_HELP)]
+    if kind == "oneOf" and len(path) >= 2 and path[-2] == "index_sets":
+        return [
+            Diagnostic(
+                loc,
+                "an index set takes either 'names' (a names parameter) or 'first' and 'count' "
+                "(plus an optional 'where')",
+            )
+        ]
     if kind == "oneOf":
         return [
             Diagnostic(
-                loc, "a binding names exactly one of 'input' or 'output' (plus an optional 'when')"
+                loc,
+                "a binding names exactly one of 'input' or 'output' "
+                "(plus optional 'when' and 'each')",
             )
         ]
     if kind == "const":

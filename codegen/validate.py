@@ -335,10 +335,10 @@ class Checker:
     def index_sets(self) -> None:
         for x in self.spec.index_sets:
             self.check_name(x.name, x.loc, "index set")
-            if x.names is not None:
-                if x.first is not None or x.count is not None or x.where is not None:
+            if x.names is not None:  # the schema allows names, or first and count, not both
+                if x.where is not None:
                     self.errors.error(
-                        x.loc, f"index set '{x.name}' takes either 'names' or 'first' and 'count'"
+                        x.loc, f"index set '{x.name}': 'where' filters numbered sets only"
                     )
                 if self.kinds.get(x.names) != "names":
                     self.errors.error(

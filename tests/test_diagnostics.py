@@ -164,7 +164,8 @@ CASES = [
         "    fill: {rule: token_ids}",
         "    fill: {rules: token_ids}",
         [
-            "buffers.yaml:20:11: fill must be 'engine' or one of {rule: NAME}, {mirror: TENSOR}, {constant: FORMULA}"
+            "buffers.yaml:20:11: fill must be 'engine', 'external' or 'static', or one of "
+            "{rule: NAME}, {mirror: TENSOR}, {constant: FORMULA}"
         ],
         id="fill",
     ),
@@ -172,7 +173,8 @@ CASES = [
         "      - input: input_ids",
         "      - input: input_ids\n        output: x",
         [
-            "buffers.yaml:26:9: a binding names exactly one of 'input' or 'output' (plus an optional 'when')"
+            "buffers.yaml:26:9: a binding names exactly one of 'input' or 'output' "
+            "(plus optional 'when' and 'each')"
         ],
         id="binding",
     ),
@@ -696,3 +698,26 @@ def test_bindings_under_exclusive_boolean_parameters_may_share_an_engine_name():
         "buffers.yaml:36:16: engine input 'input_ids' is bound by both 'ids' (line 22) and 'other' "
         "in family 'fam_a'; make their 'when' conditions exclusive"
     ]
+
+
+@pytest.mark.parametrize(
+    ("index_set", "expected"),
+    [
+        (
+            "{doc: Layers., names: mods, first: 0, count: 2}",
+            "buffers.yaml:13:10: an index set takes either 'names' (a names parameter) or 'first' "
+            "and 'count' (plus an optional 'where')",
+        ),
+        (
+            "{doc: Layers., names: mods, where: index > 0}",
+            "buffers.yaml:13:3: index set 'layer': 'where' filters numbered sets only",
+        ),
+    ],
+)
+def test_index_set_shape(index_set, expected):
+    text = BASE.replace(
+        "  act_dtype: {doc: Dtype., type: dtype, default: float16}",
+        "  act_dtype: {doc: Dtype., type: dtype, default: float16}\n"
+        "  mods: {doc: Modules., type: names, values: [q, k]}",
+    ).replace("families:", f"index_sets:\n  layer: {index_set}\nfamilies:")
+    assert diagnostics(text) == [expected]
