@@ -130,7 +130,9 @@ def _parameter(p: Parameter) -> dict[str, Any]:
             "type": "torch.dtype",
             "default": default,
             "doc": doc,
-            "check": f"rt.check_dtype(self, {p.name!r})",
+            "check": f"rt.check_dtype(self, {p.name!r}, {tuple(p.values)!r})"
+            if p.values
+            else f"rt.check_dtype(self, {p.name!r})",
         }
     if p.kind == "bool":
         default = repr(bool(p.default)) if p.default is not None else None

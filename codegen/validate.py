@@ -296,11 +296,23 @@ class Checker:
         self.families()
 
     def parameter(self, p: Parameter) -> None:
-        if p.kind != "names" and p.values:
-            self.errors.error(p.loc, f"only a names parameter has 'values'; '{p.name}' is {p.kind}")
+        if p.kind not in ("names", "dtype") and p.values:
+            self.errors.error(
+                p.loc, f"only names and dtype parameters have 'values'; '{p.name}' is {p.kind}"
+            )
+        for v in p.values if p.kind == "dtype" else ():
+            if v not in vocab.DTYPES:
+                self.errors.error(
+                    p.loc,
+                    f"'{v}' in the values of '{p.name}' is not a dtype{did_you_mean(v, vocab.DTYPES)}",
+                )
         if p.kind != "int" and p.minimum is not None:
             self.errors.error(p.loc, f"'{p.name}' is a {p.kind} parameter and cannot have 'min'")
         if p.kind == "dtype":
+            if p.default is not None and p.values and p.default not in p.values:
+                self.errors.error(
+                    p.loc, f"default {p.default} of '{p.name}' is not one of its values"
+                )
             if p.default is not None and p.default not in vocab.DTYPES:
                 self.errors.error(
                     p.loc,

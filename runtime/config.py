@@ -38,14 +38,18 @@ def check_int(config: Any, name: str, *, minimum: int = 0) -> None:
         raise ConfigError(f"{name} must be at least {minimum}, got {value}")
 
 
-def check_dtype(config: Any, name: str) -> None:
+def check_dtype(config: Any, name: str, allowed: tuple[str, ...] = ()) -> None:
     value = getattr(config, name)
+    names = allowed or tuple(_DTYPES)
     if isinstance(value, str) and value in _DTYPES:
-        object.__setattr__(config, name, _DTYPES[value])
+        value = _DTYPES[value]
+        object.__setattr__(config, name, value)
     elif not isinstance(value, torch.dtype):
         raise ConfigError(
-            f"{name} must be a torch.dtype or one of {', '.join(_DTYPES)}, got {value!r}"
+            f"{name} must be a torch.dtype or one of {', '.join(names)}, got {value!r}"
         )
+    if allowed and value not in tuple(_DTYPES[n] for n in allowed):
+        raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {value}")
 
 
 def check_bool(config: Any, name: str) -> None:

@@ -593,7 +593,9 @@ FORMAT_CASES = [
     ),
     pytest.param(
         'version: 1\nflags:\n  variant: {doc: Variant., values: [a, b]}\nparameters:\n  max_batch_size: {doc: Batch., min: 1, values: [a]}\n  max_num_tokens: {doc: Tokens., min: 1}\n  act_dtype: {doc: Dtype., type: dtype, default: float16}\nsizes:\n  num_tokens: {doc: Tokens., max: "max_num_tokens"}\n  num_requests: {doc: Requests., max: "max_batch_size"}\nfamilies:\n  fam_a: {doc: A., flags: {variant: a}}\ntensors:\n  - name: host_ids\n    doc: Ids.\n    dtype: int32\n    memory: pinned\n    capacity: ["max_num_tokens"]\n    shape: ["num_tokens"]\n    fill: {rule: token_ids}\n  - name: ids\n    doc: Ids on device.\n    memory: device\n    fill: {mirror: host_ids}\n    bind:\n      - input: input_ids\n',
-        ["buffers.yaml:5:3: only a names parameter has 'values'; 'max_batch_size' is int"],
+        [
+            "buffers.yaml:5:3: only names and dtype parameters have 'values'; 'max_batch_size' is int"
+        ],
         id="valuesonint",
     ),
     pytest.param(
@@ -721,3 +723,15 @@ def test_index_set_shape(index_set, expected):
         "  mods: {doc: Modules., type: names, values: [q, k]}",
     ).replace("families:", f"index_sets:\n  layer: {index_set}\nfamilies:")
     assert diagnostics(text) == [expected]
+
+
+def test_dtype_parameter_values_must_be_dtypes_and_hold_the_default():
+    text = BASE.replace(
+        "  act_dtype: {doc: Dtype., type: dtype, default: float16}",
+        "  act_dtype: {doc: Dtype., type: dtype, default: float16, values: [bfloat16, float33]}",
+    )
+    assert diagnostics(text) == [
+        "buffers.yaml:7:3: 'float33' in the values of 'act_dtype' is not a dtype "
+        "(did you mean 'float32'?)",
+        "buffers.yaml:7:3: default float16 of 'act_dtype' is not one of its values",
+    ]

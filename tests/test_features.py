@@ -375,3 +375,16 @@ def test_lora_rows_edited_in_place_are_seen_on_the_next_step():
     step = b.prepare_step([], [r])
     assert step.inputs["attn_qkv_lora_ranks_1"].tolist() == [16]
     assert step.inputs["mlp_gate_lora_weights_pointers_0"].tolist() == [[30, 40, 50]]
+
+
+def test_model_dtype_is_limited_to_activation_dtypes():
+    from bufc.runtime import ConfigError
+
+    with pytest.raises(ConfigError, match="model_dtype must be one of float16, bfloat16, float32"):
+        make_buffers(
+            "redrafter",
+            max_beam_width=1,
+            num_draft_paths=2,
+            max_draft_path_len=3,
+            model_dtype="int8",
+        )
