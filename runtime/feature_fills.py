@@ -20,6 +20,7 @@ import torch
 
 from .batch import Batch, encoder_input_length, encoder_output_length
 from .errors import BatchError
+from .kv_rows import checked_block_lists, write_kv_rows
 
 DEFAULT_POSTERIOR_THRESHOLD = 0.09  # Eagle's default (EagleConfig)
 
@@ -122,30 +123,18 @@ def encoder_output(out: torch.Tensor, b: Batch, config: Any) -> int:
 
 
 def _cross_kv_check(b: Batch, config: Any) -> None:
-    lists = []
-    for i, r in enumerate(_requests(b)):
-        ids = getattr(r, "cross_kv_block_ids", None)
-        beams = 1 if i < len(b.context) else int(r.beam_width)
-        if not ids or len(ids) not in (1, beams):
-            raise BatchError(
-                f"{_where(b, i)}: cross_kv_block_ids needs one block list (shared by all beams) "
-                f"or one per beam, got {0 if not ids else len(ids)}"
-            )
-        for blocks in ids:
-            if len(blocks) > config.max_cross_blocks_per_seq:
-                raise BatchError(
-                    f"{_where(b, i)}: {len(blocks)} cross KV blocks exceed "
-                    f"max_cross_blocks_per_seq={config.max_cross_blocks_per_seq}"
-                )
-        lists += [ids[k if len(ids) > 1 else 0] for k in range(beams)]
-    b.scratch["cross_kv_lists"] = lists
+    b.scratch["cross_kv_lists"] = checked_block_lists(
+        b,
+        "cross_kv_block_ids",
+        config.max_cross_blocks_per_seq,
+        "max_cross_blocks_per_seq",
+        "cross KV",
+    )
 
 
 def cross_kv_cache_block_offsets(out: np.ndarray, b: Batch, config: Any) -> int:
     """[pools=1, sequences, K/V, max_cross_blocks_per_seq] cross-attention block indices, with
     the encoding of kv_cache_block_offsets; columns past a sequence's blocks hold 0."""
-    from .fills import write_kv_rows  # the same encoding as the self-attention offsets
-
     width = config.max_cross_blocks_per_seq
     n = b.sizes.num_sequences
     rows = out[: n * 2 * width].reshape(n, 2, width)

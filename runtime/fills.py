@@ -10,9 +10,7 @@ batch leaves every buffer as it was. The semantics are the reference's setFromIn
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable
-from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
@@ -20,10 +18,7 @@ import numpy as np
 from . import feature_fills as F
 from .batch import Batch
 from .errors import BatchError
-
-_KV_BLOCK_IDS = attrgetter("kv_block_ids")
-_FIRST = itemgetter(0)
-
+from .kv_rows import checked_block_lists, write_at, write_kv_rows
 
 GLM_MASK_TOKENS = (50260, 50263, 50264)  # [MASK], [sMASK], [gMASK] in GLM-10B's vocabulary
 
@@ -253,68 +248,10 @@ def _seq_slots(out: np.ndarray, b: Batch, config: Any = None) -> int:
     return n
 
 
-def _kv_lists(b: Batch) -> list | None:
-    """Each sequence's block list, in row order; None if a request's kv_block_ids is missing
-    or has neither one list nor one per beam."""
-    try:
-        ctx_ids = list(map(_KV_BLOCK_IDS, b.context))
-        gen_ids = list(map(_KV_BLOCK_IDS, b.generation))
-    except AttributeError:
-        return None
-    if not all(ctx_ids) or not all(gen_ids):
-        return None
-    lists = list(map(_FIRST, ctx_ids))
-    counts = list(map(len, gen_ids))
-    if b.sizes.num_generation_sequences == len(counts) == counts.count(1):
-        lists += map(_FIRST, gen_ids)  # one beam, one list each: the common case
-    else:
-        for ids, beams in zip(gen_ids, b.gen_beam_width):
-            if len(ids) not in (1, beams):
-                return None
-            lists += [ids[k if len(ids) > 1 else 0] for k in range(beams)]
-    return lists
-
-
 def _kv_check(b: Batch, config: Any) -> None:
-    lists = _kv_lists(b)
-    if lists is not None and (not lists or max(map(len, lists)) <= config.max_blocks_per_seq):
-        b.scratch["kv_lists"] = lists  # the fill reuses them
-        return
-    width = config.max_blocks_per_seq  # something is wrong: name the request (cold path)
-    for kind, reqs in (("context", b.context), ("generation", b.generation)):
-        for i, r in enumerate(reqs):
-            ids = getattr(r, "kv_block_ids", None)
-            beams = 1 if kind == "context" else r.beam_width
-            if not ids or len(ids) not in (1, beams):
-                raise BatchError(
-                    f"{kind} request {i} (seq_slot {r.seq_slot}): kv_block_ids needs one block list "
-                    f"(shared by all beams) or one per beam, got {0 if not ids else len(ids)}"
-                )
-            for blocks in ids:
-                if len(blocks) > width:
-                    raise BatchError(
-                        f"{kind} request {i} (seq_slot {r.seq_slot}): {len(blocks)} KV blocks exceed "
-                        f"max_blocks_per_seq={width}"
-                    )
-
-
-def _write_kv_rows(rows: np.ndarray, lists: list, config: Any) -> None:
-    write_kv_rows(rows, lists, config.num_local_layers)
-
-
-def write_kv_rows(rows: np.ndarray, lists: list, num_local_layers: int) -> None:
-    """rows[i] = the [K/V, width] block indices of lists[i], zero-padded."""
-    if not lists:
-        return
-    rows[:] = 0
-    lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
-    total = int(lengths.sum())
-    blocks = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total)
-    seq = np.repeat(np.arange(len(lists)), lengths)
-    col = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    index = blocks * (num_local_layers * 2)
-    rows[seq, 0, col] = index
-    rows[seq, 1, col] = index + 1
+    b.scratch["kv_lists"] = checked_block_lists(  # the fill reuses them
+        b, "kv_block_ids", config.max_blocks_per_seq, "max_blocks_per_seq", "KV"
+    )
 
 
 def _kv_cache_block_offsets(out: np.ndarray, b: Batch, config: Any) -> int:
@@ -334,26 +271,20 @@ def _kv_cache_block_offsets(out: np.ndarray, b: Batch, config: Any) -> int:
     rows = out[: b.sizes.num_sequences * 2 * width].reshape(b.sizes.num_sequences, 2, width)
     lists = b.scratch["kv_lists"]
     n_ctx = b.sizes.num_context_requests
-    _write_kv_rows(rows[:n_ctx], lists[:n_ctx], config)
+    write_kv_rows(rows[:n_ctx], lists[:n_ctx], config.num_local_layers)
     gen = lists[n_ctx:]
     kept = b.carry.get("kv_rows")
     if kept is None or len(kept[0]) != len(gen):
         kept = b.carry["kv_rows"] = ([list(x) for x in gen], np.empty_like(rows[n_ctx:]))
-        _write_kv_rows(kept[1], gen, config)
+        write_kv_rows(kept[1], gen, config.num_local_layers)
     elif kept[0] != gen:
         snapshot, table = kept
         changed = [i for i, (now, then) in enumerate(zip(gen, snapshot)) if now != then]
         for i in changed:
             snapshot[i] = list(gen[i])
-        _write_kv_rows_at(table, changed, [gen[i] for i in changed], config)
+        write_at(table, changed, [gen[i] for i in changed], config.num_local_layers)
     rows[n_ctx:] = kept[1]
     return rows.size
-
-
-def _write_kv_rows_at(table: np.ndarray, at: list[int], lists: list, config: Any) -> None:
-    sub = np.empty((len(at),) + table.shape[1:], dtype=table.dtype)
-    _write_kv_rows(sub, lists, config)
-    table[at] = sub
 
 
 def _advance_tokens(out: np.ndarray, prev: np.ndarray, d: Decode, config: Any) -> int:
