@@ -136,7 +136,7 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
             )
         )
 
-    tensors += _additional_outputs(spec, family)
+    tensors += _additional_outputs(spec, family, flags)
     set_names = {n for pt in tensors for b in pt.bindings for n in b.each}
     index_sets = tuple(
         PlannedIndexSet(
@@ -214,14 +214,15 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
     )
 
 
-def _additional_outputs(spec: Spec, family: Family) -> list[PlannedTensor]:
+def _additional_outputs(
+    spec: Spec, family: Family, flags: dict[str, str | bool]
+) -> list[PlannedTensor]:
     """A family's extra engine outputs as engine-written tensors: one row per token (capacity:
     the bound of num_tokens), where their `when` holds."""
     if not family.additional_outputs:
         return []
     rows = next(z for z in spec.sizes if z.name == "num_tokens")
     assert rows.bound is not None
-    flags = family_flags(spec, family)
     out = []
     for o in family.additional_outputs:
         when = _fold(o.when.expr if o.when else None, flags)

@@ -6,7 +6,7 @@ fill, the host-to-device copy and the engine IO views are implemented once, here
 
 from __future__ import annotations
 
-from .batch import STEP_SIZES, Batch, StepSizes
+from .batch import ENCODER_SIZES, STEP_SIZES, Batch, StepSizes
 from .buffers import KV_CACHE_LENGTH_ROUND, RuntimeBuffers, Step
 from .config import ConfigBase, cdiv, check_bool, check_dtype, check_int, check_names, require
 from .decl import (
@@ -41,6 +41,7 @@ def check_format_version(version: int) -> None:
 
 __all__ = [
     "DEVICE",
+    "ENCODER_SIZES",
     "ENGINE",
     "EXTERNAL",
     "FORMAT_VERSION",

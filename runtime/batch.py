@@ -66,6 +66,8 @@ class StepSizes:
 
 
 STEP_SIZES = tuple(f.name for f in dataclasses.fields(StepSizes))
+# computed only when a family's shapes read them (``Batch.build(encoder=True)``)
+ENCODER_SIZES = ("num_encoder_tokens", "num_encoder_input_tokens", "max_encoder_input_length")
 
 
 _POSITION_IDS = attrgetter("position_ids")

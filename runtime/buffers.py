@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from .batch import Batch, StepSizes
+from .batch import ENCODER_SIZES, Batch, StepSizes
 from .decl import DEVICE, PINNED, STATIC, Constant, Mirror, SizeBound, TensorDecl
 from .errors import BatchError
 from .fills import Decode, Rule, past_key_value_lengths
@@ -30,7 +30,6 @@ from .fills import Decode, Rule, past_key_value_lengths
 ALIGN = 256  # bytes; every arena member starts on this boundary
 KV_CACHE_LENGTH_ROUND = 256  # the reference's CUDA-graph key rounding
 HALVES = 2
-ENCODER_SIZES = ("num_encoder_tokens", "num_encoder_input_tokens", "max_encoder_input_length")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,36 +103,28 @@ def test_a_captured_graph_reads_each_new_step_through_the_same_buffers():
         assert out.tolist() == [(base + i) * 1000 + 10 + i for i in range(4)]
 
 
-FEATURE_FAMILIES = {
-    "enc_dec": (
-        "enc_dec_batch",
-        {
-            "max_input_length": 16,
-            "max_encoder_length": 16,
-            "encoder_hidden_size": 8,
-            "tokens_per_block": 4,
-        },
-    ),
-    "gpt_lora": ("lora_batch", {"lora_modules": ("attn_qkv", "attn_dense", "mlp_gate")}),
-    "gpt_prompt_tuning": (
-        "prompt_batch",
-        {"max_prompt_embedding_table_size": 40, "hidden_size": 4},
-    ),
-    "qwen2_vl": ("adapter_batch", {"max_position_embeddings": 6, "rotary_embedding_dim": 2}),
-    "gpt_language_adapter": ("adapter_batch", {"num_languages": 4}),
-}
+def feature_families():
+    """family -> (batch strategy of test_features, its config there)."""
+    import test_features as F
+
+    return {
+        "enc_dec": (F.enc_dec_batch, F.ENC),
+        "gpt_lora": (F.lora_batch, {"lora_modules": F.MODULES}),
+        "gpt_prompt_tuning": (F.prompt_batch, F.PROMPT),
+        "qwen2_vl": (F.adapter_batch, F.MROPE),
+        "gpt_language_adapter": (F.adapter_batch, {"num_languages": 4}),
+    }
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_feature_families_on_cuda_equal_cpu(data):
-    import test_features as F
-
-    name = data.draw(st.sampled_from(sorted(FEATURE_FAMILIES)))
-    strategy, config = FEATURE_FAMILIES[name]
+    families = feature_families()
+    name = data.draw(st.sampled_from(sorted(families)))
+    strategy, config = families[name]
     cpu, gpu = make_buffers(name, **config), make_buffers(name, device="cuda", **config)
     for _ in range(2):
-        ctx, gen = data.draw(getattr(F, strategy)())
+        ctx, gen = data.draw(strategy())
         want = cpu.prepare_step(copy.deepcopy(ctx), copy.deepcopy(gen))
         got = gpu.prepare_step(ctx, gen)
         torch.cuda.synchronize()
