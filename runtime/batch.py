@@ -335,18 +335,21 @@ def encoder_output_length(r: Any) -> int:
 def _encoder_sizes(context: tuple, generation: tuple) -> dict[str, int]:
     """The reference's EncoderBuffers::setBufferSizes: sums over the context requests, the
     longest input over every request."""
+    tokens = inputs = longest = 0
     for kind, reqs in (("context", context), ("generation", generation)):
         for i, r in enumerate(reqs):
             try:
-                if encoder_output_length(r) < 1:
+                n_in, n_out = encoder_input_length(r), encoder_output_length(r)
+                if n_out < 1:
                     raise BatchError("its encoder output is empty")
             except BatchError as exc:
                 raise BatchError(f"{_where(f'{kind} request {i}', r)}: {exc}") from None
-    inputs = [encoder_input_length(r) for r in context]
-    longest = max(inputs + [encoder_input_length(r) for r in generation], default=0)
+            longest = max(longest, n_in)
+            if kind == "context":
+                tokens, inputs = tokens + n_out, inputs + n_in
     return {
-        "num_encoder_tokens": sum(encoder_output_length(r) for r in context),
-        "num_encoder_input_tokens": sum(inputs),
+        "num_encoder_tokens": tokens,
+        "num_encoder_input_tokens": inputs,
         "max_encoder_input_length": max(1, longest),
     }
 

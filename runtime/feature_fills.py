@@ -145,16 +145,10 @@ def cross_kv_cache_block_offsets(out: np.ndarray, b: Batch, config: Any) -> int:
 def _token_positions(b: Batch) -> np.ndarray:
     """The position of every input token of the step, in token order (context chunk and
     drafts, then per generation beam its last token and the request's drafts)."""
-    parts = []
-    for begin, n in zip(b.ctx_begin, b.ctx_input_len):
-        parts.append(np.arange(begin, begin + n))
-    seq = 0
-    for j, bw in enumerate(b.gen_beam_width):
-        for _ in range(bw):
-            last = b.seq_num_tokens[seq] - 1
-            parts.append(np.arange(last, last + 1 + b.gen_drafts[j]))
-            seq += 1
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    counts = np.concatenate((b.ctx_input_len, b.per_sequence(1 + b.gen_drafts)))
+    first = np.concatenate((b.ctx_begin, b.seq_num_tokens - 1))
+    starts = np.cumsum(counts) - counts
+    return np.repeat(first - starts, counts) + np.arange(int(counts.sum()))
 
 
 def _cross_mask_check(b: Batch, config: Any) -> None:
