@@ -41,7 +41,6 @@ class PackedLlama:
                 for x in layers
             ]
         self.layers = layers
-        self.vocab_size = cfg.vocab_size
         padded = vocab_padded or cfg.vocab_size
         self.lm_weight = vocab_shard(hf_model.lm_head, padded, par) if par.last_stage else None
 
