@@ -86,6 +86,7 @@ FILL_RULES: dict[str, FillRule] = {
         "context chunks (plus drafts on a last chunk), then each beam's last token and drafts",
         _INT,
         ("num_tokens",),
+        needs=("vocab_size",),
     ),
     "position_ids": FillRule(
         "positions of each input token; explicit position ids when a request has them",
@@ -108,7 +109,7 @@ FILL_RULES: dict[str, FillRule] = {
         "paged KV-cache block indices of each sequence, K then V",
         ("int32",),
         ("1", "num_sequences", "2", "max_blocks_per_seq"),
-        needs=("num_local_layers", "max_blocks_per_seq", "tokens_per_block"),
+        needs=("num_local_layers", "max_blocks_per_seq", "tokens_per_block", "num_kv_blocks"),
     ),
     "context_position_ids": FillRule(
         "positions of the context tokens only (a drafter writes the generation part)",
@@ -141,7 +142,12 @@ FILL_RULES: dict[str, FillRule] = {
         "cross-attention KV-cache block indices of each sequence, K then V",
         ("int32",),
         ("1", "num_sequences", "2", "max_cross_blocks_per_seq"),
-        needs=("num_local_layers", "max_cross_blocks_per_seq"),
+        needs=(
+            "num_local_layers",
+            "max_cross_blocks_per_seq",
+            "tokens_per_block",
+            "num_kv_blocks",
+        ),
     ),
     "cross_attention_mask": FillRule(
         "each token's row of its request's cross-attention mask",

@@ -50,6 +50,8 @@ class Config(rt.ConfigBase):
     """Attention window of every layer, in tokens."""
     tokens_per_block: int = 64
     """Tokens per paged KV-cache block."""
+    num_kv_blocks: int = 0
+    """Blocks of the paged KV pool; every block id must be below it (0 bounds ids only by the int32 block index)."""
     sink_token_length: int = 0
     """Attention sink tokens kept at the start of the window."""
     logits_dtype: torch.dtype = torch.float32
@@ -91,8 +93,9 @@ class Config(rt.ConfigBase):
         rt.check_int(self, 'pp_rank', minimum=0)
         rt.check_int(self, 'max_attention_window', minimum=1)
         rt.check_int(self, 'tokens_per_block', minimum=1)
+        rt.check_int(self, 'num_kv_blocks', minimum=0)
         rt.check_int(self, 'sink_token_length', minimum=0)
-        rt.check_dtype(self, 'logits_dtype')
+        rt.check_dtype(self, 'logits_dtype', ('float16', 'bfloat16', 'float32', 'float64'))
         rt.check_bool(self, 'gather_context_logits')
         rt.check_bool(self, 'gather_generation_logits')
         rt.check_int(self, 'num_draft_paths', minimum=1)
@@ -105,12 +108,12 @@ class Config(rt.ConfigBase):
         object.__setattr__(self, 'num_local_layers', self.num_layers // self.pp_size)
         object.__setattr__(self, 'max_blocks_per_seq', rt.cdiv(self.max_attention_window, self.tokens_per_block))
         object.__setattr__(self, 'spec_mask_words', rt.cdiv(self.max_decoding_tokens, 32))
-        rt.require(self, self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml:221)')
-        rt.require(self, self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:223)')
-        rt.require(self, self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:225)')
-        rt.require(self, self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:227)')
-        rt.require(self, self.max_beam_width == 1, 'speculative decoding needs max_beam_width 1 (buffers.yaml:230)')
-        rt.require(self, self.max_draft_tokens >= 1, 'speculative decoding needs max_draft_tokens of at least 1 (buffers.yaml:236)')
+        rt.require(self, self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml:226)')
+        rt.require(self, self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:228)')
+        rt.require(self, self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:230)')
+        rt.require(self, self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:232)')
+        rt.require(self, self.max_beam_width == 1, 'speculative decoding needs max_beam_width 1 (buffers.yaml:235)')
+        rt.require(self, self.max_draft_tokens >= 1, 'speculative decoding needs max_draft_tokens of at least 1 (buffers.yaml:241)')
 
 
 # Step sizes checked against these bounds before any buffer is written.
@@ -127,7 +130,7 @@ SIZE_BOUNDS = (
 )
 
 TENSORS = (
-    # buffers.yaml:365: Token ids of the packed batch, staged on the host.
+    # buffers.yaml:370: Token ids of the packed batch, staged on the host.
     rt.TensorDecl(
         'host_input_ids',
         dtype=torch.int32,
@@ -138,7 +141,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.pp_rank == 0,
     ),
-    # buffers.yaml:374: Token ids of the packed batch; context chunks first, then each generation beam.
+    # buffers.yaml:379: Token ids of the packed batch; context chunks first, then each generation beam.
     rt.TensorDecl(
         'input_ids',
         dtype=torch.int32,
@@ -150,7 +153,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == 0,
         inputs=(rt.Bind('input_ids'),),
     ),
-    # buffers.yaml:382: Position of every input token (one per generation beam), staged on the host.
+    # buffers.yaml:387: Position of every input token (one per generation beam), staged on the host.
     rt.TensorDecl(
         'host_position_ids',
         dtype=torch.int32,
@@ -161,7 +164,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:420: Position ids of the packed batch.
+    # buffers.yaml:425: Position ids of the packed batch.
     rt.TensorDecl(
         'position_ids',
         dtype=torch.int32,
@@ -173,7 +176,7 @@ TENSORS = (
         inputs=(rt.Bind('position_ids'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:446: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+    # buffers.yaml:451: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
     rt.TensorDecl(
         'host_context_lengths',
         dtype=torch.int32,
@@ -184,7 +187,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_lengths'),),
     ),
-    # buffers.yaml:457: Device copy of host_context_lengths.
+    # buffers.yaml:462: Device copy of host_context_lengths.
     rt.TensorDecl(
         'context_lengths',
         dtype=torch.int32,
@@ -195,7 +198,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('context_lengths'),),
     ),
-    # buffers.yaml:463: Tokens of each sequence once this step's inputs are appended, staged on the host.
+    # buffers.yaml:468: Tokens of each sequence once this step's inputs are appended, staged on the host.
     rt.TensorDecl(
         'host_sequence_lengths',
         dtype=torch.int32,
@@ -205,7 +208,7 @@ TENSORS = (
         fill=fills.sequence_lengths,
         pad=0,
     ),
-    # buffers.yaml:472: Tokens of each sequence once this step's inputs are appended.
+    # buffers.yaml:477: Tokens of each sequence once this step's inputs are appended.
     rt.TensorDecl(
         'sequence_length',
         dtype=torch.int32,
@@ -216,7 +219,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('sequence_length'),),
     ),
-    # buffers.yaml:478: Kind of each sequence, 0 for context and 1 for generation.
+    # buffers.yaml:483: Kind of each sequence, 0 for context and 1 for generation.
     rt.TensorDecl(
         'host_request_types',
         dtype=torch.int32,
@@ -227,7 +230,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
-    # buffers.yaml:489: KV-cache length of each sequence after this step (generation excludes drafts).
+    # buffers.yaml:494: KV-cache length of each sequence after this step (generation excludes drafts).
     rt.TensorDecl(
         'host_past_key_value_lengths',
         dtype=torch.int32,
@@ -238,7 +241,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_past_key_value_lengths'),),
     ),
-    # buffers.yaml:502: 1-based index in the packed tokens of the last token of each logit row.
+    # buffers.yaml:507: 1-based index in the packed tokens of the last token of each logit row.
     rt.TensorDecl(
         'host_last_token_ids',
         dtype=torch.int32,
@@ -248,7 +251,7 @@ TENSORS = (
         fill=fills.last_token_ids,
         pad=0,
     ),
-    # buffers.yaml:511: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
+    # buffers.yaml:516: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
     rt.TensorDecl(
         'last_token_ids',
         dtype=torch.int32,
@@ -259,7 +262,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('last_token_ids'),),
     ),
-    # buffers.yaml:517: Logits of every logit row over the padded vocabulary (last pipeline rank).
+    # buffers.yaml:522: Logits of every logit row over the padded vocabulary (last pipeline rank).
     rt.TensorDecl(
         'logits',
         dtype=lambda c: c.logits_dtype,
@@ -270,7 +273,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and not c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:531: Logits of every token of the step (gather_context_logits), last pipeline rank.
+    # buffers.yaml:536: Logits of every token of the step (gather_context_logits), last pipeline rank.
     rt.TensorDecl(
         'context_logits',
         dtype=lambda c: c.logits_dtype,
@@ -281,7 +284,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:556: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
+    # buffers.yaml:561: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
     rt.TensorDecl(
         'generation_logits_transposed',
         dtype=lambda c: c.logits_dtype,
@@ -291,7 +294,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:564: Device pointers of the logits fragments to merge.
+    # buffers.yaml:569: Device pointers of the logits fragments to merge.
     rt.TensorDecl(
         'generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -301,7 +304,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:572: Host pointer lists of the logits fragments, one row per merge.
+    # buffers.yaml:577: Host pointer lists of the logits fragments, one row per merge.
     rt.TensorDecl(
         'host_generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -311,7 +314,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:582: KV-cache block index of every block of each sequence, K row then V row.
+    # buffers.yaml:587: KV-cache block index of every block of each sequence, K row then V row.
     rt.TensorDecl(
         'host_kv_cache_block_offsets',
         dtype=torch.int32,
@@ -322,7 +325,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:593: Device copy of host_kv_cache_block_offsets.
+    # buffers.yaml:598: Device copy of host_kv_cache_block_offsets.
     rt.TensorDecl(
         'kv_cache_block_offsets',
         dtype=torch.int32,
@@ -333,7 +336,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:599: Static: (primary, secondary) address of each KV pool.
+    # buffers.yaml:604: Static: (primary, secondary) address of each KV pool.
     rt.TensorDecl(
         'host_kv_cache_pool_pointers',
         dtype=torch.int64,
@@ -343,7 +346,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_pointers'),),
     ),
-    # buffers.yaml:609: Static: (pool, layer in pool) of each layer of this rank.
+    # buffers.yaml:614: Static: (pool, layer in pool) of each layer of this rank.
     rt.TensorDecl(
         'host_kv_cache_pool_mapping',
         dtype=torch.int32,
@@ -353,7 +356,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_mapping'),),
     ),
-    # buffers.yaml:631: Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
+    # buffers.yaml:636: Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
     rt.TensorDecl(
         'cache_indirection',
         dtype=torch.int32,
@@ -363,7 +366,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('cache_indirection'),),
     ),
-    # buffers.yaml:642: Source, destination and size of the copy of each generation request's cache indirection.
+    # buffers.yaml:647: Source, destination and size of the copy of each generation request's cache indirection.
     rt.TensorDecl(
         'host_cache_indirection_copies',
         dtype=torch.int64,
@@ -374,7 +377,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:651: Device copy of host_cache_indirection_copies, read by the batched copy kernel.
+    # buffers.yaml:656: Device copy of host_cache_indirection_copies, read by the batched copy kernel.
     rt.TensorDecl(
         'cache_indirection_copies',
         dtype=torch.int64,
@@ -385,7 +388,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:655: Source, destination and size of each request's decoder output-to-input indirection copy.
+    # buffers.yaml:660: Source, destination and size of each request's decoder output-to-input indirection copy.
     rt.TensorDecl(
         'host_cache_indirection_decoder_copies',
         dtype=torch.int64,
@@ -396,7 +399,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:664: Device copy of host_cache_indirection_decoder_copies.
+    # buffers.yaml:669: Device copy of host_cache_indirection_decoder_copies.
     rt.TensorDecl(
         'cache_indirection_decoder_copies',
         dtype=torch.int64,
@@ -407,7 +410,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:670: Attention window of each layer on this pipeline rank.
+    # buffers.yaml:675: Attention window of each layer on this pipeline rank.
     rt.TensorDecl(
         'host_max_attention_window_sizes',
         dtype=torch.int32,
@@ -417,7 +420,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.max_attention_window),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),
-    # buffers.yaml:690: Attention sink tokens.
+    # buffers.yaml:695: Attention sink tokens.
     rt.TensorDecl(
         'host_sink_token_length',
         dtype=torch.int32,
@@ -427,7 +430,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.sink_token_length),
         inputs=(rt.Bind('host_sink_token_length'),),
     ),
-    # buffers.yaml:700: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
+    # buffers.yaml:705: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
     rt.TensorDecl(
         'host_context_progress',
         dtype=torch.int64,
@@ -438,7 +441,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_progress'),),
     ),
-    # buffers.yaml:711: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
+    # buffers.yaml:716: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
     rt.TensorDecl(
         'host_runtime_perf_knobs',
         dtype=torch.int64,
@@ -449,7 +452,7 @@ TENSORS = (
         pad=-1,
         inputs=(rt.Bind('host_runtime_perf_knobs'),),
     ),
-    # buffers.yaml:722: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
+    # buffers.yaml:727: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
     rt.TensorDecl(
         'host_all_reduce_workspace',
         dtype=torch.int64,
@@ -460,7 +463,7 @@ TENSORS = (
         when=lambda c: c.tp_size > 1,
         inputs=(rt.Bind('all_reduce_workspace'),),
     ),
-    # buffers.yaml:732: Decoder slot of each request, context requests first.
+    # buffers.yaml:737: Decoder slot of each request, context requests first.
     rt.TensorDecl(
         'host_seq_slots',
         dtype=torch.int32,
@@ -470,7 +473,7 @@ TENSORS = (
         fill=fills.seq_slots,
         pad=0,
     ),
-    # buffers.yaml:741: Device copy of host_seq_slots, for decoder-side gathers.
+    # buffers.yaml:746: Device copy of host_seq_slots, for decoder-side gathers.
     rt.TensorDecl(
         'seq_slots',
         dtype=torch.int32,
@@ -480,7 +483,7 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
-    # buffers.yaml:1101: Speculative decoding on (1).
+    # buffers.yaml:1106: Speculative decoding on (1).
     rt.TensorDecl(
         'spec_decoding_use',
         dtype=torch.int32,
@@ -490,7 +493,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: 1),
         inputs=(rt.Bind('spec_decoding_use'),),
     ),
-    # buffers.yaml:1154: Packed attention mask of each generation request's decoding tokens (written by the drafter).
+    # buffers.yaml:1159: Packed attention mask of each generation request's decoding tokens (written by the drafter).
     rt.TensorDecl(
         'spec_packed_mask',
         dtype=torch.int32,
@@ -500,7 +503,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_packed_mask'),),
     ),
-    # buffers.yaml:1164: Tokens each generation request feeds (written by the drafter).
+    # buffers.yaml:1169: Tokens each generation request feeds (written by the drafter).
     rt.TensorDecl(
         'spec_generation_lengths',
         dtype=torch.int32,
@@ -510,7 +513,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_generation_lengths'),),
     ),
-    # buffers.yaml:1174: Position offset of each decoding token (written by the drafter).
+    # buffers.yaml:1179: Position offset of each decoding token (written by the drafter).
     rt.TensorDecl(
         'spec_position_offsets',
         dtype=torch.int32,
@@ -520,7 +523,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_position_offsets'),),
     ),
-    # buffers.yaml:1391: Static: 1 for greedy draft sampling (EagleConfig).
+    # buffers.yaml:1396: Static: 1 for greedy draft sampling (EagleConfig).
     rt.TensorDecl(
         'host_eagle_greedy_sampling',
         dtype=torch.int32,
@@ -531,7 +534,7 @@ TENSORS = (
         pad=1,
         inputs=(rt.Bind('greedy_sampling'),),
     ),
-    # buffers.yaml:1402: Sampling temperature of each request (written by the drafter).
+    # buffers.yaml:1407: Sampling temperature of each request (written by the drafter).
     rt.TensorDecl(
         'eagle_temperature',
         dtype=torch.float32,
@@ -542,7 +545,7 @@ TENSORS = (
         inputs=(rt.Bind('eagle_temperature'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1412: Posterior threshold of each request (its own or 0.09), staged on the host.
+    # buffers.yaml:1417: Posterior threshold of each request (its own or 0.09), staged on the host.
     rt.TensorDecl(
         'host_eagle_posterior_thresholds',
         dtype=torch.float32,
@@ -553,7 +556,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1421: Posterior threshold of each request.
+    # buffers.yaml:1426: Posterior threshold of each request.
     rt.TensorDecl(
         'posterior_threshold',
         dtype=torch.float32,
@@ -565,7 +568,7 @@ TENSORS = (
         inputs=(rt.Bind('posterior_threshold'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1427: Square root of each request's posterior threshold, staged on the host.
+    # buffers.yaml:1432: Square root of each request's posterior threshold, staged on the host.
     rt.TensorDecl(
         'host_eagle_posterior_alphas',
         dtype=torch.float32,
@@ -576,7 +579,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1436: Square root of each request's posterior threshold.
+    # buffers.yaml:1441: Square root of each request's posterior threshold.
     rt.TensorDecl(
         'posterior_alpha',
         dtype=torch.float32,
@@ -588,7 +591,7 @@ TENSORS = (
         inputs=(rt.Bind('posterior_alpha'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1442: Random number of each request for sampling (written by the drafter).
+    # buffers.yaml:1447: Random number of each request for sampling (written by the drafter).
     rt.TensorDecl(
         'eagle_rand_data_sample',
         dtype=torch.float32,
@@ -599,7 +602,7 @@ TENSORS = (
         inputs=(rt.Bind('rand_data_sample'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1452: Random numbers of each decoding token for validation (written by the drafter).
+    # buffers.yaml:1457: Random numbers of each decoding token for validation (written by the drafter).
     rt.TensorDecl(
         'eagle_rand_data_validation',
         dtype=torch.float32,
@@ -610,7 +613,7 @@ TENSORS = (
         inputs=(rt.Bind('rand_data_validation'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1462: Draft tokens of each request (-1 on a context request's last chunk; written by the drafter).
+    # buffers.yaml:1467: Draft tokens of each request (-1 on a context request's last chunk; written by the drafter).
     rt.TensorDecl(
         'eagle_draft_tokens',
         dtype=torch.int32,
@@ -621,7 +624,7 @@ TENSORS = (
         inputs=(rt.Bind('draft_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1472: Draft tokens of each request (written by the drafter).
+    # buffers.yaml:1477: Draft tokens of each request (written by the drafter).
     rt.TensorDecl(
         'eagle_draft_lens',
         dtype=torch.int32,
@@ -632,7 +635,7 @@ TENSORS = (
         inputs=(rt.Bind('draft_lens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1482: Draft tree paths of each request (written by the drafter).
+    # buffers.yaml:1487: Draft tree paths of each request (written by the drafter).
     rt.TensorDecl(
         'eagle_draft_paths',
         dtype=torch.int32,
@@ -643,7 +646,7 @@ TENSORS = (
         inputs=(rt.Bind('draft_paths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1492: EagleNet context-phase request type of each request (copied from the decoder state).
+    # buffers.yaml:1497: EagleNet context-phase request type of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_context_request_types',
         dtype=torch.int32,
@@ -654,7 +657,7 @@ TENSORS = (
         inputs=(rt.Bind('host_ctx_eagle_net_request_types'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1502: EagleNet context-phase context length of each request (copied from the decoder state).
+    # buffers.yaml:1507: EagleNet context-phase context length of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_context_lengths',
         dtype=torch.int32,
@@ -665,7 +668,7 @@ TENSORS = (
         inputs=(rt.Bind('host_ctx_eagle_net_context_lengths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1512: EagleNet context-phase past KV length of each request (copied from the decoder state).
+    # buffers.yaml:1517: EagleNet context-phase past KV length of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_context_past_kv_lengths',
         dtype=torch.int32,
@@ -676,7 +679,7 @@ TENSORS = (
         inputs=(rt.Bind('host_ctx_eagle_net_past_key_value_lengths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1522: EagleNet generation-phase request type of each request (copied from the decoder state).
+    # buffers.yaml:1527: EagleNet generation-phase request type of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_generation_request_types',
         dtype=torch.int32,
@@ -687,7 +690,7 @@ TENSORS = (
         inputs=(rt.Bind('host_gen_eagle_net_request_types'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1532: EagleNet generation-phase context length of each request (copied from the decoder state).
+    # buffers.yaml:1537: EagleNet generation-phase context length of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_generation_context_lengths',
         dtype=torch.int32,
@@ -698,7 +701,7 @@ TENSORS = (
         inputs=(rt.Bind('host_gen_eagle_net_context_lengths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1542: EagleNet generation-phase past KV length of each request (copied from the decoder state).
+    # buffers.yaml:1547: EagleNet generation-phase past KV length of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_generation_past_kv_lengths',
         dtype=torch.int32,
@@ -709,7 +712,7 @@ TENSORS = (
         inputs=(rt.Bind('host_gen_eagle_net_past_key_value_lengths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1552: Generation input tokens of the EagleNets (the reference shapes it but never writes it).
+    # buffers.yaml:1557: Generation input tokens of the EagleNets (the reference shapes it but never writes it).
     rt.TensorDecl(
         'host_eagle_input_generation_tokens',
         dtype=torch.int32,
@@ -720,7 +723,7 @@ TENSORS = (
         inputs=(rt.Bind('input_gen_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1562: The token after each context request's chunk (-1 on a last chunk and for generation).
+    # buffers.yaml:1567: The token after each context request's chunk (-1 on a last chunk and for generation).
     rt.TensorDecl(
         'host_chunked_context_next_tokens',
         dtype=torch.int32,
@@ -731,7 +734,7 @@ TENSORS = (
         pad=-1,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1571: Device copy of host_chunked_context_next_tokens.
+    # buffers.yaml:1576: Device copy of host_chunked_context_next_tokens.
     rt.TensorDecl(
         'chunked_context_next_tokens',
         dtype=torch.int32,
@@ -743,7 +746,7 @@ TENSORS = (
         inputs=(rt.Bind('chunked_context_next_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1577: Static: 1 for Eagle-2 dynamic trees.
+    # buffers.yaml:1582: Static: 1 for Eagle-2 dynamic trees.
     rt.TensorDecl(
         'host_eagle_use_dynamic_tree',
         dtype=torch.int32,
@@ -754,7 +757,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('use_dynamic_tree'),),
     ),
-    # buffers.yaml:1588: Static: top-k of each Eagle-2 dynamic tree layer, or -1.
+    # buffers.yaml:1593: Static: top-k of each Eagle-2 dynamic tree layer, or -1.
     rt.TensorDecl(
         'host_eagle_dynamic_tree_max_top_k',
         dtype=torch.int32,
@@ -765,7 +768,7 @@ TENSORS = (
         pad=-1,
         inputs=(rt.Bind('dynamic_tree_max_topK'),),
     ),
-    # buffers.yaml:1599: EagleNet scratch, scores of the previous layer (the engine writes it).
+    # buffers.yaml:1604: EagleNet scratch, scores of the previous layer (the engine writes it).
     rt.TensorDecl(
         'eagle_prev_scores',
         dtype=torch.float32,
@@ -776,7 +779,7 @@ TENSORS = (
         inputs=(rt.Bind('prev_scores'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1609: EagleNet scratch, expanded indices of the current layer (the engine writes it).
+    # buffers.yaml:1614: EagleNet scratch, expanded indices of the current layer (the engine writes it).
     rt.TensorDecl(
         'eagle_current_expand_indices',
         dtype=torch.int32,
@@ -787,7 +790,7 @@ TENSORS = (
         inputs=(rt.Bind('current_expand_indices'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1619: EagleNet scratch, scores of every layer (the engine writes it).
+    # buffers.yaml:1624: EagleNet scratch, scores of every layer (the engine writes it).
     rt.TensorDecl(
         'eagle_all_layers_scores',
         dtype=torch.float32,
@@ -798,7 +801,7 @@ TENSORS = (
         inputs=(rt.Bind('all_layers_scores'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1629: EagleNet scratch, draft tokens of every layer (the engine writes it).
+    # buffers.yaml:1634: EagleNet scratch, draft tokens of every layer (the engine writes it).
     rt.TensorDecl(
         'eagle_all_layers_draft_token_ids',
         dtype=torch.int32,
@@ -809,7 +812,7 @@ TENSORS = (
         inputs=(rt.Bind('all_layers_draft_token_ids'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1639: EagleNet scratch, predecessor of every layer's draft tokens (the engine writes it).
+    # buffers.yaml:1644: EagleNet scratch, predecessor of every layer's draft tokens (the engine writes it).
     rt.TensorDecl(
         'eagle_all_layers_draft_token_ids_predecessor',
         dtype=torch.int32,
@@ -820,7 +823,7 @@ TENSORS = (
         inputs=(rt.Bind('all_layers_draft_token_ids_predecessor'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1649: Next draft tokens of each path (engine output).
+    # buffers.yaml:1654: Next draft tokens of each path (engine output).
     rt.TensorDecl(
         'eagle_next_draft_tokens',
         dtype=torch.int32,
@@ -830,7 +833,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('next_draft_tokens'),),
     ),
-    # buffers.yaml:1659: Next draft tokens of each request (engine output).
+    # buffers.yaml:1664: Next draft tokens of each request (engine output).
     rt.TensorDecl(
         'eagle_next_draft_lens',
         dtype=torch.int32,
@@ -840,7 +843,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('next_draft_lens'),),
     ),
-    # buffers.yaml:1669: Next draft tree paths (engine output).
+    # buffers.yaml:1674: Next draft tree paths (engine output).
     rt.TensorDecl(
         'eagle_next_draft_paths',
         dtype=torch.int32,
@@ -850,7 +853,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('next_draft_paths'),),
     ),
-    # buffers.yaml:1679: Accepted tokens of each request (engine output).
+    # buffers.yaml:1684: Accepted tokens of each request (engine output).
     rt.TensorDecl(
         'eagle_accepted_tokens',
         dtype=torch.int32,
@@ -860,7 +863,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('accepted_tokens'),),
     ),
-    # buffers.yaml:1689: Accepted token count of each request (engine output).
+    # buffers.yaml:1694: Accepted token count of each request (engine output).
     rt.TensorDecl(
         'eagle_num_accepted_tokens',
         dtype=torch.int32,
@@ -870,7 +873,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('num_accepted_tokens'),),
     ),
-    # buffers.yaml:1699: Accepted path of each request (engine output).
+    # buffers.yaml:1704: Accepted path of each request (engine output).
     rt.TensorDecl(
         'eagle_accepted_paths',
         dtype=torch.int32,

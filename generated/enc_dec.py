@@ -50,6 +50,8 @@ class Config(rt.ConfigBase):
     """Attention window of every layer, in tokens."""
     tokens_per_block: int = 64
     """Tokens per paged KV-cache block."""
+    num_kv_blocks: int = 0
+    """Blocks of the paged KV pool; every block id must be below it (0 bounds ids only by the int32 block index)."""
     sink_token_length: int = 0
     """Attention sink tokens kept at the start of the window."""
     model_dtype: torch.dtype = torch.float16
@@ -97,9 +99,10 @@ class Config(rt.ConfigBase):
         rt.check_int(self, 'pp_rank', minimum=0)
         rt.check_int(self, 'max_attention_window', minimum=1)
         rt.check_int(self, 'tokens_per_block', minimum=1)
+        rt.check_int(self, 'num_kv_blocks', minimum=0)
         rt.check_int(self, 'sink_token_length', minimum=0)
         rt.check_dtype(self, 'model_dtype', ('float16', 'bfloat16', 'float32', 'float64'))
-        rt.check_dtype(self, 'logits_dtype')
+        rt.check_dtype(self, 'logits_dtype', ('float16', 'bfloat16', 'float32', 'float64'))
         rt.check_bool(self, 'gather_context_logits')
         rt.check_bool(self, 'gather_generation_logits')
         rt.check_int(self, 'max_encoder_length', minimum=1)
@@ -114,10 +117,10 @@ class Config(rt.ConfigBase):
         object.__setattr__(self, 'max_cross_blocks_per_seq', rt.cdiv(self.max_encoder_length, self.tokens_per_block))
         object.__setattr__(self, 'packed_mask_rows', rt.cdiv(self.max_input_length, 128) * 128)
         object.__setattr__(self, 'packed_mask_words', rt.cdiv(self.max_encoder_length, 256) * 256 // 32)
-        rt.require(self, self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml:221)')
-        rt.require(self, self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:223)')
-        rt.require(self, self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:225)')
-        rt.require(self, self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:227)')
+        rt.require(self, self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml:226)')
+        rt.require(self, self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:228)')
+        rt.require(self, self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:230)')
+        rt.require(self, self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:232)')
 
 
 # Step sizes checked against these bounds before any buffer is written.
@@ -136,7 +139,7 @@ SIZE_BOUNDS = (
 )
 
 TENSORS = (
-    # buffers.yaml:365: Token ids of the packed batch, staged on the host.
+    # buffers.yaml:370: Token ids of the packed batch, staged on the host.
     rt.TensorDecl(
         'host_input_ids',
         dtype=torch.int32,
@@ -147,7 +150,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.pp_rank == 0,
     ),
-    # buffers.yaml:374: Token ids of the packed batch; context chunks first, then each generation beam.
+    # buffers.yaml:379: Token ids of the packed batch; context chunks first, then each generation beam.
     rt.TensorDecl(
         'input_ids',
         dtype=torch.int32,
@@ -159,7 +162,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == 0,
         inputs=(rt.Bind('input_ids'),),
     ),
-    # buffers.yaml:382: Position of every input token (one per generation beam), staged on the host.
+    # buffers.yaml:387: Position of every input token (one per generation beam), staged on the host.
     rt.TensorDecl(
         'host_position_ids',
         dtype=torch.int32,
@@ -170,7 +173,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:420: Position ids of the packed batch.
+    # buffers.yaml:425: Position ids of the packed batch.
     rt.TensorDecl(
         'position_ids',
         dtype=torch.int32,
@@ -182,7 +185,7 @@ TENSORS = (
         inputs=(rt.Bind('position_ids'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:446: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+    # buffers.yaml:451: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
     rt.TensorDecl(
         'host_context_lengths',
         dtype=torch.int32,
@@ -193,7 +196,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_lengths'),),
     ),
-    # buffers.yaml:457: Device copy of host_context_lengths.
+    # buffers.yaml:462: Device copy of host_context_lengths.
     rt.TensorDecl(
         'context_lengths',
         dtype=torch.int32,
@@ -204,7 +207,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('context_lengths'),),
     ),
-    # buffers.yaml:463: Tokens of each sequence once this step's inputs are appended, staged on the host.
+    # buffers.yaml:468: Tokens of each sequence once this step's inputs are appended, staged on the host.
     rt.TensorDecl(
         'host_sequence_lengths',
         dtype=torch.int32,
@@ -214,7 +217,7 @@ TENSORS = (
         fill=fills.sequence_lengths,
         pad=0,
     ),
-    # buffers.yaml:472: Tokens of each sequence once this step's inputs are appended.
+    # buffers.yaml:477: Tokens of each sequence once this step's inputs are appended.
     rt.TensorDecl(
         'sequence_length',
         dtype=torch.int32,
@@ -225,7 +228,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('sequence_length'),),
     ),
-    # buffers.yaml:478: Kind of each sequence, 0 for context and 1 for generation.
+    # buffers.yaml:483: Kind of each sequence, 0 for context and 1 for generation.
     rt.TensorDecl(
         'host_request_types',
         dtype=torch.int32,
@@ -236,7 +239,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
-    # buffers.yaml:489: KV-cache length of each sequence after this step (generation excludes drafts).
+    # buffers.yaml:494: KV-cache length of each sequence after this step (generation excludes drafts).
     rt.TensorDecl(
         'host_past_key_value_lengths',
         dtype=torch.int32,
@@ -247,7 +250,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_past_key_value_lengths'),),
     ),
-    # buffers.yaml:502: 1-based index in the packed tokens of the last token of each logit row.
+    # buffers.yaml:507: 1-based index in the packed tokens of the last token of each logit row.
     rt.TensorDecl(
         'host_last_token_ids',
         dtype=torch.int32,
@@ -257,7 +260,7 @@ TENSORS = (
         fill=fills.last_token_ids,
         pad=0,
     ),
-    # buffers.yaml:511: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
+    # buffers.yaml:516: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
     rt.TensorDecl(
         'last_token_ids',
         dtype=torch.int32,
@@ -268,7 +271,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('last_token_ids'),),
     ),
-    # buffers.yaml:517: Logits of every logit row over the padded vocabulary (last pipeline rank).
+    # buffers.yaml:522: Logits of every logit row over the padded vocabulary (last pipeline rank).
     rt.TensorDecl(
         'logits',
         dtype=lambda c: c.logits_dtype,
@@ -279,7 +282,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and not c.gather_context_logits and not c.gather_generation_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:531: Logits of every token of the step (gather_context_logits), last pipeline rank.
+    # buffers.yaml:536: Logits of every token of the step (gather_context_logits), last pipeline rank.
     rt.TensorDecl(
         'context_logits',
         dtype=lambda c: c.logits_dtype,
@@ -290,7 +293,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:543: Ring of 8 step buffers of generation logits (gather_generation_logits), one bound per step.
+    # buffers.yaml:548: Ring of 8 step buffers of generation logits (gather_generation_logits), one bound per step.
     rt.TensorDecl(
         'generation_logits_cache',
         dtype=lambda c: c.logits_dtype,
@@ -302,7 +305,7 @@ TENSORS = (
         outputs=(rt.Bind('logits'),),
         ring=8,
     ),
-    # buffers.yaml:556: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
+    # buffers.yaml:561: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
     rt.TensorDecl(
         'generation_logits_transposed',
         dtype=lambda c: c.logits_dtype,
@@ -312,7 +315,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:564: Device pointers of the logits fragments to merge.
+    # buffers.yaml:569: Device pointers of the logits fragments to merge.
     rt.TensorDecl(
         'generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -322,7 +325,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:572: Host pointer lists of the logits fragments, one row per merge.
+    # buffers.yaml:577: Host pointer lists of the logits fragments, one row per merge.
     rt.TensorDecl(
         'host_generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -332,7 +335,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:582: KV-cache block index of every block of each sequence, K row then V row.
+    # buffers.yaml:587: KV-cache block index of every block of each sequence, K row then V row.
     rt.TensorDecl(
         'host_kv_cache_block_offsets',
         dtype=torch.int32,
@@ -343,7 +346,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:593: Device copy of host_kv_cache_block_offsets.
+    # buffers.yaml:598: Device copy of host_kv_cache_block_offsets.
     rt.TensorDecl(
         'kv_cache_block_offsets',
         dtype=torch.int32,
@@ -354,7 +357,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:599: Static: (primary, secondary) address of each KV pool.
+    # buffers.yaml:604: Static: (primary, secondary) address of each KV pool.
     rt.TensorDecl(
         'host_kv_cache_pool_pointers',
         dtype=torch.int64,
@@ -364,7 +367,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_pointers'),),
     ),
-    # buffers.yaml:609: Static: (pool, layer in pool) of each layer of this rank.
+    # buffers.yaml:614: Static: (pool, layer in pool) of each layer of this rank.
     rt.TensorDecl(
         'host_kv_cache_pool_mapping',
         dtype=torch.int32,
@@ -374,7 +377,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_mapping'),),
     ),
-    # buffers.yaml:631: Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
+    # buffers.yaml:636: Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
     rt.TensorDecl(
         'cache_indirection',
         dtype=torch.int32,
@@ -384,7 +387,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('cache_indirection'),),
     ),
-    # buffers.yaml:642: Source, destination and size of the copy of each generation request's cache indirection.
+    # buffers.yaml:647: Source, destination and size of the copy of each generation request's cache indirection.
     rt.TensorDecl(
         'host_cache_indirection_copies',
         dtype=torch.int64,
@@ -395,7 +398,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:651: Device copy of host_cache_indirection_copies, read by the batched copy kernel.
+    # buffers.yaml:656: Device copy of host_cache_indirection_copies, read by the batched copy kernel.
     rt.TensorDecl(
         'cache_indirection_copies',
         dtype=torch.int64,
@@ -406,7 +409,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:655: Source, destination and size of each request's decoder output-to-input indirection copy.
+    # buffers.yaml:660: Source, destination and size of each request's decoder output-to-input indirection copy.
     rt.TensorDecl(
         'host_cache_indirection_decoder_copies',
         dtype=torch.int64,
@@ -417,7 +420,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:664: Device copy of host_cache_indirection_decoder_copies.
+    # buffers.yaml:669: Device copy of host_cache_indirection_decoder_copies.
     rt.TensorDecl(
         'cache_indirection_decoder_copies',
         dtype=torch.int64,
@@ -428,7 +431,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:670: Attention window of each layer on this pipeline rank.
+    # buffers.yaml:675: Attention window of each layer on this pipeline rank.
     rt.TensorDecl(
         'host_max_attention_window_sizes',
         dtype=torch.int32,
@@ -438,7 +441,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.max_attention_window),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),
-    # buffers.yaml:690: Attention sink tokens.
+    # buffers.yaml:695: Attention sink tokens.
     rt.TensorDecl(
         'host_sink_token_length',
         dtype=torch.int32,
@@ -448,7 +451,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.sink_token_length),
         inputs=(rt.Bind('host_sink_token_length'),),
     ),
-    # buffers.yaml:700: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
+    # buffers.yaml:705: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
     rt.TensorDecl(
         'host_context_progress',
         dtype=torch.int64,
@@ -459,7 +462,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_progress'),),
     ),
-    # buffers.yaml:711: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
+    # buffers.yaml:716: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
     rt.TensorDecl(
         'host_runtime_perf_knobs',
         dtype=torch.int64,
@@ -470,7 +473,7 @@ TENSORS = (
         pad=-1,
         inputs=(rt.Bind('host_runtime_perf_knobs'),),
     ),
-    # buffers.yaml:722: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
+    # buffers.yaml:727: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
     rt.TensorDecl(
         'host_all_reduce_workspace',
         dtype=torch.int64,
@@ -481,7 +484,7 @@ TENSORS = (
         when=lambda c: c.tp_size > 1,
         inputs=(rt.Bind('all_reduce_workspace'),),
     ),
-    # buffers.yaml:732: Decoder slot of each request, context requests first.
+    # buffers.yaml:737: Decoder slot of each request, context requests first.
     rt.TensorDecl(
         'host_seq_slots',
         dtype=torch.int32,
@@ -491,7 +494,7 @@ TENSORS = (
         fill=fills.seq_slots,
         pad=0,
     ),
-    # buffers.yaml:741: Device copy of host_seq_slots, for decoder-side gathers.
+    # buffers.yaml:746: Device copy of host_seq_slots, for decoder-side gathers.
     rt.TensorDecl(
         'seq_slots',
         dtype=torch.int32,
@@ -501,7 +504,7 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
-    # buffers.yaml:762: Encoder output length of each sequence's request, staged on the host.
+    # buffers.yaml:767: Encoder output length of each sequence's request, staged on the host.
     rt.TensorDecl(
         'host_encoder_input_lengths',
         dtype=torch.int32,
@@ -511,7 +514,7 @@ TENSORS = (
         fill=fills.encoder_output_lengths,
         pad=0,
     ),
-    # buffers.yaml:771: Encoder output length of each sequence's request.
+    # buffers.yaml:776: Encoder output length of each sequence's request.
     rt.TensorDecl(
         'encoder_input_lengths',
         dtype=torch.int32,
@@ -522,7 +525,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('encoder_input_lengths'),),
     ),
-    # buffers.yaml:777: Only its shape counts, the longest encoder input of the step (zeros).
+    # buffers.yaml:782: Only its shape counts, the longest encoder input of the step (zeros).
     rt.TensorDecl(
         'encoder_max_input_length',
         dtype=torch.int32,
@@ -533,7 +536,7 @@ TENSORS = (
         inputs=(rt.Bind('encoder_max_input_length'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:787: Encoder outputs of this step's context requests, concatenated.
+    # buffers.yaml:792: Encoder outputs of this step's context requests, concatenated.
     rt.TensorDecl(
         'encoder_output',
         dtype=lambda c: c.model_dtype,
@@ -543,7 +546,7 @@ TENSORS = (
         fill=fills.encoder_output,
         inputs=(rt.Bind('encoder_output'),),
     ),
-    # buffers.yaml:797: Bound for the engine's interface; the engine does not read it yet (always false).
+    # buffers.yaml:802: Bound for the engine's interface; the engine does not read it yet (always false).
     rt.TensorDecl(
         'cross_kv_cache_gen',
         dtype=torch.bool,
@@ -553,7 +556,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: 0),
         inputs=(rt.Bind('cross_kv_cache_gen'),),
     ),
-    # buffers.yaml:807: Cross-attention KV-cache block index of every block of each sequence, K then V.
+    # buffers.yaml:812: Cross-attention KV-cache block index of every block of each sequence, K then V.
     rt.TensorDecl(
         'host_cross_kv_cache_block_offsets',
         dtype=torch.int32,
@@ -564,7 +567,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_cross_kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:818: Device copy of host_cross_kv_cache_block_offsets.
+    # buffers.yaml:823: Device copy of host_cross_kv_cache_block_offsets.
     rt.TensorDecl(
         'cross_kv_cache_block_offsets',
         dtype=torch.int32,
@@ -575,7 +578,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('cross_kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:824: Static: (primary, secondary) address of each cross-attention KV pool.
+    # buffers.yaml:829: Static: (primary, secondary) address of each cross-attention KV pool.
     rt.TensorDecl(
         'host_cross_kv_cache_pool_pointers',
         dtype=torch.int64,
@@ -585,7 +588,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_cross_kv_cache_pool_pointers'),),
     ),
-    # buffers.yaml:834: Static: (pool, layer in pool) of each layer's cross KV.
+    # buffers.yaml:839: Static: (pool, layer in pool) of each layer's cross KV.
     rt.TensorDecl(
         'host_cross_kv_cache_pool_mapping',
         dtype=torch.int32,
@@ -595,7 +598,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_cross_kv_cache_pool_mapping'),),
     ),
-    # buffers.yaml:844: Which encoder positions each token attends to, staged on the host.
+    # buffers.yaml:849: Which encoder positions each token attends to, staged on the host.
     rt.TensorDecl(
         'host_cross_attention_mask',
         dtype=torch.bool,
@@ -606,7 +609,7 @@ TENSORS = (
         pad=1,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:853: Which encoder positions each token attends to.
+    # buffers.yaml:858: Which encoder positions each token attends to.
     rt.TensorDecl(
         'cross_attention_mask',
         dtype=torch.bool,
@@ -618,7 +621,7 @@ TENSORS = (
         inputs=(rt.Bind('cross_attention_mask'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:859: Bit-packed cross-attention mask of the context requests, built by the FMHA mask kernel.
+    # buffers.yaml:864: Bit-packed cross-attention mask of the context requests, built by the FMHA mask kernel.
     rt.TensorDecl(
         'cross_attention_packed_mask',
         dtype=torch.int32,
@@ -629,7 +632,7 @@ TENSORS = (
         inputs=(rt.Bind('cross_attention_packed_mask'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:869: Whether every scheduled request skips the cross-attention blocks.
+    # buffers.yaml:874: Whether every scheduled request skips the cross-attention blocks.
     rt.TensorDecl(
         'host_skip_cross_attn_blocks',
         dtype=torch.bool,

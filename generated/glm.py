@@ -79,7 +79,7 @@ class Config(rt.ConfigBase):
         rt.check_int(self, 'pp_rank', minimum=0)
         rt.check_int(self, 'max_attention_window', minimum=1)
         rt.check_int(self, 'sink_token_length', minimum=0)
-        rt.check_dtype(self, 'logits_dtype')
+        rt.check_dtype(self, 'logits_dtype', ('float16', 'bfloat16', 'float32', 'float64'))
         rt.check_bool(self, 'gather_context_logits')
         rt.check_bool(self, 'gather_generation_logits')
         object.__setattr__(self, 'world_size', self.tp_size * self.pp_size)
@@ -87,10 +87,10 @@ class Config(rt.ConfigBase):
         object.__setattr__(self, 'max_num_sequences', self.max_batch_size * self.max_beam_width)
         object.__setattr__(self, 'max_num_logits', self.max_batch_size * max(1 + self.max_draft_tokens, self.max_beam_width))
         object.__setattr__(self, 'num_local_layers', self.num_layers // self.pp_size)
-        rt.require(self, self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml:221)')
-        rt.require(self, self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:223)')
-        rt.require(self, self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:225)')
-        rt.require(self, self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:227)')
+        rt.require(self, self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml:226)')
+        rt.require(self, self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:228)')
+        rt.require(self, self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:230)')
+        rt.require(self, self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:232)')
 
 
 # Step sizes checked against these bounds before any buffer is written.
@@ -107,7 +107,7 @@ SIZE_BOUNDS = (
 )
 
 TENSORS = (
-    # buffers.yaml:365: Token ids of the packed batch, staged on the host.
+    # buffers.yaml:370: Token ids of the packed batch, staged on the host.
     rt.TensorDecl(
         'host_input_ids',
         dtype=torch.int32,
@@ -118,7 +118,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.pp_rank == 0,
     ),
-    # buffers.yaml:374: Token ids of the packed batch; context chunks first, then each generation beam.
+    # buffers.yaml:379: Token ids of the packed batch; context chunks first, then each generation beam.
     rt.TensorDecl(
         'input_ids',
         dtype=torch.int32,
@@ -130,7 +130,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == 0,
         inputs=(rt.Bind('input_ids'),),
     ),
-    # buffers.yaml:402: GLM-10B two-row positions with the mask position, staged on the host.
+    # buffers.yaml:407: GLM-10B two-row positions with the mask position, staged on the host.
     rt.TensorDecl(
         'host_glm_position_ids',
         dtype=torch.int32,
@@ -141,7 +141,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:432: GLM-10B two-row position ids of the packed batch.
+    # buffers.yaml:437: GLM-10B two-row position ids of the packed batch.
     rt.TensorDecl(
         'glm_position_ids',
         dtype=torch.int32,
@@ -153,7 +153,7 @@ TENSORS = (
         inputs=(rt.Bind('position_ids'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:446: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+    # buffers.yaml:451: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
     rt.TensorDecl(
         'host_context_lengths',
         dtype=torch.int32,
@@ -164,7 +164,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_lengths'),),
     ),
-    # buffers.yaml:457: Device copy of host_context_lengths.
+    # buffers.yaml:462: Device copy of host_context_lengths.
     rt.TensorDecl(
         'context_lengths',
         dtype=torch.int32,
@@ -175,7 +175,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('context_lengths'),),
     ),
-    # buffers.yaml:463: Tokens of each sequence once this step's inputs are appended, staged on the host.
+    # buffers.yaml:468: Tokens of each sequence once this step's inputs are appended, staged on the host.
     rt.TensorDecl(
         'host_sequence_lengths',
         dtype=torch.int32,
@@ -185,7 +185,7 @@ TENSORS = (
         fill=fills.sequence_lengths,
         pad=0,
     ),
-    # buffers.yaml:472: Tokens of each sequence once this step's inputs are appended.
+    # buffers.yaml:477: Tokens of each sequence once this step's inputs are appended.
     rt.TensorDecl(
         'sequence_length',
         dtype=torch.int32,
@@ -196,7 +196,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('sequence_length'),),
     ),
-    # buffers.yaml:478: Kind of each sequence, 0 for context and 1 for generation.
+    # buffers.yaml:483: Kind of each sequence, 0 for context and 1 for generation.
     rt.TensorDecl(
         'host_request_types',
         dtype=torch.int32,
@@ -207,7 +207,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
-    # buffers.yaml:489: KV-cache length of each sequence after this step (generation excludes drafts).
+    # buffers.yaml:494: KV-cache length of each sequence after this step (generation excludes drafts).
     rt.TensorDecl(
         'host_past_key_value_lengths',
         dtype=torch.int32,
@@ -218,7 +218,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_past_key_value_lengths'),),
     ),
-    # buffers.yaml:502: 1-based index in the packed tokens of the last token of each logit row.
+    # buffers.yaml:507: 1-based index in the packed tokens of the last token of each logit row.
     rt.TensorDecl(
         'host_last_token_ids',
         dtype=torch.int32,
@@ -228,7 +228,7 @@ TENSORS = (
         fill=fills.last_token_ids,
         pad=0,
     ),
-    # buffers.yaml:511: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
+    # buffers.yaml:516: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
     rt.TensorDecl(
         'last_token_ids',
         dtype=torch.int32,
@@ -239,7 +239,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('last_token_ids'),),
     ),
-    # buffers.yaml:517: Logits of every logit row over the padded vocabulary (last pipeline rank).
+    # buffers.yaml:522: Logits of every logit row over the padded vocabulary (last pipeline rank).
     rt.TensorDecl(
         'logits',
         dtype=lambda c: c.logits_dtype,
@@ -250,7 +250,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and not c.gather_context_logits and not c.gather_generation_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:531: Logits of every token of the step (gather_context_logits), last pipeline rank.
+    # buffers.yaml:536: Logits of every token of the step (gather_context_logits), last pipeline rank.
     rt.TensorDecl(
         'context_logits',
         dtype=lambda c: c.logits_dtype,
@@ -261,7 +261,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:543: Ring of 8 step buffers of generation logits (gather_generation_logits), one bound per step.
+    # buffers.yaml:548: Ring of 8 step buffers of generation logits (gather_generation_logits), one bound per step.
     rt.TensorDecl(
         'generation_logits_cache',
         dtype=lambda c: c.logits_dtype,
@@ -273,7 +273,7 @@ TENSORS = (
         outputs=(rt.Bind('logits'),),
         ring=8,
     ),
-    # buffers.yaml:556: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
+    # buffers.yaml:561: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
     rt.TensorDecl(
         'generation_logits_transposed',
         dtype=lambda c: c.logits_dtype,
@@ -283,7 +283,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:564: Device pointers of the logits fragments to merge.
+    # buffers.yaml:569: Device pointers of the logits fragments to merge.
     rt.TensorDecl(
         'generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -293,7 +293,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:572: Host pointer lists of the logits fragments, one row per merge.
+    # buffers.yaml:577: Host pointer lists of the logits fragments, one row per merge.
     rt.TensorDecl(
         'host_generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -303,7 +303,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:631: Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
+    # buffers.yaml:636: Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
     rt.TensorDecl(
         'cache_indirection',
         dtype=torch.int32,
@@ -313,7 +313,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('cache_indirection'),),
     ),
-    # buffers.yaml:642: Source, destination and size of the copy of each generation request's cache indirection.
+    # buffers.yaml:647: Source, destination and size of the copy of each generation request's cache indirection.
     rt.TensorDecl(
         'host_cache_indirection_copies',
         dtype=torch.int64,
@@ -324,7 +324,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:651: Device copy of host_cache_indirection_copies, read by the batched copy kernel.
+    # buffers.yaml:656: Device copy of host_cache_indirection_copies, read by the batched copy kernel.
     rt.TensorDecl(
         'cache_indirection_copies',
         dtype=torch.int64,
@@ -335,7 +335,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:655: Source, destination and size of each request's decoder output-to-input indirection copy.
+    # buffers.yaml:660: Source, destination and size of each request's decoder output-to-input indirection copy.
     rt.TensorDecl(
         'host_cache_indirection_decoder_copies',
         dtype=torch.int64,
@@ -346,7 +346,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:664: Device copy of host_cache_indirection_decoder_copies.
+    # buffers.yaml:669: Device copy of host_cache_indirection_decoder_copies.
     rt.TensorDecl(
         'cache_indirection_decoder_copies',
         dtype=torch.int64,
@@ -357,7 +357,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:670: Attention window of each layer on this pipeline rank.
+    # buffers.yaml:675: Attention window of each layer on this pipeline rank.
     rt.TensorDecl(
         'host_max_attention_window_sizes',
         dtype=torch.int32,
@@ -367,7 +367,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.max_attention_window),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),
-    # buffers.yaml:690: Attention sink tokens.
+    # buffers.yaml:695: Attention sink tokens.
     rt.TensorDecl(
         'host_sink_token_length',
         dtype=torch.int32,
@@ -377,7 +377,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.sink_token_length),
         inputs=(rt.Bind('host_sink_token_length'),),
     ),
-    # buffers.yaml:700: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
+    # buffers.yaml:705: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
     rt.TensorDecl(
         'host_context_progress',
         dtype=torch.int64,
@@ -388,7 +388,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_progress'),),
     ),
-    # buffers.yaml:711: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
+    # buffers.yaml:716: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
     rt.TensorDecl(
         'host_runtime_perf_knobs',
         dtype=torch.int64,
@@ -399,7 +399,7 @@ TENSORS = (
         pad=-1,
         inputs=(rt.Bind('host_runtime_perf_knobs'),),
     ),
-    # buffers.yaml:722: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
+    # buffers.yaml:727: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
     rt.TensorDecl(
         'host_all_reduce_workspace',
         dtype=torch.int64,
@@ -410,7 +410,7 @@ TENSORS = (
         when=lambda c: c.tp_size > 1,
         inputs=(rt.Bind('all_reduce_workspace'),),
     ),
-    # buffers.yaml:732: Decoder slot of each request, context requests first.
+    # buffers.yaml:737: Decoder slot of each request, context requests first.
     rt.TensorDecl(
         'host_seq_slots',
         dtype=torch.int32,
@@ -420,7 +420,7 @@ TENSORS = (
         fill=fills.seq_slots,
         pad=0,
     ),
-    # buffers.yaml:741: Device copy of host_seq_slots, for decoder-side gathers.
+    # buffers.yaml:746: Device copy of host_seq_slots, for decoder-side gathers.
     rt.TensorDecl(
         'seq_slots',
         dtype=torch.int32,

@@ -50,6 +50,8 @@ class Config(rt.ConfigBase):
     """Attention window of every layer, in tokens."""
     tokens_per_block: int = 64
     """Tokens per paged KV-cache block."""
+    num_kv_blocks: int = 0
+    """Blocks of the paged KV pool; every block id must be below it (0 bounds ids only by the int32 block index)."""
     sink_token_length: int = 0
     """Attention sink tokens kept at the start of the window."""
     logits_dtype: torch.dtype = torch.float32
@@ -85,8 +87,9 @@ class Config(rt.ConfigBase):
         rt.check_int(self, 'pp_rank', minimum=0)
         rt.check_int(self, 'max_attention_window', minimum=1)
         rt.check_int(self, 'tokens_per_block', minimum=1)
+        rt.check_int(self, 'num_kv_blocks', minimum=0)
         rt.check_int(self, 'sink_token_length', minimum=0)
-        rt.check_dtype(self, 'logits_dtype')
+        rt.check_dtype(self, 'logits_dtype', ('float16', 'bfloat16', 'float32', 'float64'))
         rt.check_bool(self, 'gather_context_logits')
         rt.check_bool(self, 'gather_generation_logits')
         rt.check_int(self, 'num_languages', minimum=1)
@@ -96,10 +99,10 @@ class Config(rt.ConfigBase):
         object.__setattr__(self, 'max_num_logits', self.max_batch_size * max(1 + self.max_draft_tokens, self.max_beam_width))
         object.__setattr__(self, 'num_local_layers', self.num_layers // self.pp_size)
         object.__setattr__(self, 'max_blocks_per_seq', rt.cdiv(self.max_attention_window, self.tokens_per_block))
-        rt.require(self, self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml:221)')
-        rt.require(self, self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:223)')
-        rt.require(self, self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:225)')
-        rt.require(self, self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:227)')
+        rt.require(self, self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml:226)')
+        rt.require(self, self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:228)')
+        rt.require(self, self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:230)')
+        rt.require(self, self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:232)')
 
 
 # Step sizes checked against these bounds before any buffer is written.
@@ -116,7 +119,7 @@ SIZE_BOUNDS = (
 )
 
 TENSORS = (
-    # buffers.yaml:365: Token ids of the packed batch, staged on the host.
+    # buffers.yaml:370: Token ids of the packed batch, staged on the host.
     rt.TensorDecl(
         'host_input_ids',
         dtype=torch.int32,
@@ -127,7 +130,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.pp_rank == 0,
     ),
-    # buffers.yaml:374: Token ids of the packed batch; context chunks first, then each generation beam.
+    # buffers.yaml:379: Token ids of the packed batch; context chunks first, then each generation beam.
     rt.TensorDecl(
         'input_ids',
         dtype=torch.int32,
@@ -139,7 +142,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == 0,
         inputs=(rt.Bind('input_ids'),),
     ),
-    # buffers.yaml:382: Position of every input token (one per generation beam), staged on the host.
+    # buffers.yaml:387: Position of every input token (one per generation beam), staged on the host.
     rt.TensorDecl(
         'host_position_ids',
         dtype=torch.int32,
@@ -150,7 +153,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:420: Position ids of the packed batch.
+    # buffers.yaml:425: Position ids of the packed batch.
     rt.TensorDecl(
         'position_ids',
         dtype=torch.int32,
@@ -162,7 +165,7 @@ TENSORS = (
         inputs=(rt.Bind('position_ids'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:446: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+    # buffers.yaml:451: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
     rt.TensorDecl(
         'host_context_lengths',
         dtype=torch.int32,
@@ -173,7 +176,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_lengths'),),
     ),
-    # buffers.yaml:457: Device copy of host_context_lengths.
+    # buffers.yaml:462: Device copy of host_context_lengths.
     rt.TensorDecl(
         'context_lengths',
         dtype=torch.int32,
@@ -184,7 +187,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('context_lengths'),),
     ),
-    # buffers.yaml:463: Tokens of each sequence once this step's inputs are appended, staged on the host.
+    # buffers.yaml:468: Tokens of each sequence once this step's inputs are appended, staged on the host.
     rt.TensorDecl(
         'host_sequence_lengths',
         dtype=torch.int32,
@@ -194,7 +197,7 @@ TENSORS = (
         fill=fills.sequence_lengths,
         pad=0,
     ),
-    # buffers.yaml:472: Tokens of each sequence once this step's inputs are appended.
+    # buffers.yaml:477: Tokens of each sequence once this step's inputs are appended.
     rt.TensorDecl(
         'sequence_length',
         dtype=torch.int32,
@@ -205,7 +208,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('sequence_length'),),
     ),
-    # buffers.yaml:478: Kind of each sequence, 0 for context and 1 for generation.
+    # buffers.yaml:483: Kind of each sequence, 0 for context and 1 for generation.
     rt.TensorDecl(
         'host_request_types',
         dtype=torch.int32,
@@ -216,7 +219,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
-    # buffers.yaml:489: KV-cache length of each sequence after this step (generation excludes drafts).
+    # buffers.yaml:494: KV-cache length of each sequence after this step (generation excludes drafts).
     rt.TensorDecl(
         'host_past_key_value_lengths',
         dtype=torch.int32,
@@ -227,7 +230,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_past_key_value_lengths'),),
     ),
-    # buffers.yaml:502: 1-based index in the packed tokens of the last token of each logit row.
+    # buffers.yaml:507: 1-based index in the packed tokens of the last token of each logit row.
     rt.TensorDecl(
         'host_last_token_ids',
         dtype=torch.int32,
@@ -237,7 +240,7 @@ TENSORS = (
         fill=fills.last_token_ids,
         pad=0,
     ),
-    # buffers.yaml:511: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
+    # buffers.yaml:516: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
     rt.TensorDecl(
         'last_token_ids',
         dtype=torch.int32,
@@ -248,7 +251,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('last_token_ids'),),
     ),
-    # buffers.yaml:517: Logits of every logit row over the padded vocabulary (last pipeline rank).
+    # buffers.yaml:522: Logits of every logit row over the padded vocabulary (last pipeline rank).
     rt.TensorDecl(
         'logits',
         dtype=lambda c: c.logits_dtype,
@@ -259,7 +262,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and not c.gather_context_logits and not c.gather_generation_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:531: Logits of every token of the step (gather_context_logits), last pipeline rank.
+    # buffers.yaml:536: Logits of every token of the step (gather_context_logits), last pipeline rank.
     rt.TensorDecl(
         'context_logits',
         dtype=lambda c: c.logits_dtype,
@@ -270,7 +273,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:543: Ring of 8 step buffers of generation logits (gather_generation_logits), one bound per step.
+    # buffers.yaml:548: Ring of 8 step buffers of generation logits (gather_generation_logits), one bound per step.
     rt.TensorDecl(
         'generation_logits_cache',
         dtype=lambda c: c.logits_dtype,
@@ -282,7 +285,7 @@ TENSORS = (
         outputs=(rt.Bind('logits'),),
         ring=8,
     ),
-    # buffers.yaml:556: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
+    # buffers.yaml:561: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
     rt.TensorDecl(
         'generation_logits_transposed',
         dtype=lambda c: c.logits_dtype,
@@ -292,7 +295,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:564: Device pointers of the logits fragments to merge.
+    # buffers.yaml:569: Device pointers of the logits fragments to merge.
     rt.TensorDecl(
         'generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -302,7 +305,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:572: Host pointer lists of the logits fragments, one row per merge.
+    # buffers.yaml:577: Host pointer lists of the logits fragments, one row per merge.
     rt.TensorDecl(
         'host_generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -312,7 +315,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:582: KV-cache block index of every block of each sequence, K row then V row.
+    # buffers.yaml:587: KV-cache block index of every block of each sequence, K row then V row.
     rt.TensorDecl(
         'host_kv_cache_block_offsets',
         dtype=torch.int32,
@@ -323,7 +326,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:593: Device copy of host_kv_cache_block_offsets.
+    # buffers.yaml:598: Device copy of host_kv_cache_block_offsets.
     rt.TensorDecl(
         'kv_cache_block_offsets',
         dtype=torch.int32,
@@ -334,7 +337,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:599: Static: (primary, secondary) address of each KV pool.
+    # buffers.yaml:604: Static: (primary, secondary) address of each KV pool.
     rt.TensorDecl(
         'host_kv_cache_pool_pointers',
         dtype=torch.int64,
@@ -344,7 +347,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_pointers'),),
     ),
-    # buffers.yaml:609: Static: (pool, layer in pool) of each layer of this rank.
+    # buffers.yaml:614: Static: (pool, layer in pool) of each layer of this rank.
     rt.TensorDecl(
         'host_kv_cache_pool_mapping',
         dtype=torch.int32,
@@ -354,7 +357,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_mapping'),),
     ),
-    # buffers.yaml:631: Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
+    # buffers.yaml:636: Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
     rt.TensorDecl(
         'cache_indirection',
         dtype=torch.int32,
@@ -364,7 +367,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('cache_indirection'),),
     ),
-    # buffers.yaml:642: Source, destination and size of the copy of each generation request's cache indirection.
+    # buffers.yaml:647: Source, destination and size of the copy of each generation request's cache indirection.
     rt.TensorDecl(
         'host_cache_indirection_copies',
         dtype=torch.int64,
@@ -375,7 +378,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:651: Device copy of host_cache_indirection_copies, read by the batched copy kernel.
+    # buffers.yaml:656: Device copy of host_cache_indirection_copies, read by the batched copy kernel.
     rt.TensorDecl(
         'cache_indirection_copies',
         dtype=torch.int64,
@@ -386,7 +389,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:655: Source, destination and size of each request's decoder output-to-input indirection copy.
+    # buffers.yaml:660: Source, destination and size of each request's decoder output-to-input indirection copy.
     rt.TensorDecl(
         'host_cache_indirection_decoder_copies',
         dtype=torch.int64,
@@ -397,7 +400,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:664: Device copy of host_cache_indirection_decoder_copies.
+    # buffers.yaml:669: Device copy of host_cache_indirection_decoder_copies.
     rt.TensorDecl(
         'cache_indirection_decoder_copies',
         dtype=torch.int64,
@@ -408,7 +411,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:670: Attention window of each layer on this pipeline rank.
+    # buffers.yaml:675: Attention window of each layer on this pipeline rank.
     rt.TensorDecl(
         'host_max_attention_window_sizes',
         dtype=torch.int32,
@@ -418,7 +421,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.max_attention_window),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),
-    # buffers.yaml:690: Attention sink tokens.
+    # buffers.yaml:695: Attention sink tokens.
     rt.TensorDecl(
         'host_sink_token_length',
         dtype=torch.int32,
@@ -428,7 +431,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.sink_token_length),
         inputs=(rt.Bind('host_sink_token_length'),),
     ),
-    # buffers.yaml:700: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
+    # buffers.yaml:705: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
     rt.TensorDecl(
         'host_context_progress',
         dtype=torch.int64,
@@ -439,7 +442,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_progress'),),
     ),
-    # buffers.yaml:711: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
+    # buffers.yaml:716: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
     rt.TensorDecl(
         'host_runtime_perf_knobs',
         dtype=torch.int64,
@@ -450,7 +453,7 @@ TENSORS = (
         pad=-1,
         inputs=(rt.Bind('host_runtime_perf_knobs'),),
     ),
-    # buffers.yaml:722: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
+    # buffers.yaml:727: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
     rt.TensorDecl(
         'host_all_reduce_workspace',
         dtype=torch.int64,
@@ -461,7 +464,7 @@ TENSORS = (
         when=lambda c: c.tp_size > 1,
         inputs=(rt.Bind('all_reduce_workspace'),),
     ),
-    # buffers.yaml:732: Decoder slot of each request, context requests first.
+    # buffers.yaml:737: Decoder slot of each request, context requests first.
     rt.TensorDecl(
         'host_seq_slots',
         dtype=torch.int32,
@@ -471,7 +474,7 @@ TENSORS = (
         fill=fills.seq_slots,
         pad=0,
     ),
-    # buffers.yaml:741: Device copy of host_seq_slots, for decoder-side gathers.
+    # buffers.yaml:746: Device copy of host_seq_slots, for decoder-side gathers.
     rt.TensorDecl(
         'seq_slots',
         dtype=torch.int32,
@@ -481,7 +484,7 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
-    # buffers.yaml:1082: Language adapter of every input token, staged on the host.
+    # buffers.yaml:1087: Language adapter of every input token, staged on the host.
     rt.TensorDecl(
         'host_language_adapter_routings',
         dtype=torch.int32,
@@ -491,7 +494,7 @@ TENSORS = (
         fill=fills.language_adapter_routings,
         pad=0,
     ),
-    # buffers.yaml:1091: Language adapter of every input token.
+    # buffers.yaml:1096: Language adapter of every input token.
     rt.TensorDecl(
         'language_adapter_routings',
         dtype=torch.int32,

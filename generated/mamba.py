@@ -75,7 +75,7 @@ class Config(rt.ConfigBase):
         rt.check_int(self, 'tp_size', minimum=1)
         rt.check_int(self, 'pp_size', minimum=1)
         rt.check_int(self, 'pp_rank', minimum=0)
-        rt.check_dtype(self, 'logits_dtype')
+        rt.check_dtype(self, 'logits_dtype', ('float16', 'bfloat16', 'float32', 'float64'))
         rt.check_bool(self, 'gather_context_logits')
         rt.check_bool(self, 'gather_generation_logits')
         object.__setattr__(self, 'world_size', self.tp_size * self.pp_size)
@@ -84,10 +84,10 @@ class Config(rt.ConfigBase):
         object.__setattr__(self, 'max_num_logits', self.max_batch_size * max(1 + self.max_draft_tokens, self.max_beam_width))
         object.__setattr__(self, 'num_local_layers', self.num_layers // self.pp_size)
         object.__setattr__(self, 'first_local_layer', self.pp_rank * self.num_local_layers)
-        rt.require(self, self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml:221)')
-        rt.require(self, self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:223)')
-        rt.require(self, self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:227)')
-        rt.require(self, self.max_beam_width == 1, 'recurrent state is kept per slot, so beam search is not supported (beam width 1) (buffers.yaml:233)')
+        rt.require(self, self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml:226)')
+        rt.require(self, self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:228)')
+        rt.require(self, self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:232)')
+        rt.require(self, self.max_beam_width == 1, 'recurrent state is kept per slot, so beam search is not supported (beam width 1) (buffers.yaml:238)')
 
 
 # Step sizes checked against these bounds before any buffer is written.
@@ -107,7 +107,7 @@ SIZE_BOUNDS = (
 SET_LOCAL_RNN_LAYER = rt.IndexSet('local_rnn_layer', first=lambda c: c.first_local_layer, count=lambda c: c.num_local_layers)  # The recurrent layers of this pipeline rank, by global index.
 
 TENSORS = (
-    # buffers.yaml:365: Token ids of the packed batch, staged on the host.
+    # buffers.yaml:370: Token ids of the packed batch, staged on the host.
     rt.TensorDecl(
         'host_input_ids',
         dtype=torch.int32,
@@ -118,7 +118,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.pp_rank == 0,
     ),
-    # buffers.yaml:374: Token ids of the packed batch; context chunks first, then each generation beam.
+    # buffers.yaml:379: Token ids of the packed batch; context chunks first, then each generation beam.
     rt.TensorDecl(
         'input_ids',
         dtype=torch.int32,
@@ -130,7 +130,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == 0,
         inputs=(rt.Bind('input_ids'),),
     ),
-    # buffers.yaml:446: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+    # buffers.yaml:451: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
     rt.TensorDecl(
         'host_context_lengths',
         dtype=torch.int32,
@@ -141,7 +141,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_lengths'),),
     ),
-    # buffers.yaml:457: Device copy of host_context_lengths.
+    # buffers.yaml:462: Device copy of host_context_lengths.
     rt.TensorDecl(
         'context_lengths',
         dtype=torch.int32,
@@ -152,7 +152,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('context_lengths'),),
     ),
-    # buffers.yaml:463: Tokens of each sequence once this step's inputs are appended, staged on the host.
+    # buffers.yaml:468: Tokens of each sequence once this step's inputs are appended, staged on the host.
     rt.TensorDecl(
         'host_sequence_lengths',
         dtype=torch.int32,
@@ -162,7 +162,7 @@ TENSORS = (
         fill=fills.sequence_lengths,
         pad=0,
     ),
-    # buffers.yaml:472: Tokens of each sequence once this step's inputs are appended.
+    # buffers.yaml:477: Tokens of each sequence once this step's inputs are appended.
     rt.TensorDecl(
         'sequence_length',
         dtype=torch.int32,
@@ -173,7 +173,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('sequence_length'),),
     ),
-    # buffers.yaml:478: Kind of each sequence, 0 for context and 1 for generation.
+    # buffers.yaml:483: Kind of each sequence, 0 for context and 1 for generation.
     rt.TensorDecl(
         'host_request_types',
         dtype=torch.int32,
@@ -184,7 +184,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
-    # buffers.yaml:502: 1-based index in the packed tokens of the last token of each logit row.
+    # buffers.yaml:507: 1-based index in the packed tokens of the last token of each logit row.
     rt.TensorDecl(
         'host_last_token_ids',
         dtype=torch.int32,
@@ -194,7 +194,7 @@ TENSORS = (
         fill=fills.last_token_ids,
         pad=0,
     ),
-    # buffers.yaml:511: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
+    # buffers.yaml:516: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
     rt.TensorDecl(
         'last_token_ids',
         dtype=torch.int32,
@@ -205,7 +205,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('last_token_ids'),),
     ),
-    # buffers.yaml:517: Logits of every logit row over the padded vocabulary (last pipeline rank).
+    # buffers.yaml:522: Logits of every logit row over the padded vocabulary (last pipeline rank).
     rt.TensorDecl(
         'logits',
         dtype=lambda c: c.logits_dtype,
@@ -216,7 +216,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and not c.gather_context_logits and not c.gather_generation_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:531: Logits of every token of the step (gather_context_logits), last pipeline rank.
+    # buffers.yaml:536: Logits of every token of the step (gather_context_logits), last pipeline rank.
     rt.TensorDecl(
         'context_logits',
         dtype=lambda c: c.logits_dtype,
@@ -227,7 +227,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:543: Ring of 8 step buffers of generation logits (gather_generation_logits), one bound per step.
+    # buffers.yaml:548: Ring of 8 step buffers of generation logits (gather_generation_logits), one bound per step.
     rt.TensorDecl(
         'generation_logits_cache',
         dtype=lambda c: c.logits_dtype,
@@ -239,7 +239,7 @@ TENSORS = (
         outputs=(rt.Bind('logits'),),
         ring=8,
     ),
-    # buffers.yaml:556: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
+    # buffers.yaml:561: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
     rt.TensorDecl(
         'generation_logits_transposed',
         dtype=lambda c: c.logits_dtype,
@@ -249,7 +249,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:564: Device pointers of the logits fragments to merge.
+    # buffers.yaml:569: Device pointers of the logits fragments to merge.
     rt.TensorDecl(
         'generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -259,7 +259,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:572: Host pointer lists of the logits fragments, one row per merge.
+    # buffers.yaml:577: Host pointer lists of the logits fragments, one row per merge.
     rt.TensorDecl(
         'host_generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -269,7 +269,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:722: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
+    # buffers.yaml:727: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
     rt.TensorDecl(
         'host_all_reduce_workspace',
         dtype=torch.int64,
@@ -280,7 +280,7 @@ TENSORS = (
         when=lambda c: c.tp_size > 1,
         inputs=(rt.Bind('all_reduce_workspace'),),
     ),
-    # buffers.yaml:732: Decoder slot of each request, context requests first.
+    # buffers.yaml:737: Decoder slot of each request, context requests first.
     rt.TensorDecl(
         'host_seq_slots',
         dtype=torch.int32,
@@ -290,7 +290,7 @@ TENSORS = (
         fill=fills.seq_slots,
         pad=0,
     ),
-    # buffers.yaml:741: Device copy of host_seq_slots, for decoder-side gathers.
+    # buffers.yaml:746: Device copy of host_seq_slots, for decoder-side gathers.
     rt.TensorDecl(
         'seq_slots',
         dtype=torch.int32,
@@ -300,7 +300,7 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
-    # buffers.yaml:1014: State slot of each sequence (its request's seq_slot), staged on the host.
+    # buffers.yaml:1019: State slot of each sequence (its request's seq_slot), staged on the host.
     rt.TensorDecl(
         'host_slot_mapping',
         dtype=torch.int32,
@@ -311,7 +311,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1023: State slot of each sequence.
+    # buffers.yaml:1028: State slot of each sequence.
     rt.TensorDecl(
         'slot_mapping',
         dtype=torch.int32,
@@ -323,7 +323,7 @@ TENSORS = (
         inputs=(rt.Bind('slot_mapping'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1029: Static: address of each recurrent layer's paged convolution state.
+    # buffers.yaml:1034: Static: address of each recurrent layer's paged convolution state.
     rt.TensorDecl(
         'host_conv_state_pointers',
         dtype=torch.int64,
@@ -333,7 +333,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('conv_state_ptr_{local_rnn_layer}', each=(SET_LOCAL_RNN_LAYER,)),),
     ),
-    # buffers.yaml:1040: Static: address of each recurrent layer's paged recurrent state.
+    # buffers.yaml:1045: Static: address of each recurrent layer's paged recurrent state.
     rt.TensorDecl(
         'host_rnn_state_pointers',
         dtype=torch.int64,

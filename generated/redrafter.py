@@ -50,6 +50,8 @@ class Config(rt.ConfigBase):
     """Attention window of every layer, in tokens."""
     tokens_per_block: int = 64
     """Tokens per paged KV-cache block."""
+    num_kv_blocks: int = 0
+    """Blocks of the paged KV pool; every block id must be below it (0 bounds ids only by the int32 block index)."""
     sink_token_length: int = 0
     """Attention sink tokens kept at the start of the window."""
     model_dtype: torch.dtype = torch.float16
@@ -93,9 +95,10 @@ class Config(rt.ConfigBase):
         rt.check_int(self, 'pp_rank', minimum=0)
         rt.check_int(self, 'max_attention_window', minimum=1)
         rt.check_int(self, 'tokens_per_block', minimum=1)
+        rt.check_int(self, 'num_kv_blocks', minimum=0)
         rt.check_int(self, 'sink_token_length', minimum=0)
         rt.check_dtype(self, 'model_dtype', ('float16', 'bfloat16', 'float32', 'float64'))
-        rt.check_dtype(self, 'logits_dtype')
+        rt.check_dtype(self, 'logits_dtype', ('float16', 'bfloat16', 'float32', 'float64'))
         rt.check_bool(self, 'gather_context_logits')
         rt.check_bool(self, 'gather_generation_logits')
         rt.check_int(self, 'num_draft_paths', minimum=1)
@@ -108,12 +111,12 @@ class Config(rt.ConfigBase):
         object.__setattr__(self, 'num_local_layers', self.num_layers // self.pp_size)
         object.__setattr__(self, 'max_blocks_per_seq', rt.cdiv(self.max_attention_window, self.tokens_per_block))
         object.__setattr__(self, 'spec_mask_words', rt.cdiv(self.max_decoding_tokens, 32))
-        rt.require(self, self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml:221)')
-        rt.require(self, self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:223)')
-        rt.require(self, self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:225)')
-        rt.require(self, self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:227)')
-        rt.require(self, self.max_beam_width == 1, 'speculative decoding needs max_beam_width 1 (buffers.yaml:230)')
-        rt.require(self, self.max_draft_tokens >= 1, 'speculative decoding needs max_draft_tokens of at least 1 (buffers.yaml:236)')
+        rt.require(self, self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml:226)')
+        rt.require(self, self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:228)')
+        rt.require(self, self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:230)')
+        rt.require(self, self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:232)')
+        rt.require(self, self.max_beam_width == 1, 'speculative decoding needs max_beam_width 1 (buffers.yaml:235)')
+        rt.require(self, self.max_draft_tokens >= 1, 'speculative decoding needs max_draft_tokens of at least 1 (buffers.yaml:241)')
 
 
 # Step sizes checked against these bounds before any buffer is written.
@@ -130,7 +133,7 @@ SIZE_BOUNDS = (
 )
 
 TENSORS = (
-    # buffers.yaml:365: Token ids of the packed batch, staged on the host.
+    # buffers.yaml:370: Token ids of the packed batch, staged on the host.
     rt.TensorDecl(
         'host_input_ids',
         dtype=torch.int32,
@@ -141,7 +144,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.pp_rank == 0,
     ),
-    # buffers.yaml:374: Token ids of the packed batch; context chunks first, then each generation beam.
+    # buffers.yaml:379: Token ids of the packed batch; context chunks first, then each generation beam.
     rt.TensorDecl(
         'input_ids',
         dtype=torch.int32,
@@ -153,7 +156,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == 0,
         inputs=(rt.Bind('input_ids'),),
     ),
-    # buffers.yaml:411: Positions of the context tokens; the drafter writes the generation part on the device.
+    # buffers.yaml:416: Positions of the context tokens; the drafter writes the generation part on the device.
     rt.TensorDecl(
         'host_spec_position_ids',
         dtype=torch.int32,
@@ -163,7 +166,7 @@ TENSORS = (
         fill=fills.context_position_ids,
         pad=0,
     ),
-    # buffers.yaml:438: Position ids (context part copied, generation part written by the drafter after it).
+    # buffers.yaml:443: Position ids (context part copied, generation part written by the drafter after it).
     rt.TensorDecl(
         'spec_position_ids',
         dtype=torch.int32,
@@ -174,7 +177,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('position_ids'),),
     ),
-    # buffers.yaml:446: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+    # buffers.yaml:451: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
     rt.TensorDecl(
         'host_context_lengths',
         dtype=torch.int32,
@@ -185,7 +188,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_lengths'),),
     ),
-    # buffers.yaml:457: Device copy of host_context_lengths.
+    # buffers.yaml:462: Device copy of host_context_lengths.
     rt.TensorDecl(
         'context_lengths',
         dtype=torch.int32,
@@ -196,7 +199,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('context_lengths'),),
     ),
-    # buffers.yaml:463: Tokens of each sequence once this step's inputs are appended, staged on the host.
+    # buffers.yaml:468: Tokens of each sequence once this step's inputs are appended, staged on the host.
     rt.TensorDecl(
         'host_sequence_lengths',
         dtype=torch.int32,
@@ -206,7 +209,7 @@ TENSORS = (
         fill=fills.sequence_lengths,
         pad=0,
     ),
-    # buffers.yaml:472: Tokens of each sequence once this step's inputs are appended.
+    # buffers.yaml:477: Tokens of each sequence once this step's inputs are appended.
     rt.TensorDecl(
         'sequence_length',
         dtype=torch.int32,
@@ -217,7 +220,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('sequence_length'),),
     ),
-    # buffers.yaml:478: Kind of each sequence, 0 for context and 1 for generation.
+    # buffers.yaml:483: Kind of each sequence, 0 for context and 1 for generation.
     rt.TensorDecl(
         'host_request_types',
         dtype=torch.int32,
@@ -228,7 +231,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
-    # buffers.yaml:489: KV-cache length of each sequence after this step (generation excludes drafts).
+    # buffers.yaml:494: KV-cache length of each sequence after this step (generation excludes drafts).
     rt.TensorDecl(
         'host_past_key_value_lengths',
         dtype=torch.int32,
@@ -239,7 +242,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_past_key_value_lengths'),),
     ),
-    # buffers.yaml:502: 1-based index in the packed tokens of the last token of each logit row.
+    # buffers.yaml:507: 1-based index in the packed tokens of the last token of each logit row.
     rt.TensorDecl(
         'host_last_token_ids',
         dtype=torch.int32,
@@ -249,7 +252,7 @@ TENSORS = (
         fill=fills.last_token_ids,
         pad=0,
     ),
-    # buffers.yaml:511: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
+    # buffers.yaml:516: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
     rt.TensorDecl(
         'last_token_ids',
         dtype=torch.int32,
@@ -260,7 +263,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('last_token_ids'),),
     ),
-    # buffers.yaml:517: Logits of every logit row over the padded vocabulary (last pipeline rank).
+    # buffers.yaml:522: Logits of every logit row over the padded vocabulary (last pipeline rank).
     rt.TensorDecl(
         'logits',
         dtype=lambda c: c.logits_dtype,
@@ -271,7 +274,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and not c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:531: Logits of every token of the step (gather_context_logits), last pipeline rank.
+    # buffers.yaml:536: Logits of every token of the step (gather_context_logits), last pipeline rank.
     rt.TensorDecl(
         'context_logits',
         dtype=lambda c: c.logits_dtype,
@@ -282,7 +285,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:556: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
+    # buffers.yaml:561: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
     rt.TensorDecl(
         'generation_logits_transposed',
         dtype=lambda c: c.logits_dtype,
@@ -292,7 +295,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:564: Device pointers of the logits fragments to merge.
+    # buffers.yaml:569: Device pointers of the logits fragments to merge.
     rt.TensorDecl(
         'generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -302,7 +305,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:572: Host pointer lists of the logits fragments, one row per merge.
+    # buffers.yaml:577: Host pointer lists of the logits fragments, one row per merge.
     rt.TensorDecl(
         'host_generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -312,7 +315,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:582: KV-cache block index of every block of each sequence, K row then V row.
+    # buffers.yaml:587: KV-cache block index of every block of each sequence, K row then V row.
     rt.TensorDecl(
         'host_kv_cache_block_offsets',
         dtype=torch.int32,
@@ -323,7 +326,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:593: Device copy of host_kv_cache_block_offsets.
+    # buffers.yaml:598: Device copy of host_kv_cache_block_offsets.
     rt.TensorDecl(
         'kv_cache_block_offsets',
         dtype=torch.int32,
@@ -334,7 +337,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:599: Static: (primary, secondary) address of each KV pool.
+    # buffers.yaml:604: Static: (primary, secondary) address of each KV pool.
     rt.TensorDecl(
         'host_kv_cache_pool_pointers',
         dtype=torch.int64,
@@ -344,7 +347,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_pointers'),),
     ),
-    # buffers.yaml:609: Static: (pool, layer in pool) of each layer of this rank.
+    # buffers.yaml:614: Static: (pool, layer in pool) of each layer of this rank.
     rt.TensorDecl(
         'host_kv_cache_pool_mapping',
         dtype=torch.int32,
@@ -354,7 +357,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_mapping'),),
     ),
-    # buffers.yaml:631: Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
+    # buffers.yaml:636: Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
     rt.TensorDecl(
         'cache_indirection',
         dtype=torch.int32,
@@ -364,7 +367,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('cache_indirection'),),
     ),
-    # buffers.yaml:642: Source, destination and size of the copy of each generation request's cache indirection.
+    # buffers.yaml:647: Source, destination and size of the copy of each generation request's cache indirection.
     rt.TensorDecl(
         'host_cache_indirection_copies',
         dtype=torch.int64,
@@ -375,7 +378,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:651: Device copy of host_cache_indirection_copies, read by the batched copy kernel.
+    # buffers.yaml:656: Device copy of host_cache_indirection_copies, read by the batched copy kernel.
     rt.TensorDecl(
         'cache_indirection_copies',
         dtype=torch.int64,
@@ -386,7 +389,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:655: Source, destination and size of each request's decoder output-to-input indirection copy.
+    # buffers.yaml:660: Source, destination and size of each request's decoder output-to-input indirection copy.
     rt.TensorDecl(
         'host_cache_indirection_decoder_copies',
         dtype=torch.int64,
@@ -397,7 +400,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:664: Device copy of host_cache_indirection_decoder_copies.
+    # buffers.yaml:669: Device copy of host_cache_indirection_decoder_copies.
     rt.TensorDecl(
         'cache_indirection_decoder_copies',
         dtype=torch.int64,
@@ -408,7 +411,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:670: Attention window of each layer on this pipeline rank.
+    # buffers.yaml:675: Attention window of each layer on this pipeline rank.
     rt.TensorDecl(
         'host_max_attention_window_sizes',
         dtype=torch.int32,
@@ -418,7 +421,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.max_attention_window),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),
-    # buffers.yaml:690: Attention sink tokens.
+    # buffers.yaml:695: Attention sink tokens.
     rt.TensorDecl(
         'host_sink_token_length',
         dtype=torch.int32,
@@ -428,7 +431,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.sink_token_length),
         inputs=(rt.Bind('host_sink_token_length'),),
     ),
-    # buffers.yaml:700: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
+    # buffers.yaml:705: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
     rt.TensorDecl(
         'host_context_progress',
         dtype=torch.int64,
@@ -439,7 +442,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_progress'),),
     ),
-    # buffers.yaml:711: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
+    # buffers.yaml:716: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
     rt.TensorDecl(
         'host_runtime_perf_knobs',
         dtype=torch.int64,
@@ -450,7 +453,7 @@ TENSORS = (
         pad=-1,
         inputs=(rt.Bind('host_runtime_perf_knobs'),),
     ),
-    # buffers.yaml:722: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
+    # buffers.yaml:727: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
     rt.TensorDecl(
         'host_all_reduce_workspace',
         dtype=torch.int64,
@@ -461,7 +464,7 @@ TENSORS = (
         when=lambda c: c.tp_size > 1,
         inputs=(rt.Bind('all_reduce_workspace'),),
     ),
-    # buffers.yaml:732: Decoder slot of each request, context requests first.
+    # buffers.yaml:737: Decoder slot of each request, context requests first.
     rt.TensorDecl(
         'host_seq_slots',
         dtype=torch.int32,
@@ -471,7 +474,7 @@ TENSORS = (
         fill=fills.seq_slots,
         pad=0,
     ),
-    # buffers.yaml:741: Device copy of host_seq_slots, for decoder-side gathers.
+    # buffers.yaml:746: Device copy of host_seq_slots, for decoder-side gathers.
     rt.TensorDecl(
         'seq_slots',
         dtype=torch.int32,
@@ -481,7 +484,7 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
-    # buffers.yaml:1101: Speculative decoding on (1).
+    # buffers.yaml:1106: Speculative decoding on (1).
     rt.TensorDecl(
         'spec_decoding_use',
         dtype=torch.int32,
@@ -491,7 +494,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: 1),
         inputs=(rt.Bind('spec_decoding_use'),),
     ),
-    # buffers.yaml:1154: Packed attention mask of each generation request's decoding tokens (written by the drafter).
+    # buffers.yaml:1159: Packed attention mask of each generation request's decoding tokens (written by the drafter).
     rt.TensorDecl(
         'spec_packed_mask',
         dtype=torch.int32,
@@ -501,7 +504,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_packed_mask'),),
     ),
-    # buffers.yaml:1164: Tokens each generation request feeds (written by the drafter).
+    # buffers.yaml:1169: Tokens each generation request feeds (written by the drafter).
     rt.TensorDecl(
         'spec_generation_lengths',
         dtype=torch.int32,
@@ -511,7 +514,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_generation_lengths'),),
     ),
-    # buffers.yaml:1174: Position offset of each decoding token (written by the drafter).
+    # buffers.yaml:1179: Position offset of each decoding token (written by the drafter).
     rt.TensorDecl(
         'spec_position_offsets',
         dtype=torch.int32,
@@ -521,7 +524,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_position_offsets'),),
     ),
-    # buffers.yaml:1185: Inverse sampling temperature of each request (written by the drafter).
+    # buffers.yaml:1190: Inverse sampling temperature of each request (written by the drafter).
     rt.TensorDecl(
         'redrafter_inverted_temperature',
         dtype=lambda c: c.model_dtype,
@@ -532,7 +535,7 @@ TENSORS = (
         inputs=(rt.Bind('redrafter_inverted_temperature'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1195: Device copy of host_request_types.
+    # buffers.yaml:1200: Device copy of host_request_types.
     rt.TensorDecl(
         'device_request_types',
         dtype=torch.int32,
@@ -544,7 +547,7 @@ TENSORS = (
         inputs=(rt.Bind('device_request_types'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1201: Kind of each sequence (0 context, 1 generation), staged for the device copy.
+    # buffers.yaml:1206: Kind of each sequence (0 context, 1 generation), staged for the device copy.
     rt.TensorDecl(
         'host_device_request_types',
         dtype=torch.int32,
@@ -555,7 +558,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1210: Draft tokens of each path of each generation request (written by the drafter).
+    # buffers.yaml:1215: Draft tokens of each path of each generation request (written by the drafter).
     rt.TensorDecl(
         'redrafter_draft_tokens',
         dtype=torch.int32,
@@ -565,7 +568,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('draft_tokens'),),
     ),
-    # buffers.yaml:1220: Index of each draft token in the flattened tree (written by the drafter).
+    # buffers.yaml:1225: Index of each draft token in the flattened tree (written by the drafter).
     rt.TensorDecl(
         'redrafter_draft_indices',
         dtype=torch.int32,
@@ -575,7 +578,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('draft_indices'),),
     ),
-    # buffers.yaml:1230: Draft probabilities of each draft token (written by the drafter).
+    # buffers.yaml:1235: Draft probabilities of each draft token (written by the drafter).
     rt.TensorDecl(
         'redrafter_draft_probs',
         dtype=lambda c: c.model_dtype,
@@ -585,7 +588,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('draft_probs'),),
     ),
-    # buffers.yaml:1240: Random number of each request for sampling (written by the drafter).
+    # buffers.yaml:1245: Random number of each request for sampling (written by the drafter).
     rt.TensorDecl(
         'redrafter_rand_data_sample',
         dtype=lambda c: c.model_dtype,
@@ -596,7 +599,7 @@ TENSORS = (
         inputs=(rt.Bind('rand_data_sample'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1250: Random numbers of each draft token for validation (written by the drafter).
+    # buffers.yaml:1255: Random numbers of each draft token for validation (written by the drafter).
     rt.TensorDecl(
         'redrafter_rand_data_validation',
         dtype=lambda c: c.model_dtype,
@@ -606,7 +609,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('rand_data_validation'),),
     ),
-    # buffers.yaml:1260: Position of each request's first decoding token (written by the drafter).
+    # buffers.yaml:1265: Position of each request's first decoding token (written by the drafter).
     rt.TensorDecl(
         'redrafter_position_ids_base',
         dtype=torch.int32,
@@ -617,7 +620,7 @@ TENSORS = (
         inputs=(rt.Bind('position_ids_base'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1270: Tokens each request feeds next step (engine output).
+    # buffers.yaml:1275: Tokens each request feeds next step (engine output).
     rt.TensorDecl(
         'redrafter_next_generation_lengths',
         dtype=torch.int32,
@@ -628,7 +631,7 @@ TENSORS = (
         outputs=(rt.Bind('next_spec_decoding_generation_lengths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1280: Position offsets of the next step's decoding tokens (engine output).
+    # buffers.yaml:1285: Position offsets of the next step's decoding tokens (engine output).
     rt.TensorDecl(
         'redrafter_next_position_offsets',
         dtype=torch.int32,
@@ -639,7 +642,7 @@ TENSORS = (
         outputs=(rt.Bind('next_spec_decoding_position_offsets'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1290: Attention mask of the next step's decoding tokens (engine output).
+    # buffers.yaml:1295: Attention mask of the next step's decoding tokens (engine output).
     rt.TensorDecl(
         'redrafter_masks',
         dtype=torch.bool,
@@ -650,7 +653,7 @@ TENSORS = (
         outputs=(rt.Bind('spec_decoding_mask'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1300: Next draft tokens of each path (engine output).
+    # buffers.yaml:1305: Next draft tokens of each path (engine output).
     rt.TensorDecl(
         'redrafter_next_draft_tokens',
         dtype=torch.int32,
@@ -661,7 +664,7 @@ TENSORS = (
         outputs=(rt.Bind('next_draft_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1310: Next draft token indices of each path (engine output).
+    # buffers.yaml:1315: Next draft token indices of each path (engine output).
     rt.TensorDecl(
         'redrafter_next_draft_indices',
         dtype=torch.int32,
@@ -672,7 +675,7 @@ TENSORS = (
         outputs=(rt.Bind('next_draft_indices'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1320: Next draft probabilities (engine output).
+    # buffers.yaml:1325: Next draft probabilities (engine output).
     rt.TensorDecl(
         'redrafter_next_draft_probs',
         dtype=lambda c: c.model_dtype,
@@ -683,7 +686,7 @@ TENSORS = (
         outputs=(rt.Bind('next_draft_probs'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1330: Next step's input tokens, flattened (engine output).
+    # buffers.yaml:1335: Next step's input tokens, flattened (engine output).
     rt.TensorDecl(
         'redrafter_next_flat_tokens',
         dtype=torch.int32,
@@ -694,7 +697,7 @@ TENSORS = (
         outputs=(rt.Bind('next_flat_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1340: Accepted tokens of each request (engine output).
+    # buffers.yaml:1345: Accepted tokens of each request (engine output).
     rt.TensorDecl(
         'redrafter_num_accepted_tokens',
         dtype=torch.int32,
@@ -705,7 +708,7 @@ TENSORS = (
         outputs=(rt.Bind('num_accepted_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1350: Accepted path of each request (engine output).
+    # buffers.yaml:1355: Accepted path of each request (engine output).
     rt.TensorDecl(
         'redrafter_accepted_beam_index',
         dtype=torch.int32,
@@ -716,7 +719,7 @@ TENSORS = (
         outputs=(rt.Bind('accepted_beam_index'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1360: Most tokens any request feeds next step (engine output).
+    # buffers.yaml:1365: Most tokens any request feeds next step (engine output).
     rt.TensorDecl(
         'redrafter_max_gen_token',
         dtype=torch.int32,
@@ -726,7 +729,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('max_gen_token'),),
     ),
-    # buffers.yaml:1370: Tokens all requests feed next step (engine output).
+    # buffers.yaml:1375: Tokens all requests feed next step (engine output).
     rt.TensorDecl(
         'redrafter_total_gen_token',
         dtype=torch.int32,
@@ -736,7 +739,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('total_gen_token'),),
     ),
-    # buffers.yaml:1380: Positions of the next step's tokens, packed (engine output).
+    # buffers.yaml:1385: Positions of the next step's tokens, packed (engine output).
     rt.TensorDecl(
         'redrafter_packed_position_ids',
         dtype=torch.int32,
