@@ -504,6 +504,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     """The gpt_pp family's buffers: allocated at capacity once, filled every step."""
 
     config_type = Config
+    flags = FLAGS
     size_bounds = SIZE_BOUNDS
     tensor_decls = TENSORS
     step_sizes = ('num_context_requests', 'num_context_tokens', 'num_generation_requests', 'num_generation_sequences', 'num_generation_tokens', 'num_logits', 'num_sequences', 'num_tokens', 'num_requests', 'max_context_length')
