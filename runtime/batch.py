@@ -15,11 +15,12 @@ import functools
 from collections.abc import Sequence
 from itertools import chain
 from operator import attrgetter, itemgetter
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from .errors import BatchError
+from .values import INT32_MAX, check_int, check_ints, in_range, int_array, is_int, show
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,14 +75,54 @@ _POSITION_IDS = attrgetter("position_ids")
 _SEQ_SLOT = attrgetter("seq_slot")
 _DRAFT_TOKENS = attrgetter("draft_tokens")
 _GENERATED = attrgetter("generated")
+_PROMPT = attrgetter("prompt")
 _LAST = itemgetter(-1)
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
 
+# What a malformed request raises while its columns are read (a str where an int belongs, a
+# missing field, ...): the build then walks the requests to name the culprit.
+_MALFORMED = (TypeError, ValueError, OverflowError, AttributeError, IndexError, KeyError)
 
-def _i64(values: Sequence[int]) -> np.ndarray:
-    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What a family's Config bounds in every request, decided once per RuntimeBuffers.
+
+    Token ids lie in 0 .. token_limit - 1: the vocabulary, plus the prompt-table rows of a
+    family with prompt tuning (ids >= vocab_size index the request's prompt table)."""
+
+    max_batch_size: int
+    max_beam_width: int = 1
+    max_draft_tokens: int = 0
+    token_limit: int = INT32_MAX + 1
+    token_limit_text: str = "the int32 range"
+    max_input_length: int = INT32_MAX  # encoder input tokens of one request
+    max_encoder_length: int = INT32_MAX  # encoder output rows of one request
+    encoder_engine: bool = False  # the step runs an encoder engine: sizes from encoder inputs
+
+    @staticmethod
+    def of(config: Any, encoder_engine: bool = False) -> Limits:
+        vocab = getattr(config, "vocab_size", None)
+        prompt_rows = getattr(config, "max_prompt_vocab_size", 0)
+        if vocab is None:
+            limit, text = INT32_MAX + 1, "the int32 range"
+        elif prompt_rows:
+            limit = vocab + prompt_rows
+            text = f"vocab_size + max_prompt_vocab_size = {vocab} + {prompt_rows}"
+        else:
+            limit, text = vocab, f"vocab_size={vocab}"
+        return Limits(
+            max_batch_size=config.max_batch_size,
+            max_beam_width=getattr(config, "max_beam_width", 1),
+            max_draft_tokens=getattr(config, "max_draft_tokens", 0),
+            token_limit=min(limit, INT32_MAX + 1),
+            token_limit_text=text,
+            max_input_length=getattr(config, "max_input_length", INT32_MAX),
+            max_encoder_length=getattr(config, "max_encoder_length", INT32_MAX),
+            encoder_engine=encoder_engine,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +146,7 @@ class Batch:  # not slotted: cached_property needs __dict__
     seq_last_token: np.ndarray  # the last token of that beam
     seq_slot: np.ndarray  # per request, context first
     explicit_positions: tuple[int, ...]  # request indices (context first) with position_ids
+    limits: Limits
     prompts: dict = dataclasses.field(default_factory=dict, repr=False)  # see prompt_array
     scratch: dict = dataclasses.field(default_factory=dict, repr=False)  # rule checks -> fills
     # state the fill rules keep from step to step (owned by the RuntimeBuffers; written only
@@ -115,180 +157,34 @@ class Batch:  # not slotted: cached_property needs __dict__
     def build(
         context: Sequence[Any],
         generation: Sequence[Any],
+        limits: Limits,
         *,
-        max_beam_width: int = 1,
-        max_draft_tokens: int = 0,
         reuse: dict | None = None,
         encoder: bool = False,
     ) -> Batch:
         """Validate the scheduled requests and lay them out; raise BatchError on a problem.
 
-        Each request field is read once, column by column (one comprehension per field), and
-        every check is a vectorised test over the columns: O(1) Python work per request and per
-        beam, none per token. Only when a check fails are the requests walked one by one to
-        name the culprit (``_diagnose``).
+        Every value a fill will write is checked here (types, ranges, tokens against the
+        vocabulary, slots, beams of equal length, explicit positions), each request field read
+        once, column by column, and each check a vectorised test over the columns: O(1) Python
+        work per request and per beam, none per token (a context request's prompt is checked
+        once, when it is first scheduled). Only when a check fails are the requests walked one
+        by one to name the culprit (``_diagnose``).
         """
         context, generation = tuple(context), tuple(generation)
-        limits = (max_beam_width, max_draft_tokens)
-
-        # ---- context columns: one pass in plain Python (context lists are short, and numpy's
-        # per-call cost outweighs its loops at these sizes; a decode step has none)
-        if context:
-            plen_l, begin_l, chunk_l, ndraft_l, beam_l = [], [], [], [], []
-            bad = False
-            for r in context:
-                n, b, x, beam = (
-                    len(r.prompt),
-                    r.context_position,
-                    r.context_chunk_size,
-                    r.beam_width,
-                )
-                c = n - b if x is None else x
-                drafts = r.draft_tokens
-                plen_l.append(n)
-                begin_l.append(b)
-                chunk_l.append(c)
-                ndraft_l.append(len(drafts) if drafts else 0)
-                beam_l.append(beam)
-                if (
-                    n < 1
-                    or not 0 <= b < n
-                    or c < 1
-                    or b + c > n
-                    or (r.generated and any(r.generated))
-                    or not 1 <= beam <= max_beam_width
-                ):
-                    bad = True
-            c_plen, c_begin, c_chunk = _i64(plen_l), _i64(begin_l), _i64(chunk_l)
-            c_ndraft, c_beam = _i64(ndraft_l), _i64(beam_l)
-            c_explicit = [r.position_ids for r in context]
-        else:
-            c_plen = c_begin = c_chunk = c_ndraft = c_beam = _EMPTY
-            c_explicit = []
-            bad = False
-
-        # ---- generation columns; per-beam columns come from one flat pass over the beams.
-        # A request's prompt, beam_width, position_ids and seq_slot are fixed while it is in
-        # flight, so when the generation list is the previous step's (same objects, same order:
-        # steady decoding) those columns are reused and only the generated tokens and drafts
-        # are read. Checks on the plain lists use Python's C builtins (cheaper than numpy for
-        # the sizes of a batch).
-        static = reuse.get("generation") if reuse is not None else None
-        if static is not None and static[0] == generation:
-            _, g_plen, g_bw, g_explicit, g_slots, bw_list, _, g_explicit_at = static
-        else:
-            plen_list = [len(r.prompt) for r in generation]
-            bw_list = [r.beam_width for r in generation]
-            if generation and (
-                min(plen_list) < 1 or min(bw_list) < 1 or max(bw_list) > max_beam_width
-            ):
-                bad = True
-            g_plen, g_bw = _i64(plen_list), _i64(bw_list)
-            g_explicit = list(map(_POSITION_IDS, generation))
-            g_slots = list(map(_SEQ_SLOT, generation))
-            g_explicit_at = [i for i, p in enumerate(g_explicit) if p is not None]
-        drafts = list(map(_DRAFT_TOKENS, generation))
-        drafts_list = [len(d) if d else 0 for d in drafts] if any(drafts) else None
-        beams = list(map(_GENERATED, generation))
-        if None in beams:
-            bad = True
-            beams = [bs or () for bs in beams]
-        flat = list(chain.from_iterable(beams))
-        len_list = list(map(len, flat))
-        if generation and (list(map(len, beams)) != bw_list or min(len_list) < 1):
-            bad = True
-        g_ndraft = _i64(drafts_list) if drafts_list else np.zeros(len(generation), np.int64)
-        seq_len = _i64(len_list)
-
-        ndraft = np.concatenate((c_ndraft, g_ndraft))
-        if not bad and ndraft.any():
-            beam = np.concatenate((c_beam, g_bw))
-            bad = bool((ndraft > max_draft_tokens).any() or ((ndraft > 0) & (beam > 1)).any())
-        n_ctx = len(context)
-        explicit = tuple(
-            [i for i, p in enumerate(c_explicit) if p is not None]
-            + [n_ctx + i for i in g_explicit_at]
-        )
-        if not bad and explicit:
-            lens = np.concatenate((c_plen, g_plen))
-            bad = any(len((c_explicit + g_explicit)[i]) != lens[i] for i in explicit)
-        if not context and static is not None and static[0] == generation:
-            slot_array = static[6]  # the same requests as the last step: slots checked then
-        else:
-            slots = list(map(_SEQ_SLOT, context)) + g_slots
-            slot_array = np.asarray(slots) if slots else _EMPTY
-            if (
-                slot_array.dtype.kind not in "iu"
-                or (len(slot_array) and slot_array.min() < 0)
-                or len(set(slots)) != len(slots)
-            ):
-                bad = True
-        if bad:
-            _diagnose(context, generation, *limits)
-        if reuse is not None:
-            g_slot_array = slot_array[len(context) :]
-            reuse["generation"] = (
-                generation,
-                g_plen,
-                g_bw,
-                g_explicit,
-                g_slots,
-                bw_list,
-                g_slot_array,
-                g_explicit_at,
-            )
-
-        c_drafts = np.where(c_begin + c_chunk == c_plen, c_ndraft, 0)  # drafts ride on a last chunk
-        c_input = c_chunk + c_drafts
-        seq_offsets = np.cumsum(g_bw) - g_bw
-        g_max = np.maximum.reduceat(seq_len, seq_offsets) if len(seq_len) else seq_len
-        n_gen = len(generation)
-        n_gen_seq = len(flat)
-        ctx_tokens = int(c_input.sum())
-        gen_tokens = int(g_ndraft.sum()) + n_gen_seq
-        sizes = StepSizes(
-            num_context_requests=n_ctx,
-            num_context_tokens=ctx_tokens,
-            num_generation_requests=n_gen,
-            num_generation_sequences=n_gen_seq,
-            num_generation_tokens=gen_tokens,
-            num_logits=n_ctx + int(c_drafts.sum()) + gen_tokens,
-            num_sequences=n_ctx + n_gen_seq,
-            num_tokens=ctx_tokens + gen_tokens,
-            num_requests=n_ctx + n_gen,
-            max_context_length=int(c_plen.max()) if n_ctx else 0,
-        )
-        if encoder:
-            sizes = dataclasses.replace(sizes, **_encoder_sizes(context, generation))
-        return Batch(
-            context=context,
-            generation=generation,
-            sizes=sizes,
-            ctx_begin=c_begin,
-            ctx_chunk=c_chunk,
-            ctx_prompt_len=c_plen,
-            ctx_drafts=c_drafts,
-            ctx_input_len=c_input,
-            gen_beam_width=g_bw,
-            gen_prompt_len=g_plen,
-            gen_drafts=g_ndraft,
-            gen_max_generated=g_max,
-            seq_num_tokens=np.repeat(g_plen, g_bw) + seq_len,
-            seq_last_token=_i64(list(map(_LAST, flat))),
-            seq_slot=slot_array.astype(np.int64, copy=False),  # (reused arrays are never written)
-            explicit_positions=explicit,
-            prompts=_prompt_cache(reuse, context),
-            carry=reuse.setdefault("rules", {}) if reuse is not None else {},
-        )
+        try:
+            if limits.encoder_engine:
+                return _build_encoder_engine(context, generation, limits)
+            return _build(context, generation, limits, reuse, encoder)
+        except BatchError:
+            raise
+        except _MALFORMED as exc:
+            _diagnose(context, generation, limits)
+            raise BatchError(f"the batch is malformed ({type(exc).__name__}: {exc})") from None
 
     def prompt_array(self, i: int) -> np.ndarray:
-        """Context request i's prompt as an int64 array, converted once per request and kept
-        while the request is scheduled (a long prompt is read in chunks over several steps)."""
-        r = self.context[i]
-        cached = self.prompts.get(id(r))
-        if cached is None or cached[0] is not r.prompt:
-            cached = self.prompts[id(r)] = (r.prompt, np.asarray(r.prompt, dtype=np.int64))
-        return cached[1]
+        """Context request i's prompt as an int64 array (converted and checked by ``build``)."""
+        return self.prompts[id(self.context[i])][1]
 
     @functools.cached_property
     def seq_request(self) -> np.ndarray:
@@ -315,6 +211,300 @@ class Batch:  # not slotted: cached_property needs __dict__
         return np.concatenate((self.ctx_begin + self.ctx_input_len, gen))
 
 
+def _i64(values: Sequence[int]) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def _build(
+    context: tuple[Any, ...],
+    generation: tuple[Any, ...],
+    limits: Limits,
+    reuse: dict | None,
+    encoder: bool,
+) -> Batch:
+    def fail() -> NoReturn:
+        _diagnose(context, generation, limits)
+        raise BatchError("the batch is invalid")  # pragma: no cover - _diagnose raised
+
+    mbw, token_limit = limits.max_beam_width, limits.token_limit
+    for size, count in (
+        ("num_context_requests", len(context)),
+        ("num_generation_requests", len(generation)),
+        ("num_requests", len(context) + len(generation)),
+    ):  # before the slots: more requests than slots cannot all have one
+        if count > limits.max_batch_size:
+            raise BatchError(
+                f"{size} = {count} exceeds its capacity {limits.max_batch_size}; schedule fewer "
+                "requests"
+            )
+
+    # ---- context columns: one pass in plain Python (context lists are short, and numpy's
+    # per-call cost outweighs its loops at these sizes; a decode step has none)
+    prompts = _prompt_cache(reuse, context)
+    if context:
+        plen_l, begin_l, chunk_l, ndraft_l, beam_l = [], [], [], [], []
+        for r in context:
+            n, b, x, beam = len(r.prompt), r.context_position, r.context_chunk_size, r.beam_width
+            c = n - b if x is None else x
+            drafts = r.draft_tokens
+            plen_l.append(n)
+            begin_l.append(b)
+            chunk_l.append(c)
+            ndraft_l.append(0 if drafts is None else len(drafts))
+            beam_l.append(beam)
+            g = r.generated
+            if (
+                n < 1
+                or not 0 <= b < n
+                or c < 1
+                or b + c > n
+                or (g is not None and len(g) and any(map(len, g)))
+                or not 1 <= beam <= mbw
+            ):
+                fail()
+        c_plen, c_ndraft = _i64(plen_l), _i64(ndraft_l)
+        c_begin, c_chunk, c_beam = int_array(begin_l), int_array(chunk_l), int_array(beam_l)
+        if c_begin is None or c_chunk is None or c_beam is None:
+            fail()  # a float or another non-integer
+        for r in context:  # each prompt converted and checked once while it is scheduled
+            if _prompt(prompts, r, token_limit) is None:
+                fail()
+        c_explicit = list(map(_POSITION_IDS, context))
+    else:
+        c_plen = c_begin = c_chunk = c_ndraft = c_beam = _EMPTY
+        c_explicit = []
+
+    # ---- generation columns; per-beam columns come from one flat pass over the beams.
+    # A request's prompt, beam_width, position_ids and seq_slot are fixed while it is in
+    # flight, so when the generation list is the previous step's (same objects, same order:
+    # steady decoding) those columns are reused (they were checked then) and only the
+    # generated tokens and drafts are read.
+    static = reuse.get("generation") if reuse is not None else None
+    reused = static is not None and static.requests == generation
+    if reused:
+        assert static is not None
+        g_plen, g_bw, g_explicit, bw_list = (
+            static.prompt_len,
+            static.beam_width,
+            static.explicit,
+            static.beam_list,
+        )
+        g_explicit_at = static.explicit_at
+    else:
+        plen_list = list(map(len, map(_PROMPT, generation)))
+        bw_list = [r.beam_width for r in generation]
+        bw = int_array(bw_list)
+        if bw is None or (generation and (min(plen_list) < 1 or not in_range(bw, 1, mbw + 1))):
+            fail()
+        g_plen, g_bw = _i64(plen_list), bw
+        g_explicit = list(map(_POSITION_IDS, generation))
+        g_explicit_at = [i for i, p in enumerate(g_explicit) if p is not None]
+    drafts = list(map(_DRAFT_TOKENS, generation))
+    drafts_list = [0 if d is None else len(d) for d in drafts]
+    beams = list(map(_GENERATED, generation))
+    if any(bs is None for bs in beams):
+        fail()
+    flat = list(chain.from_iterable(beams))
+    len_list = list(map(len, flat))
+    if generation and (list(map(len, beams)) != bw_list or min(len_list, default=0) < 1):
+        fail()
+    last = int_array(list(map(_LAST, flat)))
+    if last is None or not in_range(last, 0, token_limit):
+        fail()
+    g_ndraft = _i64(drafts_list) if any(drafts_list) else np.zeros(len(generation), np.int64)
+    seq_len = _i64(len_list)
+    seq_offsets = np.cumsum(g_bw) - g_bw
+    g_max = np.maximum.reduceat(seq_len, seq_offsets) if len(seq_len) else seq_len
+    if len(flat) != len(generation) and (np.minimum.reduceat(seq_len, seq_offsets) != g_max).any():
+        fail()  # beams of unequal length
+
+    ndraft = np.concatenate((c_ndraft, g_ndraft))
+    if ndraft.any():
+        beam = np.concatenate((c_beam, g_bw))
+        if (ndraft > limits.max_draft_tokens).any() or ((ndraft > 0) & (beam > 1)).any():
+            fail()
+        for d in chain(map(_DRAFT_TOKENS, context), drafts):
+            if d is not None and len(d) and not _tokens_ok(d, token_limit):
+                fail()
+    n_ctx = len(context)
+    explicit = tuple(
+        [i for i, p in enumerate(c_explicit) if p is not None] + [n_ctx + i for i in g_explicit_at]
+    )
+    if not context and reused:
+        assert static is not None
+        slot_array = static.slots  # the same requests as the last step: slots checked then
+    else:
+        slot_array = int_array(list(map(_SEQ_SLOT, context)) + list(map(_SEQ_SLOT, generation)))
+        if (
+            slot_array is None
+            or not in_range(slot_array, 0, limits.max_batch_size)
+            or len(np.unique(slot_array)) != len(slot_array)
+        ):
+            fail()
+    if reuse is not None:
+        reuse["generation"] = _Reused(
+            generation, g_plen, g_bw, g_explicit, bw_list, slot_array[n_ctx:], g_explicit_at
+        )
+
+    c_drafts = np.where(c_begin + c_chunk == c_plen, c_ndraft, 0)  # drafts ride on a last chunk
+    c_input = c_chunk + c_drafts
+    if explicit and not _explicit_positions_ok(
+        context, generation, explicit, c_drafts, g_max, checked=reused
+    ):
+        fail()
+    n_gen = len(generation)
+    n_gen_seq = len(flat)
+    ctx_tokens = int(c_input.sum())
+    gen_tokens = int(g_ndraft.sum()) + n_gen_seq
+    sizes = StepSizes(
+        num_context_requests=n_ctx,
+        num_context_tokens=ctx_tokens,
+        num_generation_requests=n_gen,
+        num_generation_sequences=n_gen_seq,
+        num_generation_tokens=gen_tokens,
+        num_logits=n_ctx + int(c_drafts.sum()) + gen_tokens,
+        num_sequences=n_ctx + n_gen_seq,
+        num_tokens=ctx_tokens + gen_tokens,
+        num_requests=n_ctx + n_gen,
+        max_context_length=int(c_plen.max()) if n_ctx else 0,
+    )
+    if encoder:
+        sizes = dataclasses.replace(sizes, **_encoder_sizes(context, generation, limits))
+    return Batch(
+        context=context,
+        generation=generation,
+        sizes=sizes,
+        ctx_begin=c_begin,
+        ctx_chunk=c_chunk,
+        ctx_prompt_len=c_plen,
+        ctx_drafts=c_drafts,
+        ctx_input_len=c_input,
+        gen_beam_width=g_bw,
+        gen_prompt_len=g_plen,
+        gen_drafts=g_ndraft,
+        gen_max_generated=g_max,
+        seq_num_tokens=np.repeat(g_plen, g_bw) + seq_len,
+        seq_last_token=last,
+        seq_slot=slot_array,  # (reused arrays are never written)
+        explicit_positions=explicit,
+        limits=limits,
+        prompts=prompts,
+        carry=reuse.setdefault("rules", {}) if reuse is not None else {},
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reused:
+    """The columns of the last step's generation requests that cannot change in flight."""
+
+    requests: tuple[Any, ...]
+    prompt_len: np.ndarray
+    beam_width: np.ndarray
+    explicit: list
+    beam_list: list
+    slots: np.ndarray
+    explicit_at: list
+
+
+def _build_encoder_engine(
+    context: tuple[Any, ...], generation: tuple[Any, ...], limits: Limits
+) -> Batch:
+    """An encoder engine's step: context requests only, sized by their encoder inputs alone
+    (the reference's EncoderBuffers::setBufferSizes; the decoder prompt is not read)."""
+    if generation:
+        raise BatchError(
+            "the encoder engine runs context requests only; got "
+            f"{len(generation)} generation requests"
+        )
+    slots = int_array(list(map(_SEQ_SLOT, context)))
+    if (
+        slots is None
+        or not in_range(slots, 0, limits.max_batch_size)
+        or len(np.unique(slots)) != len(slots)
+    ):
+        _diagnose_slots(context, (), limits)
+    enc = _encoder_sizes(context, (), limits)
+    n = len(context)
+    tokens = enc["num_encoder_input_tokens"]
+    sizes = StepSizes(
+        num_context_requests=n,
+        num_context_tokens=tokens,
+        num_generation_requests=0,
+        num_generation_sequences=0,
+        num_generation_tokens=0,
+        num_logits=0,
+        num_sequences=n,
+        num_tokens=tokens,
+        num_requests=n,
+        max_context_length=enc["max_encoder_input_length"] if n else 0,
+        **enc,
+    )
+    zeros = np.zeros(n, np.int64)
+    return Batch(
+        context=context,
+        generation=(),
+        sizes=sizes,
+        ctx_begin=zeros,
+        ctx_chunk=zeros,
+        ctx_prompt_len=zeros,
+        ctx_drafts=zeros,
+        ctx_input_len=zeros,
+        gen_beam_width=_EMPTY,
+        gen_prompt_len=_EMPTY,
+        gen_drafts=_EMPTY,
+        gen_max_generated=_EMPTY,
+        seq_num_tokens=_EMPTY,
+        seq_last_token=_EMPTY,
+        seq_slot=slots if slots is not None else _EMPTY,
+        explicit_positions=(),
+        limits=limits,
+    )
+
+
+def _prompt(prompts: dict, r: Any, token_limit: int) -> np.ndarray | None:
+    """Context request r's prompt as a checked int64 array, converted once per request and kept
+    while the request is scheduled (a long prompt is read in chunks over several steps); None
+    if a token is not an integer in the vocabulary."""
+    cached = prompts.get(id(r))
+    if cached is not None and cached[0] is r.prompt:
+        return cached[1]
+    a = int_array(r.prompt)
+    if a is None or not in_range(a, 0, token_limit):
+        return None
+    prompts[id(r)] = (r.prompt, a)
+    return a
+
+
+def _tokens_ok(tokens: Any, token_limit: int) -> bool:
+    a = int_array(tokens)
+    return a is not None and in_range(a, 0, token_limit)
+
+
+def _explicit_positions_ok(
+    context: tuple[Any, ...],
+    generation: tuple[Any, ...],
+    explicit: tuple[int, ...],
+    c_drafts: np.ndarray,
+    g_max: np.ndarray,
+    checked: bool,
+) -> bool:
+    """Explicit position ids: one integer per prompt token, every position written (drafts and
+    generated tokens continue after the last one) inside the int32 range. The lists of
+    generation requests carried over from the last step were checked then (`checked`)."""
+    n_ctx = len(context)
+    for i in explicit:
+        r = context[i] if i < n_ctx else generation[i - n_ctx]
+        after = int(c_drafts[i]) if i < n_ctx else int(g_max[i - n_ctx])
+        if i >= n_ctx and checked:
+            if not is_int(r.position_ids[-1]) or r.position_ids[-1] + after > INT32_MAX:
+                return False
+            continue
+        a = int_array(r.position_ids)
+        if a is None or len(a) != len(r.prompt) or not in_range(a, 0, INT32_MAX + 1 - after):
+            return False
+    return True
+
+
 def encoder_input_length(r: Any) -> int:
     n = getattr(r, "encoder_input_length", None)
     if n is None:
@@ -323,7 +513,7 @@ def encoder_input_length(r: Any) -> int:
             raise BatchError(
                 "an encoder-decoder request needs encoder_input_length or encoder_input_ids"
             )
-        n = len(ids)
+        return len(ids)
     return int(n)
 
 
@@ -332,18 +522,35 @@ def encoder_output_length(r: Any) -> int:
     return encoder_input_length(r) if n is None else int(n)
 
 
-def _encoder_sizes(context: tuple, generation: tuple) -> dict[str, int]:
+def _encoder_lengths(r: Any, w: str, limits: Limits) -> tuple[int, int]:
+    """A request's encoder input and output lengths, each an integer within its Config bound
+    (the reference checks only the step's sums, so one long request could overrun its rows)."""
+    n_in = getattr(r, "encoder_input_length", None)
+    if n_in is None:
+        ids = getattr(r, "encoder_input_ids", None)
+        if ids is None:
+            raise BatchError(
+                f"{w}: an encoder-decoder request needs encoder_input_length or encoder_input_ids"
+            )
+        n_in = len(ids)
+    n_in = check_int(
+        n_in, "encoder_input_length", w, 1, limits.max_input_length + 1, "max_input_length"
+    )
+    n_out = getattr(r, "encoder_output_length", None)
+    n_out = n_in if n_out is None else n_out
+    n_out = check_int(
+        n_out, "encoder_output_length", w, 1, limits.max_encoder_length + 1, "max_encoder_length"
+    )
+    return n_in, n_out
+
+
+def _encoder_sizes(context: tuple, generation: tuple, limits: Limits) -> dict[str, int]:
     """The reference's EncoderBuffers::setBufferSizes: sums over the context requests, the
     longest input over every request."""
     tokens = inputs = longest = 0
     for kind, reqs in (("context", context), ("generation", generation)):
         for i, r in enumerate(reqs):
-            try:
-                n_in, n_out = encoder_input_length(r), encoder_output_length(r)
-                if n_out < 1:
-                    raise BatchError("its encoder output is empty")
-            except BatchError as exc:
-                raise BatchError(f"{_where(f'{kind} request {i}', r)}: {exc}") from None
+            n_in, n_out = _encoder_lengths(r, _where(f"{kind} request {i}", r), limits)
             longest = max(longest, n_in)
             if kind == "context":
                 tokens, inputs = tokens + n_out, inputs + n_in
@@ -365,64 +572,93 @@ def _prompt_cache(reuse: dict | None, context: tuple) -> dict:
 
 
 def _where(kind: str, r: Any) -> str:
-    return f"{kind} (seq_slot {getattr(r, 'seq_slot', None)!r})"
+    return f"{kind} (seq_slot {show(getattr(r, 'seq_slot', None))})"
 
 
-def _diagnose(
-    context: Sequence[Any], generation: Sequence[Any], max_beam_width: int, max_draft_tokens: int
-) -> None:
+def _diagnose(context: Sequence[Any], generation: Sequence[Any], limits: Limits) -> None:
     """Walk the requests one by one and raise for the first problem (the cold path)."""
-    for i, r in enumerate(context):
-        _check_request(r, _where(f"context request {i}", r), max_beam_width, max_draft_tokens, True)
-    for i, r in enumerate(generation):
-        _check_request(
-            r, _where(f"generation request {i}", r), max_beam_width, max_draft_tokens, False
-        )
+    for kind, reqs in (("context", context), ("generation", generation)):
+        for i, r in enumerate(reqs):
+            w = _where(f"{kind} request {i}", r)
+            try:
+                _check_request(r, w, limits, kind == "context")
+            except BatchError:
+                raise
+            except _MALFORMED as exc:
+                raise BatchError(f"{w}: malformed request ({type(exc).__name__}: {exc})") from None
+    _diagnose_slots(context, generation, limits)
+
+
+def _diagnose_slots(context: Sequence[Any], generation: Sequence[Any], limits: Limits) -> None:
     seen: dict[int, str] = {}
     for kind, reqs in (("context request", context), ("generation request", generation)):
         for i, r in enumerate(reqs):
             w = _where(f"{kind} {i}", r)
-            slot = r.seq_slot
-            if not (type(slot) is int or isinstance(slot, np.integer)):
-                raise BatchError(f"{w}: seq_slot must be an integer, got {slot!r}")
-            if slot < 0:
-                raise BatchError(f"{w}: seq_slot must not be negative")
-            if int(slot) in seen:
-                raise BatchError(f"{w}: seq_slot {slot} is also used by {seen[int(slot)]}")
-            seen[int(slot)] = w
-    raise BatchError("the batch is invalid")  # pragma: no cover - a check above fires first
+            slot = getattr(r, "seq_slot", None)
+            slot = check_int(slot, "seq_slot", w, 0, limits.max_batch_size)
+            if slot in seen:
+                raise BatchError(f"{w}: seq_slot {slot} is also used by {seen[slot]}")
+            seen[slot] = w
 
 
-def _check_request(
-    r: Any, w: str, max_beam_width: int, max_draft_tokens: int, is_context: bool
-) -> None:
-    n = len(r.prompt)
-    beam = r.beam_width
-    drafts = len(r.draft_tokens) if r.draft_tokens else 0
+def _length(value: Any, what: str, w: str) -> int:
+    try:
+        return len(value)
+    except TypeError:
+        raise BatchError(f"{w}: {what} must be a list, got {show(value)}") from None
+
+
+def _check_request(r: Any, w: str, limits: Limits, is_context: bool) -> None:
+    vocab = (0, limits.token_limit, limits.token_limit_text)
+    prompt = r.prompt
+    n = _length(prompt, "prompt", w)
     if n == 0:
         raise BatchError(f"{w}: the prompt is empty")
-    if not 1 <= beam <= max_beam_width:
-        raise BatchError(f"{w}: beam_width {beam} is outside 1..{max_beam_width} (max_beam_width)")
-    if drafts and beam > 1:
+    beam = check_int(r.beam_width, "beam_width", w, 1, limits.max_beam_width + 1, "max_beam_width")
+    drafts = r.draft_tokens
+    n_drafts = 0 if drafts is None else _length(drafts, "draft_tokens", w)
+    if n_drafts and beam > 1:
         raise BatchError(f"{w}: draft tokens need beam_width 1, got {beam}")
-    if drafts > max_draft_tokens:
-        raise BatchError(f"{w}: {drafts} draft tokens exceed max_draft_tokens={max_draft_tokens}")
-    if r.position_ids is not None and len(r.position_ids) != n:
-        raise BatchError(f"{w}: {len(r.position_ids)} position_ids for a prompt of {n} tokens")
+    if n_drafts > limits.max_draft_tokens:
+        raise BatchError(
+            f"{w}: {n_drafts} draft tokens exceed max_draft_tokens={limits.max_draft_tokens}"
+        )
+    if n_drafts:
+        check_ints(drafts, "draft_tokens", w, *vocab)
+    if r.position_ids is not None:
+        if _length(r.position_ids, "position_ids", w) != n:
+            raise BatchError(f"{w}: {len(r.position_ids)} position_ids for a prompt of {n} tokens")
+        check_ints(r.position_ids, "position_ids", w, 0, INT32_MAX + 1)
+    gen = r.generated
     if is_context:
-        b = r.context_position
-        c = n - b if r.context_chunk_size is None else r.context_chunk_size
-        if not 0 <= b < n:
-            raise BatchError(f"{w}: context_position {b} is outside the prompt of {n} tokens")
-        if c < 1 or b + c > n:
+        b = check_int(r.context_position, "context_position", w, 0, n, f"a prompt of {n} tokens")
+        c = r.context_chunk_size
+        c = n - b if c is None else check_int(c, "context_chunk_size", w, 1, INT32_MAX + 1)
+        if b + c > n:
             raise BatchError(
                 f"{w}: context_chunk_size {c} at context_position {b} runs past the prompt of {n} tokens"
             )
-        if r.generated and any(r.generated):
+        if gen is not None and _length(gen, "generated", w) and any(map(len, gen)):
             raise BatchError(f"{w}: a context request must not have generated tokens")
+        check_ints(prompt, "prompt", w, *vocab)
+        if (
+            r.position_ids is not None
+            and r.position_ids[-1] + (n_drafts if b + c == n else 0) > INT32_MAX
+        ):
+            raise BatchError(f"{w}: its draft tokens' positions run past the int32 range")
         return
-    gen = r.generated or ()
-    if len(gen) != beam:
-        raise BatchError(f"{w}: 'generated' has {len(gen)} beams, beam_width is {beam}")
-    if not all(gen):
+    if gen is None or _length(gen, "generated", w) != beam:
+        got = 0 if gen is None else len(gen)
+        raise BatchError(f"{w}: 'generated' has {got} beams, beam_width is {beam}")
+    lengths = [_length(g, "each beam of 'generated'", w) for g in gen]
+    if min(lengths) < 1:
         raise BatchError(f"{w}: a generation request needs at least one generated token per beam")
+    if len(set(lengths)) > 1:
+        raise BatchError(
+            f"{w}: its beams must be of equal length (beam search extends every beam each "
+            f"step), got {lengths}"
+        )
+    for k, g in enumerate(gen):
+        check_int(g[-1], f"the last token of beam {k}", w, *vocab)
+    if r.position_ids is not None and r.position_ids[-1] + lengths[0] > INT32_MAX:
+        raise BatchError(f"{w}: its generated tokens' positions run past the int32 range")

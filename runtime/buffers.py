@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from .batch import ENCODER_SIZES, Batch, StepSizes
+from .batch import ENCODER_SIZES, Batch, Limits, StepSizes
 from .decl import DEVICE, PINNED, STATIC, Constant, Mirror, SizeBound, TensorDecl
-from .errors import BatchError
+from .errors import BatchError, ConfigError
 from .fills import Decode, Rule, past_key_value_lengths
+from .values import in_range, int_array
 
 ALIGN = 256  # bytes; every arena member starts on this boundary
 KV_CACHE_LENGTH_ROUND = 256  # the reference's CUDA-graph key rounding
@@ -49,6 +51,7 @@ class RuntimeBuffers:
     size_bounds: ClassVar[tuple[SizeBound, ...]]
     tensor_decls: ClassVar[tuple[TensorDecl, ...]]
     step_sizes: ClassVar[tuple[str, ...]] = ()
+    flags: ClassVar[dict[str, Any]] = {}
 
     def __init__(
         self,
@@ -73,6 +76,7 @@ class RuntimeBuffers:
             d.name: d.dtype if isinstance(d.dtype, torch.dtype) else d.dtype(c) for d in decls
         }
         pin = self.device.type == "cuda"
+        self._check_allocatable(decls)
 
         # the staging layout: mirror sources, smallest first, so the per-step copy can stop
         # inside the last (largest) member
@@ -104,13 +108,17 @@ class RuntimeBuffers:
                     torch.empty(self._numel[d.name], dtype=self._dtype[d.name], device=self.device)
                 ] * HALVES
             else:
+                # host tensors a rule fills get one storage per half, like the staged ones, so a
+                # step that fails half-way never touches the last step's values
                 flats = [
                     torch.empty(
                         self._numel[d.name],
                         dtype=self._dtype[d.name],
                         pin_memory=pin and d.memory == PINNED,
                     )
-                ] * HALVES
+                    for _ in range(HALVES if isinstance(d.fill, Rule) else 1)
+                ]
+                flats *= HALVES // len(flats)
             value = d.fill.value(c) if isinstance(d.fill, Constant) else (d.pad or 0)
             for flat in dict.fromkeys(flats):  # each distinct storage once
                 flat.fill_(value)
@@ -143,7 +151,7 @@ class RuntimeBuffers:
         ]
         # elements written by the last fill of each storage (a one-item list, shared by the
         # halves where the storage is), so the rows past a shorter step are re-padded
-        shared = {name: [0] for name in self.decls if name not in offsets}
+        shared = {name: [0] for name in self.decls if self._flat[0][name] is self._flat[1][name]}
         self._high_water: list[dict[str, list[int]]] = [
             {name: shared.get(name) or [0] for name in self.decls} for _ in range(HALVES)
         ]
@@ -207,12 +215,43 @@ class RuntimeBuffers:
         # values each half holds: advance() skips what a half already has
         self._run = 0
         self._half_run: list[int | None] = [None] * HALVES
-        self._can_advance = all(r.advance is not None for _, r in rules)
+        self._no_advance = tuple(
+            dict.fromkeys(r.name for _, r in rules if r.advance is None)
+        )  # rules without an advance form: advance() is not possible for this family
+        self._can_advance = not self._no_advance
+        self._limits = Limits.of(c, encoder_engine=self.flags.get("engine") == "encoder")
         self._advance_checks = tuple(
             dict.fromkeys(r.advance_check for _, r in rules if r.advance_check is not None)
         )
 
     # ------------------------------------------------------------------------- helpers
+    def _check_allocatable(self, decls: list[TensorDecl]) -> None:
+        """A ConfigError with the bytes needed when the Config asks for more memory than the
+        machine has (instead of a failure deep inside torch, or an out-of-memory kill while
+        the pads are written)."""
+        device = sum(self._nbytes(d.name) for d in decls if d.memory == DEVICE)
+        host = sum(
+            (HALVES if isinstance(d.fill, Rule) else 1) * self._nbytes(d.name)
+            for d in decls
+            if d.memory != DEVICE
+        )
+        try:
+            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+            physical = None
+        if self.device.type == "cuda":
+            total = torch.cuda.mem_get_info(self.device)[1]
+            needs = [("device", device, total), ("host", host, physical)]
+        else:
+            needs = [("host", device + host, physical)]
+        for where, nbytes, available in needs:
+            if available is not None and nbytes > available:
+                raise ConfigError(
+                    f"these buffers need {nbytes:,} bytes of {where} memory, more than the "
+                    f"{available:,} bytes the machine has; lower the Config's capacities "
+                    f"(`bufc report` shows each tensor's share)"
+                )
+
     def _nbytes(self, name: str) -> int:
         return self._numel[name] * self._dtype[name].itemsize
 
@@ -273,8 +312,7 @@ class RuntimeBuffers:
         batch = Batch.build(
             context_requests,
             generation_requests,
-            max_beam_width=getattr(c, "max_beam_width", 1),
-            max_draft_tokens=getattr(c, "max_draft_tokens", 0),
+            self._limits,
             reuse=self._reuse,
             encoder=self._encoder_sizes,
         )
@@ -294,17 +332,26 @@ class RuntimeBuffers:
         for check in self._checks:
             check(batch, c)
 
-        h = self._begin_half()
+        h = self._half ^ 1
+        self._wait_for_half(h)
         high = self._high_water[h]
         last_used = 0
-        for name, rule, out, pad in self._fills[h]:
-            n = rule.fill(out, batch, c)
-            written = high[name]
-            if pad is not None and written[0] > n:
-                out[n : written[0]] = pad  # rows past this step hold the pad value
-            written[0] = n
-            if name == self._copy_last:
-                last_used = n
+        try:
+            for name, rule, out, pad in self._fills[h]:
+                n = rule.fill(out, batch, c)
+                written = high[name]
+                if pad is not None and written[0] > n:
+                    out[n : written[0]] = pad  # rows past this step hold the pad value
+                written[0] = n
+                if name == self._copy_last:
+                    last_used = n
+        except Exception as exc:  # a fill raised although every check passed: a bug
+            self._abandon_half(h)
+            raise BatchError(
+                f"a fill failed after the checks passed ({type(exc).__name__}: {exc}); the "
+                "buffers are as they were after the last step. Please report this batch."
+            ) from exc
+        self._half = h
         self._copy(h, last_used)
         self._run += 1
         self._half_run[h] = self._run
@@ -328,38 +375,43 @@ class RuntimeBuffers:
         in its kv_block_ids. The caller still appends the tokens to its requests (a later
         prepare_step reads them). Raises BatchError, with the buffers untouched, otherwise.
         """
+        if self._no_advance:
+            raise BatchError(
+                f"advance() is not available for this family: its fill rule(s) "
+                f"{', '.join(self._no_advance)} have no advance form; use prepare_step"
+            )
         d = self._decode
         if d is None:
             raise BatchError(
                 "advance() follows a generation-only step without draft tokens; use prepare_step"
             )
-        if isinstance(tokens, torch.Tensor):
-            tokens = tokens.detach().cpu().numpy()
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if tokens.size != len(d.tokens):
-            raise BatchError(
-                f"advance() needs {len(d.tokens)} tokens, one per sequence, got {tokens.size}"
-            )
+        new = self._checked_tokens(tokens, len(d.tokens))
         prev = self._half
         h = prev ^ 1
         step_decode = Decode(
-            d.batch, tokens, d.seq_tokens + 1, self._half_run[h] == self._run, d.kv_new
+            d.batch, new, d.seq_tokens + 1, self._half_run[h] == self._run, d.kv_new
         )
         for check in self._advance_checks:
             check(step_decode, self.config)
-        if self._copy_done is not None:
-            self._copy_done[h].synchronize()
+        self._wait_for_half(h)
         high = self._high_water[h]
         last_used = 0
-        for (name, rule, out, pad), (_, _, before, _) in zip(self._fills[h], self._fills[prev]):
-            assert rule.advance is not None  # _can_advance held when the decode state was kept
-            n = rule.advance(out, before, step_decode, self.config)
-            written = high[name]
-            if pad is not None and written[0] > n:
-                out[n : written[0]] = pad
-            written[0] = n
-            if name == self._copy_last:
-                last_used = n
+        try:
+            for (name, rule, out, pad), (_, _, before, _) in zip(self._fills[h], self._fills[prev]):
+                assert rule.advance is not None  # _can_advance held when the decode state was kept
+                n = rule.advance(out, before, step_decode, self.config)
+                written = high[name]
+                if pad is not None and written[0] > n:
+                    out[n : written[0]] = pad
+                written[0] = n
+                if name == self._copy_last:
+                    last_used = n
+        except Exception as exc:  # a bug: the checks passed
+            self._abandon_half(h)
+            raise BatchError(
+                f"advance() failed after its checks passed ({type(exc).__name__}: {exc}); the "
+                "buffers are as they were after the last step. Please report this step."
+            ) from exc
         self._half = h
         self._half_run[h] = self._run
         self._copy(h, last_used)
@@ -368,11 +420,36 @@ class RuntimeBuffers:
         assert self._last is not None  # set by the prepare_step that created the decode state
         return self._step(self._last)
 
-    def _begin_half(self) -> int:
-        h = self._half = self._half ^ 1
+    def _checked_tokens(self, tokens: Any, count: int) -> np.ndarray:
+        """advance()'s tokens as an int64 array: `count` integers in the vocabulary."""
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.detach().cpu().numpy()
+        a = int_array(np.ravel(tokens) if isinstance(tokens, np.ndarray) else tokens)
+        if a is None:
+            raise BatchError("advance() needs integer tokens, one per sequence")
+        if a.size != count:
+            raise BatchError(f"advance() needs {count} tokens, one per sequence, got {a.size}")
+        limits = self._limits
+        if not in_range(a, 0, limits.token_limit):
+            i = int(np.flatnonzero((a < 0) | (a >= limits.token_limit))[0])
+            raise BatchError(
+                f"advance(): token {a[i]} of sequence {i} is outside 0 .. "
+                f"{limits.token_limit - 1} ({limits.token_limit_text})"
+            )
+        return a
+
+    def _wait_for_half(self, h: int) -> None:
         if self._copy_done is not None:
             self._copy_done[h].synchronize()  # this half's last copy has left it
-        return h
+
+    def _abandon_half(self, h: int) -> None:
+        """Half h was partly written by a step that failed: the current half stays the last
+        step's, h holds no run any more, and every row of h is re-padded when it is next
+        written (its high-water marks at capacity). Rule state is rebuilt from the requests."""
+        self._half_run[h] = None
+        for name, written in self._high_water[h].items():
+            written[0] = self._numel[name]
+        self._reuse.clear()
 
     def _copy(self, h: int, last_used: int) -> None:
         """The one host-to-device copy of the step: whole members but the last, and of the

@@ -12,6 +12,7 @@ generation request. Where the reference has a bug, the rule says so and does it 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +21,8 @@ import torch
 
 from .batch import Batch, encoder_input_length, encoder_output_length
 from .errors import BatchError
-from .kv_rows import checked_block_lists, write_kv_rows
+from .kv_rows import check_block_lists, id_limit, required_blocks, write_kv_rows
+from .values import INT32_MAX, INT64_MAX, check_int, checked_ints, show
 
 DEFAULT_POSTERIOR_THRESHOLD = 0.09  # Eagle's default (EagleConfig)
 
@@ -105,6 +107,11 @@ def _encoder_output_check(b: Batch, config: Any) -> None:
         want = (encoder_output_length(r), config.encoder_hidden_size)
         if t is None:
             raise BatchError(f"{_where(b, i)}: a context request needs its encoder_output")
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise BatchError(
+                f"{_where(b, i)}: encoder_output must be a floating-point torch.Tensor, got "
+                f"{type(t).__name__}"
+            )
         if tuple(t.shape) != want:
             raise BatchError(
                 f"{_where(b, i)}: encoder_output has shape {list(t.shape)}, expected {list(want)}"
@@ -123,12 +130,16 @@ def encoder_output(out: torch.Tensor, b: Batch, config: Any) -> int:
 
 
 def _cross_kv_check(b: Batch, config: Any) -> None:
-    b.scratch["cross_kv_lists"] = checked_block_lists(
+    width = config.max_cross_blocks_per_seq
+    tokens = _per_sequence(b, [encoder_output_length(r) for r in _requests(b)])
+    b.scratch["cross_kv"] = check_block_lists(
         b,
         "cross_kv_block_ids",
-        config.max_cross_blocks_per_seq,
-        "max_cross_blocks_per_seq",
-        "cross KV",
+        need=required_blocks(tokens.astype(np.int64), config.tokens_per_block, width),
+        width=width,
+        width_name="max_cross_blocks_per_seq",
+        limit=id_limit(config),
+        what="cross KV",
     )
 
 
@@ -138,7 +149,8 @@ def cross_kv_cache_block_offsets(out: np.ndarray, b: Batch, config: Any) -> int:
     width = config.max_cross_blocks_per_seq
     n = b.sizes.num_sequences
     rows = out[: n * 2 * width].reshape(n, 2, width)
-    write_kv_rows(rows, b.scratch["cross_kv_lists"], config.num_local_layers)
+    plan = b.scratch["cross_kv"]
+    write_kv_rows(rows, plan.blocks, plan.lengths, config.num_local_layers)
     return rows.size
 
 
@@ -155,6 +167,11 @@ def _cross_mask_check(b: Batch, config: Any) -> None:
     width = b.sizes.max_encoder_input_length
     for i, r in enumerate(_requests(b)):
         m = getattr(r, "cross_attention_mask", None)
+        if m is not None and np.asarray(m).dtype.kind not in "biu":
+            raise BatchError(
+                f"{_where(b, i)}: cross_attention_mask must hold booleans, got "
+                f"{np.asarray(m).dtype}"
+            )
         if m is not None and (np.ndim(m) != 2 or np.shape(m)[1] > width or np.shape(m)[0] < 1):
             raise BatchError(
                 f"{_where(b, i)}: cross_attention_mask must be [rows >= 1, encoder input length "
@@ -208,6 +225,7 @@ def _encoder_ids_check(b: Batch, config: Any) -> None:
         ids = getattr(r, "encoder_input_ids", None)
         if ids is None or len(ids) == 0:
             raise BatchError(f"{_where(b, i)}: the encoder needs the request's encoder_input_ids")
+        checked_ints(ids, "encoder_input_ids", _where(b, i), 0, INT32_MAX + 1)
         if encoder_input_length(r) != len(ids):
             raise BatchError(
                 f"{_where(b, i)}: encoder_input_length {encoder_input_length(r)} differs from "
@@ -241,27 +259,30 @@ def encoder_input_lengths(out: np.ndarray, b: Batch, config: Any = None) -> int:
 def _parse_lora(b: Batch, i: int, rows: Any, config: Any) -> np.ndarray:
     """One request's adapter rows as an [n, 6] array (module index, local layer, A, B, scale,
     rank), keeping the rows of this pipeline rank's layers; raises on a bad row."""
+    w = _where(b, i)
     modules = {m: k for k, m in enumerate(config.lora_modules)}
     first, count = config.first_local_layer, config.num_local_layers
     if len(rows) == 0:
-        raise BatchError(f"{_where(b, i)}: lora_weights is empty; give None for no adapter")
+        raise BatchError(f"{w}: lora_weights is empty; give None for no adapter")
     parsed = []
     for row in rows:
-        if len(row) != 6:
+        if isinstance(row, (str, bytes)) or not hasattr(row, "__len__") or len(row) != 6:
             raise BatchError(
-                f"{_where(b, i)}: a lora_weights row is (module, layer, A address, "
-                f"B address, DoRA scale address or None, rank), got {row!r}"
+                f"{w}: a lora_weights row is (module, layer, A address, "
+                f"B address, DoRA scale address or None, rank), got {show(row)}"
             )
-        module, layer, a, w, scale, rank = row
-        if module not in modules:
+        module, layer, a, weights, scale, rank = row
+        if not isinstance(module, str) or module not in modules:
             raise BatchError(
-                f"{_where(b, i)}: LoRA module {module!r} is not one of the engine's "
+                f"{w}: LoRA module {show(module)} is not one of the engine's "
                 f"lora_modules ({', '.join(config.lora_modules)})"
             )
-        if rank < 0:
-            raise BatchError(f"{_where(b, i)}: LoRA rank {rank} is negative")
+        check_int(layer, "LoRA layer", w, 0, config.num_layers, f"num_layers={config.num_layers}")
+        for what, address in (("A", a), ("B", weights), ("DoRA scale", scale or 0)):
+            check_int(address, f"LoRA {what} address", w, 0, INT64_MAX + 1)
+        check_int(rank, "LoRA rank", w, 0, INT32_MAX + 1)
         if first <= layer < first + count:  # other rows belong to other pipeline ranks
-            parsed.append((modules[module], layer - first, a, w, scale or 0, rank))
+            parsed.append((modules[module], layer - first, a, weights, scale or 0, rank))
     return np.asarray(parsed, dtype=np.int64).reshape(-1, 6)
 
 
@@ -281,8 +302,11 @@ def _lora_check(b: Batch, config: Any) -> None:
         if rows is None:
             continue
         kept = memo.get(id(r))
-        snapshot = tuple(rows)
-        if kept is None or kept[0] != snapshot:
+        try:  # a deep copy of the rows, so that a row edited in place is seen
+            snapshot = tuple(tuple(row) for row in rows)
+        except TypeError:
+            snapshot = None  # not rows at all: _parse_lora names the problem
+        if kept is None or snapshot is None or kept[0] != snapshot:
             kept = (snapshot, _parse_lora(b, i, rows, config))
         seen[id(r)] = kept
         parsed = kept[1]
@@ -329,6 +353,10 @@ def _prompt_check(b: Batch, config: Any) -> None:
         t = getattr(r, "prompt_table", None)
         if t is None:
             continue
+        if not isinstance(t, torch.Tensor):
+            raise BatchError(
+                f"{_where(b, i)}: prompt_table must be a torch.Tensor, got {type(t).__name__}"
+            )
         if t.dim() != 2 or t.shape[1] != config.hidden_size:
             raise BatchError(
                 f"{_where(b, i)}: prompt_table must be [vocab, hidden_size={config.hidden_size}], "
@@ -374,16 +402,9 @@ def prompt_tasks(out: np.ndarray, b: Batch, config: Any = None) -> int:
 
 
 # --------------------------------------------------------------------------- recurrent state
-def _slot_check(b: Batch, config: Any) -> None:
-    if len(b.seq_slot) and b.seq_slot.max() >= config.max_batch_size:
-        i = int(np.argmax(b.seq_slot))
-        raise BatchError(
-            f"{_where(b, i)}: seq_slot {b.seq_slot[i]} has no recurrent state slot "
-            f"(slots 0 .. {config.max_batch_size - 1})"
-        )
-
-
 def slot_mapping(out: np.ndarray, b: Batch, config: Any = None) -> int:
+    """Each sequence's state slot: its request's seq_slot (every family bounds it by
+    max_batch_size, the state pools' rows)."""
     values = _per_sequence(b, b.seq_slot)
     out[: len(values)] = values
     return len(values)
@@ -394,6 +415,11 @@ def _mrope_check(b: Batch, config: Any) -> None:
     width = config.max_position_embeddings * config.rotary_embedding_dim
     for i, r in enumerate(b.context):
         t = getattr(r, "mrope_rotary_cos_sin", None)
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise BatchError(
+                f"{_where(b, i)}: mrope_rotary_cos_sin must be a torch.Tensor, got "
+                f"{type(t).__name__}"
+            )
         if t is None or t.numel() != width:
             got = "none" if t is None else f"{t.numel()} values"
             raise BatchError(
@@ -401,10 +427,14 @@ def _mrope_check(b: Batch, config: Any) -> None:
                 f"rotary_embedding_dim = {width} values, got {got}"
             )
     for j, r in enumerate(b.generation):
-        if getattr(r, "mrope_position_deltas", None) is None:
+        delta = getattr(r, "mrope_position_deltas", None)
+        if delta is None:
             raise BatchError(
                 f"{_where(b, len(b.context) + j)}: a generation request needs mrope_position_deltas"
             )
+        check_int(
+            delta, "mrope_position_deltas", _where(b, len(b.context) + j), -INT32_MAX, INT32_MAX
+        )
 
 
 def mrope_rotary_cos_sin(out: torch.Tensor, b: Batch, config: Any) -> int:
@@ -432,11 +462,9 @@ def mrope_position_deltas(out: np.ndarray, b: Batch, config: Any = None) -> int:
 # -------------------------------------------------------------------------- language adapter
 def _language_check(b: Batch, config: Any) -> None:
     for i, uid in enumerate(_field(b, "language_adapter_uid", "the language adapter")):
-        if not 0 <= uid < config.num_languages:
-            raise BatchError(
-                f"{_where(b, i)}: language_adapter_uid {uid} is outside 0 .. "
-                f"{config.num_languages - 1} (num_languages)"
-            )
+        check_int(
+            uid, "language_adapter_uid", _where(b, i), 0, config.num_languages, "num_languages"
+        )
 
 
 def language_adapter_routings(out: np.ndarray, b: Batch, config: Any) -> int:
@@ -459,7 +487,11 @@ def _thresholds(b: Batch) -> np.ndarray:
 def _threshold_check(b: Batch, config: Any) -> None:
     for i, r in enumerate(_requests(b)):
         v = getattr(r, "eagle_posterior_threshold", None)
-        if v is not None and not (v >= 0 and math.isfinite(v)):
+        if v is not None and (
+            not isinstance(v, numbers.Real)
+            or isinstance(v, bool)
+            or not (v >= 0 and math.isfinite(v))
+        ):
             raise BatchError(f"{_where(b, i)}: eagle_posterior_threshold {v} must be >= 0")
 
 
@@ -499,7 +531,6 @@ CHECKS: dict[str, Callable[[Batch, Any], None]] = {
     "lora_ranks": _lora_check,
     "prompt_embedding_table": _prompt_check,
     "prompt_tasks": _prompt_check,
-    "slot_mapping": _slot_check,
     "mrope_rotary_cos_sin": _mrope_check,
     "mrope_position_deltas": _mrope_check,
     "language_adapter_routings": _language_check,

@@ -18,7 +18,16 @@ import numpy as np
 from . import feature_fills as F
 from .batch import Batch
 from .errors import BatchError
-from .kv_rows import checked_block_lists, write_at, write_kv_rows
+from .kv_rows import (
+    BlockPlan,
+    KeptRows,
+    check_block_lists,
+    id_limit,
+    required_blocks,
+    write_at,
+    write_kv_rows,
+)
+from .values import INT32_MAX, check_int, is_int
 
 GLM_MASK_TOKENS = (50260, 50263, 50264)  # [MASK], [sMASK], [gMASK] in GLM-10B's vocabulary
 
@@ -138,7 +147,10 @@ def _context_position_ids(out: np.ndarray, b: Batch, config: Any = None) -> int:
     return o
 
 
-def _reject_explicit_positions(b: Batch, config: Any = None) -> None:
+def _two_row_check(b: Batch, config: Any = None) -> None:
+    """What the ChatGLM/GLM two-row layout cannot express: explicit position ids, and a
+    context in chunks (its rows restart at 0 with every chunk, as in the reference, which
+    does not chunk these models)."""
     for kind, reqs in (("context", b.context), ("generation", b.generation)):
         for i, r in enumerate(reqs):
             if getattr(r, "position_ids", None) is not None:
@@ -146,6 +158,14 @@ def _reject_explicit_positions(b: Batch, config: Any = None) -> None:
                     f"{kind} request {i} (seq_slot {r.seq_slot}): explicit position_ids are not "
                     "supported by the ChatGLM/GLM two-row position layout"
                 )
+    chunked = np.flatnonzero((b.ctx_begin > 0) | (b.ctx_chunk < b.ctx_prompt_len))
+    if chunked.size:
+        i = int(chunked[0])
+        raise BatchError(
+            f"context request {i} (seq_slot {b.context[i].seq_slot}): ChatGLM/GLM run a "
+            "prompt in one context step; a chunk of it cannot be positioned (schedule the whole "
+            "prompt)"
+        )
 
 
 def _two_rows(out: np.ndarray, b: Batch, row1_last: np.ndarray, gen_row1: np.ndarray) -> int:
@@ -173,13 +193,15 @@ def _chatglm_position_ids(out: np.ndarray, b: Batch, config: Any = None) -> int:
 
 
 def _glm_check(b: Batch, config: Any = None) -> None:
-    _reject_explicit_positions(b, config)
+    _two_row_check(b, config)
     for i, r in enumerate(b.generation):
-        if getattr(r, "mask_position", None) is None:
+        w = f"generation request {i} (seq_slot {r.seq_slot})"
+        mask = getattr(r, "mask_position", None)
+        if mask is None:
             raise BatchError(
-                f"generation request {i} (seq_slot {r.seq_slot}): mask_position is unset; GLM "
-                "sets it on the request during its context step"
+                f"{w}: mask_position is unset; GLM sets it on the request during its context step"
             )
+        check_int(mask, "mask_position", w, 0, INT32_MAX + 1)
 
 
 def _glm_position_ids(out: np.ndarray, b: Batch, config: Any = None) -> int:
@@ -249,8 +271,19 @@ def _seq_slots(out: np.ndarray, b: Batch, config: Any = None) -> int:
 
 
 def _kv_check(b: Batch, config: Any) -> None:
-    b.scratch["kv_lists"] = checked_block_lists(  # the fill reuses them
-        b, "kv_block_ids", config.max_blocks_per_seq, "max_blocks_per_seq", "KV"
+    width, tpb = config.max_blocks_per_seq, config.tokens_per_block
+    tokens = np.concatenate(
+        (b.ctx_begin + b.ctx_input_len, b.seq_num_tokens + b.per_sequence(b.gen_drafts))
+    )
+    b.scratch["kv"] = check_block_lists(  # the fill writes what the check converted
+        b,
+        "kv_block_ids",
+        need=required_blocks(tokens, tpb, width),
+        width=width,
+        width_name="max_blocks_per_seq",
+        limit=id_limit(config),
+        what="KV",
+        kept=b.carry.get("kv_rows"),
     )
 
 
@@ -259,31 +292,34 @@ def _kv_cache_block_offsets(out: np.ndarray, b: Batch, config: Any) -> int:
 
     Index encoding (TensorRT-LLM's KVCacheIndex for a pool laid out [blocks, layers, K/V, ...]):
     (block_id * num_local_layers + 0) * 2 + (0 for K, 1 for V); the kernel adds the layer.
-    Columns past a sequence's own blocks hold 0 (the reference leaves them stale). A context
-    request fills one row, even with beam_width > 1: the reference writes one row per beam but
-    advances by one, so the next request overwrites them (a bug; fixed by writing one row).
+    Columns past a sequence's own blocks hold 0 (the reference leaves them stale); the check
+    made sure every column the sequence's tokens need is given. A context request fills one
+    row, even with beam_width > 1: the reference writes one row per beam but advances by one,
+    so the next request overwrites them (a bug; fixed by writing one row).
 
     The generation rows are kept from step to step with a copy of the block lists they were
     built from: a list equal to its copy (compared by value, so a list changed in place is
     seen) keeps its row, so steady decoding converts only the lists that changed.
     """
-    width = config.max_blocks_per_seq
+    width, layers = config.max_blocks_per_seq, config.num_local_layers
     rows = out[: b.sizes.num_sequences * 2 * width].reshape(b.sizes.num_sequences, 2, width)
-    lists = b.scratch["kv_lists"]
+    plan: BlockPlan = b.scratch["kv"]
     n_ctx = b.sizes.num_context_requests
-    write_kv_rows(rows[:n_ctx], lists[:n_ctx], config.num_local_layers)
-    gen = lists[n_ctx:]
-    kept = b.carry.get("kv_rows")
-    if kept is None or len(kept[0]) != len(gen):
-        kept = b.carry["kv_rows"] = ([list(x) for x in gen], np.empty_like(rows[n_ctx:]))
-        write_kv_rows(kept[1], gen, config.num_local_layers)
-    elif kept[0] != gen:
-        snapshot, table = kept
-        changed = [i for i, (now, then) in enumerate(zip(gen, snapshot)) if now != then]
-        for i in changed:
-            snapshot[i] = list(gen[i])
-        write_at(table, changed, [gen[i] for i in changed], config.num_local_layers)
-    rows[n_ctx:] = kept[1]
+    k = int(plan.lengths[:n_ctx].sum())
+    write_kv_rows(rows[:n_ctx], plan.blocks[:k], plan.lengths[:n_ctx], layers)
+    gen = plan.lists[n_ctx:]
+    kept: KeptRows | None = b.carry.get("kv_rows")
+    if plan.changed is None or kept is None:
+        kept = KeptRows(
+            [x if type(x) is tuple else list(x) for x in gen], np.empty_like(rows[n_ctx:])
+        )
+        write_kv_rows(kept.table, plan.blocks[k:], plan.lengths[n_ctx:], layers)
+        b.carry["kv_rows"] = kept
+    elif plan.changed:
+        for i in plan.changed:
+            kept.snapshot[i] = gen[i] if type(gen[i]) is tuple else list(gen[i])
+        write_at(kept.table, plan.changed, plan.blocks[k:], plan.lengths[n_ctx:], layers)
+    rows[n_ctx:] = kept.table
     return rows.size
 
 
@@ -328,16 +364,25 @@ def _advance_kv_check(d: Decode, config: Any) -> None:
         beams = (starting - b.seq_first[b.seq_request[starting]]).tolist()
         cols = ((d.seq_tokens[starting] - 1) // tpb).tolist()
         per_block = config.num_local_layers * 2
+        limit, limit_text = id_limit(config)
         for seq, req, beam, col in zip(starting.tolist(), requests, beams, cols):
-            ids = b.generation[req].kv_block_ids
+            r = b.generation[req]
+            w = f"generation request {req} (seq_slot {r.seq_slot})"
+            ids = r.kv_block_ids
             blocks = ids[beam if len(ids) > 1 else 0]
-            if col >= width or col >= len(blocks):
+            if col >= width:
+                continue  # past the attention window the rows stay as they are (cyclic cache)
+            if col >= len(blocks):
                 raise BatchError(
-                    f"generation request {req} (seq_slot {b.generation[req].seq_slot}): its "
-                    f"token {d.seq_tokens[seq]} needs KV block {col}, which kv_block_ids does not "
-                    f"hold (max_blocks_per_seq={width})"
+                    f"{w}: its token {d.seq_tokens[seq]} needs KV block {col}, which "
+                    f"kv_block_ids does not hold; allocate the block before advance()"
                 )
-            values.append((seq, col, blocks[col] * per_block))
+            block = blocks[col]
+            if not is_int(block) or not 0 <= block < limit:
+                raise BatchError(
+                    f"{w}: KV block {col} is {block!r}, not an id in 0 .. {limit - 1} ({limit_text})"
+                )
+            values.append((seq, col, int(block) * per_block))
     d.kv_new = values
 
 
@@ -360,7 +405,7 @@ _sequences = _advance_same(lambda b: b.sizes.num_sequences)
 token_ids = Rule("token_ids", _token_ids, advance=_advance_tokens)
 position_ids = Rule("position_ids", _position_ids, advance=_advance_plus_one)
 chatglm_position_ids = Rule(
-    "chatglm_position_ids", _chatglm_position_ids, _reject_explicit_positions, _advance_two_rows
+    "chatglm_position_ids", _chatglm_position_ids, _two_row_check, _advance_two_rows
 )
 glm_position_ids = Rule("glm_position_ids", _glm_position_ids, _glm_check, _advance_two_rows)
 context_lengths = Rule("context_lengths", _context_lengths, advance=_sequences)

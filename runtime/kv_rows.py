@@ -4,20 +4,61 @@ A request carries its block ids per beam (or one list shared by its beams) under
 field; each sequence row of the step gets its list. The rows use TensorRT-LLM's KVCacheIndex
 encoding for a pool laid out [blocks, layers, K/V, ...]: (block_id * num_local_layers + 0) * 2
 + (0 for K, 1 for V); the kernel adds the layer. Columns past a sequence's blocks hold 0.
+
+Every list is checked before a row is written: it must cover the sequence's tokens after the
+step (the attention kernel reads exactly those columns; an uncovered column would hold 0, which
+is block 0, another sequence's memory), hold at most `width` blocks, and hold integer ids in
+the pool (``num_kv_blocks``) whose index fits the int32 rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
 
 from .batch import Batch
 from .errors import BatchError
+from .values import INT32_MAX, in_range, int_array, is_int, show
 
-_FIRST = itemgetter(0)
+
+def id_limit(config: Any) -> tuple[int, str]:
+    """Block ids lie in 0 .. limit - 1: the pool's blocks, and at most what the int32 index
+    (id * num_local_layers * 2 + 1) can encode."""
+    encodable = (INT32_MAX - 1) // (2 * config.num_local_layers) + 1
+    pool = getattr(config, "num_kv_blocks", 0)
+    if pool and pool <= encodable:
+        return pool, f"num_kv_blocks={pool}"
+    return encodable, f"the int32 block index with num_local_layers={config.num_local_layers}"
+
+
+def required_blocks(tokens: np.ndarray, tokens_per_block: int, width: int) -> np.ndarray:
+    """Blocks a sequence of `tokens` tokens reads: its tokens in blocks, at most the window."""
+    return np.minimum(-(-tokens // tokens_per_block), width)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptRows:
+    """Generation rows kept from step to step, with a copy of the block lists they came from
+    (compared by value, so a list changed in place is seen)."""
+
+    snapshot: list
+    table: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """One step's checked block lists, for the fill: `blocks` and `lengths` are the converted
+    ids of the context lists, then of the generation lists to rebuild: all of them when
+    `changed` is None, else the generation sequences listed in `changed`."""
+
+    lists: list
+    blocks: np.ndarray
+    lengths: np.ndarray
+    changed: list[int] | None
 
 
 def _block_lists(b: Batch, field: str) -> list | None:
@@ -27,65 +68,150 @@ def _block_lists(b: Batch, field: str) -> list | None:
     try:
         ctx_ids = list(map(get, b.context))
         gen_ids = list(map(get, b.generation))
-    except AttributeError:
-        return None
-    if not all(ctx_ids) or not all(gen_ids):
+        if not all(map(len, ctx_ids)) or not all(map(len, gen_ids)):
+            return None
+    except (AttributeError, TypeError):
         return None
     if any(len(ids) not in (1, r.beam_width) for ids, r in zip(ctx_ids, b.context)):
         return None
-    lists = list(map(_FIRST, ctx_ids))
+    lists = [ids[0] for ids in ctx_ids]
     counts = list(map(len, gen_ids))
     if b.sizes.num_generation_sequences == len(counts) == counts.count(1):
-        lists += map(_FIRST, gen_ids)  # one beam, one list each: the common case
+        lists += [ids[0] for ids in gen_ids]  # one beam, one list each: the common case
     else:
         for ids, beams in zip(gen_ids, b.gen_beam_width):
             if len(ids) not in (1, beams):
                 return None
             lists += [ids[k if len(ids) > 1 else 0] for k in range(beams)]
+    if not {list, tuple}.issuperset(map(type, lists)):  # e.g. numpy rows: compare as lists
+        try:
+            lists = [x if type(x) in (list, tuple) else list(x) for x in lists]
+        except TypeError:
+            return None
     return lists
 
 
-def checked_block_lists(b: Batch, field: str, width: int, width_name: str, what: str) -> list:
-    """The step's block lists of `field`, or a BatchError naming the first request whose lists
-    are malformed or longer than `width` (`width_name` and `what` word the message)."""
+def check_block_lists(
+    b: Batch,
+    field: str,
+    *,
+    need: np.ndarray,
+    width: int,
+    width_name: str,
+    limit: tuple[int, str],
+    what: str,
+    kept: KeptRows | None = None,
+) -> BlockPlan:
+    """The step's block lists of `field`, checked: each sequence's list holds at least
+    `need[i]` and at most `width` blocks, every id converted is an integer in 0 .. limit - 1.
+    Of the generation lists, only those that differ from `kept`'s snapshot are converted (the
+    others were checked when they were). A BatchError names the first bad request."""
     lists = _block_lists(b, field)
-    if lists is not None and (not lists or max(map(len, lists)) <= width):
-        return lists
-    for kind, reqs in (("context", b.context), ("generation", b.generation)):  # the cold path
+    if lists is None:
+        _diagnose(b, field, need, width, width_name, limit, what)
+    lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+    if len(lists) and ((lengths > width).any() or (lengths < need).any()):
+        _diagnose(b, field, need, width, width_name, limit, what)
+    n_ctx = b.sizes.num_context_requests
+    gen = lists[n_ctx:]
+    changed: list[int] | None
+    if kept is None or len(kept.snapshot) != len(gen):
+        changed, convert = None, lists
+    elif kept.snapshot == gen:
+        changed, convert = [], lists[:n_ctx]
+    else:
+        changed = [i for i, (now, then) in enumerate(zip(gen, kept.snapshot)) if now != then]
+        convert = lists[:n_ctx] + [gen[i] for i in changed]
+    blocks = int_array(list(itertools.chain.from_iterable(convert)))
+    if blocks is None or not in_range(blocks, 0, limit[0]):
+        _diagnose(b, field, need, width, width_name, limit, what)
+    sub = (
+        lengths if changed is None else np.concatenate((lengths[:n_ctx], lengths[n_ctx:][changed]))
+    )
+    return BlockPlan(lists, blocks, sub, changed)
+
+
+def _diagnose(
+    b: Batch,
+    field: str,
+    need: np.ndarray,
+    width: int,
+    width_name: str,
+    limit: tuple[int, str],
+    what: str,
+) -> None:
+    """Walk the requests and raise a BatchError for the first bad list (the cold path)."""
+    seq = 0
+    for kind, reqs in (("context", b.context), ("generation", b.generation)):
         for i, r in enumerate(reqs):
+            w = f"{kind} request {i} (seq_slot {r.seq_slot})"
             ids = getattr(r, field, None)
-            beams = r.beam_width
-            if not ids or len(ids) not in (1, beams):
+            beams = 1 if kind == "context" else int(r.beam_width)
+            try:
+                count = len(ids) if ids is not None else 0
+                lists = list(ids) if count else []
+            except TypeError:
+                count, lists = 0, []
+            if not count or count not in (1, r.beam_width) or not all(map(_is_sequence, lists)):
+                got = f"{count} lists" if count else show(ids)
                 raise BatchError(
-                    f"{kind} request {i} (seq_slot {r.seq_slot}): {field} needs one block list "
-                    f"(shared by all beams) or one per beam, got {0 if not ids else len(ids)}"
+                    f"{w}: {field} needs one block list (shared by all beams) or one per beam, "
+                    f"got {got}"
                 )
-            for blocks in ids:
+            for k in range(beams):
+                blocks = lists[k if count > 1 else 0]
                 if len(blocks) > width:
                     raise BatchError(
-                        f"{kind} request {i} (seq_slot {r.seq_slot}): {len(blocks)} {what} blocks "
-                        f"exceed {width_name}={width}"
+                        f"{w}: {len(blocks)} {what} blocks exceed {width_name}={width}"
                     )
-    raise AssertionError("unreachable: a malformed block list was not found")  # pragma: no cover
+                if len(blocks) < need[seq + k]:
+                    raise BatchError(
+                        f"{w}: {field} holds {len(blocks)} blocks, but its tokens after this "
+                        f"step need {int(need[seq + k])}; allocate the blocks before scheduling"
+                    )
+                for j, block in enumerate(blocks):
+                    if not is_int(block):
+                        raise BatchError(f"{w}: {field} block {j} is {show(block)}, not an integer")
+                    if not 0 <= block < limit[0]:
+                        raise BatchError(
+                            f"{w}: {what} block id {block} is outside 0 .. {limit[0] - 1} "
+                            f"({limit[1]})"
+                        )
+            seq += beams
+    raise BatchError(f"the {field} of this step are malformed")  # pragma: no cover
 
 
-def write_kv_rows(rows: np.ndarray, lists: list, num_local_layers: int) -> None:
-    """rows[i] = the [K/V, width] block indices of lists[i], zero-padded."""
-    if not lists:
+def _is_sequence(x: Any) -> bool:
+    try:
+        len(x)
+    except TypeError:
+        return False
+    return True
+
+
+def write_kv_rows(
+    rows: np.ndarray, blocks: np.ndarray, lengths: np.ndarray, num_local_layers: int
+) -> None:
+    """rows[i] = the [K/V, width] block indices of the i-th list (`lengths[i]` ids of the flat
+    `blocks`), zero-padded."""
+    if not len(lengths):
         return
     rows[:] = 0
-    lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
-    total = int(lengths.sum())
-    blocks = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total)
-    seq = np.repeat(np.arange(len(lists)), lengths)
-    col = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    seq = np.repeat(np.arange(len(lengths)), lengths)
+    col = np.arange(len(blocks)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     index = blocks * (num_local_layers * 2)
     rows[seq, 0, col] = index
     rows[seq, 1, col] = index + 1
 
 
-def write_at(table: np.ndarray, at: list[int], lists: list, num_local_layers: int) -> None:
-    """table[at[k]] = the rows of lists[k]."""
+def write_at(
+    table: np.ndarray,
+    at: list[int],
+    blocks: np.ndarray,
+    lengths: np.ndarray,
+    num_local_layers: int,
+) -> None:
+    """table[at[k]] = the rows of the k-th list."""
     sub: Any = np.empty((len(at),) + table.shape[1:], dtype=table.dtype)
-    write_kv_rows(sub, lists, num_local_layers)
+    write_kv_rows(sub, blocks, lengths, num_local_layers)
     table[at] = sub

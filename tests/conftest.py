@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 FAMILIES = ("gpt", "chatglm", "glm", "llama")
 VARIANT = {"gpt": "gpt", "chatglm": "chatglm", "glm": "glm", "llama": "gpt"}
 GLM_MASK_IDS = (50260, 50263, 50264)
+GLM_VOCAB = 50304
 
 BASE = dict(
     max_batch_size=8,
@@ -37,11 +38,16 @@ def family(name: str):
     return importlib.import_module(f"bufc.generated.{name}")
 
 
+# GLM's mask tokens (50260, 50263, 50264) must lie in its vocabulary
+FAMILY_BASE = {"glm": {"vocab_size": GLM_VOCAB}}
+
+
 def make_config(name: str, **overrides):
     """The family's Config from BASE (the parameters it has) and `overrides` (all passed)."""
     mod = family(name)
     fields = {f.name for f in dataclasses.fields(mod.Config) if f.init}
-    return mod.Config(**{**{k: v for k, v in BASE.items() if k in fields}, **overrides})
+    base = {**BASE, **FAMILY_BASE.get(name, {})}
+    return mod.Config(**{**{k: v for k, v in base.items() if k in fields}, **overrides})
 
 
 def make_buffers(name: str, device: str = "cpu", static_inputs=None, **overrides):
@@ -57,14 +63,22 @@ def family_name(request):
 
 
 # --------------------------------------------------------------------------- strategies
-tokens = st.integers(min_value=0, max_value=60000) | st.sampled_from(GLM_MASK_IDS)
+def tokens_of(variant: str):
+    """Token ids in the family's vocabulary (GLM's holds its mask tokens)."""
+    if variant == "glm":
+        return st.integers(0, GLM_VOCAB - 1) | st.sampled_from(GLM_MASK_IDS)
+    return st.integers(0, BASE["vocab_size"] - 1)
 
 
 @st.composite
 def context_request(draw, variant: str, slot: int, max_beam: int = 3, max_drafts: int = 3):
+    tokens = tokens_of(variant)
     prompt = draw(st.lists(tokens, min_size=1, max_size=40))
-    begin = draw(st.integers(0, len(prompt) - 1))
-    chunk = draw(st.none() | st.integers(1, len(prompt) - begin))
+    if variant in ("chatglm", "glm"):  # the two-row layouts take a prompt in one step
+        begin, chunk = 0, None
+    else:
+        begin = draw(st.integers(0, len(prompt) - 1))
+        chunk = draw(st.none() | st.integers(1, len(prompt) - begin))
     drafts = draw(st.lists(tokens, max_size=max_drafts))
     beam = 1 if drafts else draw(st.integers(1, max_beam))
     explicit = None
@@ -84,10 +98,12 @@ def context_request(draw, variant: str, slot: int, max_beam: int = 3, max_drafts
 
 @st.composite
 def generation_request(draw, variant: str, slot: int, max_beam: int = 3, max_drafts: int = 3):
+    tokens = tokens_of(variant)
     prompt = draw(st.lists(tokens, min_size=1, max_size=30))
     drafts = draw(st.lists(tokens, max_size=max_drafts))
     beam = 1 if drafts else draw(st.integers(1, max_beam))
-    generated = [draw(st.lists(tokens, min_size=1, max_size=12)) for _ in range(beam)]
+    n = draw(st.integers(1, 12))  # beams are of equal length
+    generated = [draw(st.lists(tokens, min_size=n, max_size=n)) for _ in range(beam)]
     explicit = None
     if variant == "gpt" and draw(st.booleans()):
         explicit = draw(st.lists(st.integers(0, 5000), min_size=len(prompt), max_size=len(prompt)))
@@ -107,13 +123,36 @@ def generation_request(draw, variant: str, slot: int, max_beam: int = 3, max_dra
 
 
 @st.composite
-def batch(draw, variant: str, max_requests: int = 8, max_beam: int = 3, slots: int = 64):
+def batch(draw, variant: str, max_requests: int = 8, max_beam: int = 3, slots: int = 8):
     n_ctx = draw(st.integers(0, max_requests))
     n_gen = draw(st.integers(0, max_requests - n_ctx))
     picked = draw(st.permutations(range(slots)))[: n_ctx + n_gen]
     ctx = [draw(context_request(variant, picked[i], max_beam)) for i in range(n_ctx)]
     gen = [draw(generation_request(variant, picked[n_ctx + i], max_beam)) for i in range(n_gen)]
     return ctx, gen
+
+
+def tokens_after_step(r, is_context: bool) -> list[int]:
+    """Tokens of each of r's sequences once this step's inputs are appended."""
+    drafts = len(r.draft_tokens or ())
+    if is_context:
+        n = len(r.prompt)
+        chunk = n - r.context_position if r.context_chunk_size is None else r.context_chunk_size
+        last = r.context_position + chunk == n
+        return [r.context_position + chunk + (drafts if last else 0)]
+    return [len(r.prompt) + len(g) + drafts for g in r.generated]
+
+
+def cover_blocks(ctx, gen, tokens_per_block: int, start: int = 0) -> None:
+    """Give every request kv_block_ids that cover its sequences' tokens (one list per beam)."""
+    for is_context, reqs in ((True, ctx), (False, gen)):
+        for r in reqs:
+            lists = []
+            for tokens in tokens_after_step(r, is_context):
+                n = -(-tokens // tokens_per_block)
+                lists.append(list(range(start, start + n)))
+                start += n
+            r.kv_block_ids = lists
 
 
 ENGINE_INPUTS = (

@@ -32,10 +32,12 @@ def need_blocks(r) -> list[list[int]]:
 def decode_case(draw):
     name = draw(st.sampled_from(["gpt", "chatglm", "glm", "llama"]))
     n = draw(st.integers(1, 8))
-    slots = draw(st.permutations(range(32)))[:n]
+    slots = draw(st.permutations(range(BASE["max_batch_size"])))[:n]
     reqs = [draw(generation_request(VARIANT[name], slots[i], max_drafts=0)) for i in range(n)]
     steps = draw(st.integers(1, 6))
-    tokens = draw(st.lists(st.integers(0, 60000), min_size=steps * 32, max_size=steps * 32))
+    tokens = draw(
+        st.lists(st.integers(0, BASE["vocab_size"] - 1), min_size=steps * 32, max_size=steps * 32)
+    )
     return name, reqs, steps, tokens
 
 
@@ -64,7 +66,7 @@ def test_advance_equals_a_full_step(case):
                         ids.append(ids[-1] + 1)
             step = b.advance(new)
             want = reference_step(
-                VARIANT[name], [], copy.deepcopy(order), vocab_size=BASE["vocab_size"], kv=kv
+                VARIANT[name], [], copy.deepcopy(order), vocab_size=b.config.vocab_size, kv=kv
             )
             assert_matches_reference(step, want, paged=kv is not None, where=(run, k))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from conftest import BASE, VARIANT, assert_matches_reference, batch, make_buffers
+from conftest import VARIANT, assert_matches_reference, batch, make_buffers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import reference_step
@@ -19,7 +19,9 @@ def assert_step_matches(name: str, buffers, ctx, gen) -> None:
         if name == "llama"
         else None
     )
-    want = reference_step(VARIANT[name], ref_ctx, ref_gen, vocab_size=BASE["vocab_size"], kv=kv)
+    want = reference_step(
+        VARIANT[name], ref_ctx, ref_gen, vocab_size=buffers.config.vocab_size, kv=kv
+    )
     step = buffers.prepare_step(ctx, gen)
     assert {k: getattr(step.sizes, k) for k in want["sizes"]} == want["sizes"]
     assert_matches_reference(step, want, paged=kv is not None)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import reference_features as R
 import torch
-from conftest import assert_matches_reference, batch, family, make_buffers
+from conftest import assert_matches_reference, batch, cover_blocks, family, make_buffers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import reference_step
@@ -39,6 +39,7 @@ def check_core(buffers, step, ctx, gen):
 @st.composite
 def enc_dec_batch(draw):
     ctx, gen = draw(batch("gpt"))
+    cover_blocks(ctx, gen, ENC["tokens_per_block"], start=draw(st.integers(0, 100)))
     for r in ctx + gen:
         n_in = draw(st.integers(1, 16))
         if draw(st.booleans()):
@@ -47,8 +48,9 @@ def enc_dec_batch(draw):
             r.encoder_input_ids = [7] * n_in
         r.encoder_output_length = draw(st.none() | st.integers(1, 16))
         beams = 1 if r in ctx else r.beam_width
+        need = -(-R.enc_out(r) // ENC["tokens_per_block"])  # blocks covering the encoder output
         r.cross_kv_block_ids = [
-            draw(st.lists(st.integers(0, 500), min_size=1, max_size=4))
+            draw(st.lists(st.integers(0, 500), min_size=need, max_size=4))
             for _ in range(draw(st.sampled_from([1, beams])))
         ]
         if draw(st.booleans()):
@@ -297,7 +299,7 @@ def kv(**kw):
             "gpt_language_adapter",
             {"num_languages": 2},
             Request(seq_slot=0, prompt=[1], **kv(language_adapter_uid=2)),
-            "language_adapter_uid 2 is outside 0 .. 1 (num_languages)",
+            "language_adapter_uid 2 is outside 0..1 (num_languages)",
         ),
         (
             "gpt_language_adapter",
@@ -309,7 +311,7 @@ def kv(**kw):
             "mamba",
             {"max_beam_width": 1},
             Request(seq_slot=8, prompt=[1]),
-            "seq_slot 8 has no recurrent state slot (slots 0 .. 7)",
+            "context request 0 (seq_slot 8): seq_slot 8 is outside 0..7",
         ),
         (
             "enc_dec",
@@ -333,7 +335,8 @@ def kv(**kw):
                 **kv(encoder_input_length=3, cross_kv_block_ids=[[1]] * 2),
                 encoder_output=torch.zeros(3, 8, dtype=torch.float16),
             ),
-            "cross_kv_block_ids needs one block list (shared by all beams) or one per beam, got 2",
+            "cross_kv_block_ids needs one block list (shared by all beams) or one per beam, "
+            "got 2 lists",
         ),
         (
             "eagle",

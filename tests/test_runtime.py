@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import BASE, family, make_buffers, make_config
 
+from bufc import runtime as rt
 from bufc.runtime import BatchError, ConfigError, Request
 
 
@@ -49,9 +50,9 @@ def test_config_is_frozen_and_has_exactly_the_family_parameters(family_name):
         "logits_dtype",
         "gather_context_logits",
         "gather_generation_logits",
-        *(["tokens_per_block"] if family_name == "llama" else []),
+        *(["tokens_per_block", "num_kv_blocks"] if family_name == "llama" else []),
     }
-    assert config.vocab_size_padded == 1000 and config.max_num_logits == 8 * 4
+    assert config.vocab_size_padded == config.vocab_size and config.max_num_logits == 8 * 4
 
 
 @pytest.mark.parametrize(
@@ -125,7 +126,15 @@ def test_step_views_are_fixed_addresses_every_step_and_bucket():
         for views in (step.inputs, step.outputs):
             for name, view in views.items():
                 seen.setdefault(name, set()).add(view.data_ptr())
-    staged = {"host_context_lengths", "host_kv_cache_block_offsets"}
+    # host tensors a rule fills alternate between two storages, like the staging arena
+    staged = {
+        n
+        for n, d in b.decls.items()
+        if d.memory != rt.DEVICE
+        and not isinstance(d.fill, (rt.Mirror, rt.Constant))
+        and d.fill not in (rt.ENGINE, rt.EXTERNAL, rt.STATIC)
+    }
+    assert {"host_context_lengths", "host_kv_cache_block_offsets"} <= staged
     for name, ptrs in seen.items():
         assert len(ptrs) == (2 if name in staged else 1), name
     for name in (
@@ -223,7 +232,7 @@ BAD = [
     (
         [ctx(0, context_position=10)],
         [],
-        "context request 0 (seq_slot 0): context_position 10 is outside the prompt",
+        "context request 0 (seq_slot 0): context_position 10 is outside 0..9 (a prompt of 10 tokens)",
     ),
     (
         [],
@@ -242,7 +251,8 @@ BAD = [
     ),
     ([], [Request(seq_slot=1, prompt=[1, 2])], "'generated' has 0 beams, beam_width is 1"),
     ([ctx(0, generated=[[3]])], [], "a context request must not have generated tokens"),
-    ([ctx(-1)], [], "context request 0 (seq_slot -1): seq_slot must not be negative"),
+    ([ctx(-1)], [], "context request 0 (seq_slot -1): seq_slot -1 is outside 0..7"),
+    ([ctx(8)], [], "context request 0 (seq_slot 8): seq_slot 8 is outside 0..7"),
     (
         [ctx(3)],
         [gen(3)],
@@ -387,18 +397,18 @@ def test_kv_rows_kept_between_steps_follow_lists_changed_in_place():
 
     b = make_buffers("llama", num_layers=2, tokens_per_block=4, max_attention_window=64)
     kv = (b.config.max_blocks_per_seq, b.config.num_local_layers)
-    blocks = [[1, 2], [3], [4, 5, 6]]
+    blocks = [[1, 2], [3, 8], [4, 5, 6]]  # prompt 5 + 2 generated: two blocks of 4 tokens
     reqs = [gen(i, kv_block_ids=[blocks[i]]) for i in range(3)]
     edits = [
         lambda: None,  # the same lists: rows kept
         lambda: blocks[1].append(9),  # a new block
         lambda: blocks[0].__setitem__(1, 80),  # an id changed in place, same length
-        lambda: reqs[2].__setattr__("kv_block_ids", [[7]]),  # a new list object
+        lambda: reqs[2].__setattr__("kv_block_ids", [[7, 10]]),  # a new list object
         lambda: reqs.pop(0),  # the rows shift
     ]
     for edit in edits:
         edit()
-        for context in ([], [ctx(5, kv_block_ids=[[11, 12]])]):  # with and without context rows
+        for context in ([], [ctx(5, kv_block_ids=[[11, 12, 13]])]):  # with and without context rows
             step = b.prepare_step(context, reqs)
             want = reference_step("gpt", context, reqs, vocab_size=1000, kv=kv)
             got = step.inputs["kv_cache_block_offsets"].tolist()

@@ -1,0 +1,101 @@
+"""Checks of request values before any of them is written.
+
+Buffers are int32 (token ids, positions, lengths, block indices) or int64 (addresses), and
+numpy converts silently where it should refuse: ``np.asarray([2.7], np.int64)`` truncates,
+``np.asarray(["5"], np.int64)`` parses the string, ``-1`` becomes 255 in a uint8 buffer and
+2**32 + 1 wraps to 1 in an int32 one. So every request value a step writes goes through these
+helpers first: integers only (Python ints, numpy integer scalars and arrays), ranges checked
+against the buffer they land in, and a message that names the value.
+"""
+
+from __future__ import annotations
+
+import numbers
+import reprlib
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from .errors import BatchError
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+_short = reprlib.Repr()
+_short.maxstring = 40
+_short.maxother = 40
+_short.maxlist = 6
+
+
+def show(value: Any) -> str:
+    """A short repr for messages (a request may hold a 100k-token prompt)."""
+    return _short.repr(value)
+
+
+def is_int(value: Any) -> bool:
+    """True for Python and numpy integers, not for bools, floats or strings."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def int_array(values: Any) -> np.ndarray | None:
+    """`values` (a flat sequence or array of integers) as an int64 array; None unless every
+    value is an integer that fits int64. An empty sequence is an empty array."""
+    try:
+        a = np.asarray(values)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if a.ndim != 1:
+        return None
+    kind = a.dtype.kind
+    if kind == "i":
+        return a.astype(np.int64, copy=False)
+    if kind == "u":
+        return a.astype(np.int64) if not a.size or int(a.max()) <= INT64_MAX else None
+    if not a.size:
+        return np.zeros(0, np.int64)
+    return None
+
+
+def in_range(a: np.ndarray, low: int, high: int) -> bool:
+    """low <= every value of `a` < high (vacuously true for an empty array)."""
+    return not a.size or (int(a.min()) >= low and int(a.max()) < high)
+
+
+def check_int(value: Any, what: str, where: str, low: int, high: int, limit: str = "") -> int:
+    """`value` as an int, or a BatchError naming `what` unless it is an integer in [low, high);
+    `limit` says where `high` comes from (e.g. 'vocab_size=1000')."""
+    if not is_int(value):
+        raise BatchError(f"{where}: {what} must be an integer, got {show(value)}")
+    if not low <= value < high:
+        bound = f" ({limit})" if limit else ""
+        raise BatchError(f"{where}: {what} {value} is outside {low}..{high - 1}{bound}")
+    return int(value)
+
+
+def check_ints(values: Any, what: str, where: str, low: int, high: int, limit: str = "") -> None:
+    """Raise a BatchError naming the first value of `values` that is not an integer in
+    [low, high); `limit` says where `high` comes from (e.g. 'vocab_size=1000')."""
+    try:
+        items = list(values)
+    except TypeError:
+        raise BatchError(
+            f"{where}: {what} must be a list of integers, got {show(values)}"
+        ) from None
+    for i, v in enumerate(items):
+        if not is_int(v):
+            raise BatchError(f"{where}: {what}[{i}] must be an integer, got {show(v)}")
+        if not low <= v < high:
+            bound = f" ({limit})" if limit else ""
+            raise BatchError(f"{where}: {what}[{i}] = {v} is outside {low}..{high - 1}{bound}")
+
+
+def checked_ints(
+    values: Iterable[Any], what: str, where: str, low: int, high: int, limit: str = ""
+) -> np.ndarray:
+    """`values` as an int64 array, checked as ``check_ints`` does (fast when they are good)."""
+    a = int_array(values)
+    if a is None or not in_range(a, low, high):
+        check_ints(values, what, where, low, high, limit)
+        raise AssertionError("unreachable")  # pragma: no cover - check_ints raised
+    return a
