@@ -24,11 +24,16 @@ def _spec(path: str):  # noqa: ANN202 - returns Spec
 
 def _generate(args: argparse.Namespace) -> int:
     spec = _spec(args.spec)
-    touched = files.write(Path(args.out), emit.render_all(spec, Path(args.spec).name))
+    written, deleted = files.write(Path(args.out), emit.render_all(spec, Path(args.spec).name))
     print(
-        f"{args.out}: {len(touched)} file(s) updated"
-        + (f" ({', '.join(touched)})" if touched else "")
+        f"{args.out}: {len(written)} file(s) updated"
+        + (f" ({', '.join(written)})" if written else "")
     )
+    if deleted:
+        print(
+            f"{args.out}: deleted {len(deleted)} generated file(s) the spec no longer produces "
+            f"({', '.join(deleted)})"
+        )
     return 0
 
 

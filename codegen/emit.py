@@ -81,6 +81,14 @@ def _comment(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
+def _file_label(file: str) -> str:
+    """The spec's file name as it may appear in a comment or a message of generated code:
+    printable ASCII only, anything else (newlines, control and non-ASCII characters) escaped as
+    ``ascii()`` does, so a hostile file name can never end a comment line."""
+    label = ascii(file)[1:-1]
+    return "".join(ch if " " <= ch <= "~" else "?" for ch in label)
+
+
 def _tensor_context(pt: PlannedTensor, sizes: set[str], file: str) -> dict[str, Any]:
     dtype = f"lambda c: c.{pt.dtype}" if pt.dtype_is_param else f"torch.{vocab.DTYPES[pt.dtype]}"
     if pt.fill_kind == "rule":
@@ -121,18 +129,17 @@ def _tensor_context(pt: PlannedTensor, sizes: set[str], file: str) -> dict[str, 
     }
 
 
-def _parameter(p: Parameter) -> dict[str, Any]:
+def _parameter(p: Parameter, dtype_values: dict[str, tuple[str, ...]]) -> dict[str, Any]:
     doc = _comment(p.doc)
     if p.kind == "dtype":
         default = f"torch.{vocab.DTYPES[str(p.default)]}" if p.default is not None else None
+        allowed = tuple(d for d in dtype_values.get(p.name, ()) if d in vocab.DTYPES)
         return {
             "name": p.name,
             "type": "torch.dtype",
             "default": default,
             "doc": doc,
-            "check": f"rt.check_dtype(self, {p.name!r}, {tuple(p.values)!r})"
-            if p.values
-            else f"rt.check_dtype(self, {p.name!r})",
+            "check": f"rt.check_dtype(self, {p.name!r}, {allowed!r}, errors)",
         }
     if p.kind == "bool":
         default = repr(bool(p.default)) if p.default is not None else None
@@ -141,7 +148,7 @@ def _parameter(p: Parameter) -> dict[str, Any]:
             "type": "bool",
             "default": default,
             "doc": doc,
-            "check": f"rt.check_bool(self, {p.name!r})",
+            "check": f"rt.check_bool(self, {p.name!r}, errors)",
         }
     if p.kind == "names":
         default = repr(tuple(str(v) for v in p.default)) if isinstance(p.default, tuple) else None
@@ -150,7 +157,7 @@ def _parameter(p: Parameter) -> dict[str, Any]:
             "type": "tuple[str, ...]",
             "default": default,
             "doc": doc,
-            "check": f"rt.check_names(self, {p.name!r}, {tuple(str(v) for v in p.values)!r})",
+            "check": f"rt.check_names(self, {p.name!r}, {tuple(str(v) for v in p.values)!r}, errors)",
         }
     default = str(int(p.default)) if p.default is not None else None  # type: ignore[arg-type]
     minimum = int(p.minimum) if p.minimum is not None else 0
@@ -159,14 +166,15 @@ def _parameter(p: Parameter) -> dict[str, Any]:
         "type": "int",
         "default": default,
         "doc": doc,
-        "check": f"rt.check_int(self, {p.name!r}, minimum={minimum})",
+        "check": f"rt.check_int(self, {p.name!r}, minimum={minimum}, errors=errors)",
     }
 
 
 def render_family(plan: FamilyPlan, file: str) -> str:
+    file = _file_label(file)
     sizes = {z.name for z in plan.sizes}
     flags = ", ".join(f"{k}={v!r}" for k, v in plan.flags)
-    params = [_parameter(p) for p in plan.parameters]
+    params = [_parameter(p, dict(plan.dtype_values)) for p in plan.parameters]
     context = {
         "marker": MARKER,
         "file": file,
@@ -215,6 +223,7 @@ def render_family(plan: FamilyPlan, file: str) -> str:
 
 
 def render_init(spec: Spec, file: str) -> str:
+    file = _file_label(file)
     names = [f.name for f in spec.families]
     lines = [
         f"# {MARKER} by bufc.codegen from {file}. DO NOT EDIT.",
@@ -224,7 +233,9 @@ def render_init(spec: Spec, file: str) -> str:
         f"FAMILIES = {tuple(names)!r}",
         "",
     ]
-    return "\n".join(lines)
+    source = "\n".join(lines)
+    ast.parse(source)
+    return source
 
 
 def render_all(spec: Spec, file: str = "buffers.yaml") -> dict[str, str]:

@@ -1,4 +1,9 @@
-"""Owning generated/: write what changed, or report what is stale, missing or orphaned."""
+"""Owning generated/: write what changed, or report what is stale, missing or orphaned.
+
+The output folder may hold other Python files (a hand-written ``setup.py``, helpers): only
+files whose first line carries the generator's marker (``emit.MARKER``) belong to bufc, so only
+those are ever deleted or reported as orphans.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +12,42 @@ import os
 import tempfile
 from pathlib import Path
 
+from .emit import MARKER
+
+
+def _read(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", "replace")
+
 
 def _existing(out_dir: Path) -> dict[str, str]:
     found = {}
     if out_dir.is_dir():
         for p in sorted(out_dir.iterdir()):
-            if p.is_file() and p.suffix == ".py":
-                found[p.name] = p.read_text("utf-8")
+            if p.suffix == ".py" and p.is_file():
+                found[p.name] = _read(p)
     return found
 
 
-def write(out_dir: Path, files: dict[str, str]) -> list[str]:
-    """Atomically write changed files and delete orphans; return the names touched."""
+def is_generated(text: str) -> bool:
+    """True when `text` is a file bufc wrote: the marker is on its first line."""
+    return MARKER in text.split("\n", 1)[0]
+
+
+def orphans(out_dir: Path, files: dict[str, str]) -> list[str]:
+    """Generated files in `out_dir` that the spec no longer produces."""
+    return sorted(
+        name
+        for name, text in _existing(out_dir).items()
+        if name not in files and is_generated(text)
+    )
+
+
+def write(out_dir: Path, files: dict[str, str]) -> tuple[list[str], list[str]]:
+    """Atomically write changed files and delete generated orphans; return the names written
+    and the names deleted. Files without the marker are never touched."""
     out_dir.mkdir(parents=True, exist_ok=True)
     current = _existing(out_dir)
-    touched = []
+    written = []
     for name, text in sorted(files.items()):
         if current.get(name) == text:
             continue
@@ -29,25 +55,23 @@ def write(out_dir: Path, files: dict[str, str]) -> list[str]:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
             fh.write(text)
         os.replace(tmp, out_dir / name)
-        touched.append(name)
-    for name in sorted(set(current) - set(files)):
+        written.append(name)
+    deleted = orphans(out_dir, files)
+    for name in deleted:
         (out_dir / name).unlink()
-        touched.append(name)
-    return touched
+    return written, deleted
 
 
 def diff(out_dir: Path, files: dict[str, str]) -> list[str]:
-    """Unified diffs for every file that differs, is missing, or should not be there."""
+    """Unified diffs for every file that differs or is missing, and a line for every generated
+    file that the spec no longer produces."""
     current = _existing(out_dir)
     out = []
-    for name in sorted(set(files) | set(current)):
-        old, new = current.get(name), files.get(name)
+    for name in sorted(files):
+        old, new = current.get(name), files[name]
         if old == new:
             continue
         label = f"{out_dir.name}/{name}"
-        if new is None:
-            out.append(f"{label}: orphan file, not produced by the spec\n")
-            continue
         out.append(
             "".join(
                 difflib.unified_diff(
@@ -58,4 +82,6 @@ def diff(out_dir: Path, files: dict[str, str]) -> list[str]:
                 )
             )
         )
+    for name in orphans(out_dir, files):
+        out.append(f"{out_dir.name}/{name}: orphan file, generated but not produced by the spec\n")
     return out

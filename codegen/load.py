@@ -14,9 +14,10 @@ from typing import Any
 
 import yaml
 
-from .errors import Collector, Location
+from .errors import Collector, Diagnostic, Location, SpecError
 
 MAX_BYTES = 1 << 20  # a spec file is hand-written; anything larger is a mistake or an attack
+MAX_NESTING = 32  # levels of YAML collections (the real spec uses 6); deeper is a mistake
 
 Path = tuple[str | int, ...]
 
@@ -42,9 +43,24 @@ class Document:
 
 
 class _NoAliasLoader(yaml.SafeLoader):
-    """SafeLoader that refuses anchors and aliases while composing."""
+    """SafeLoader that refuses anchors and aliases while composing, and nesting deeper than
+    MAX_NESTING (PyYAML composes recursively: ~330 levels would end in a RecursionError)."""
+
+    _depth = 0
 
     def compose_node(self, parent: Any, index: Any) -> Any:  # noqa: ANN401 - PyYAML API
+        if self._depth >= MAX_NESTING:
+            raise yaml.MarkedYAMLError(
+                problem=f"the YAML nests deeper than {MAX_NESTING} levels",
+                problem_mark=self.peek_event().start_mark,
+            )
+        self._depth += 1
+        try:
+            return self._compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def _compose_node(self, parent: Any, index: Any) -> Any:  # noqa: ANN401 - PyYAML API
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise yaml.MarkedYAMLError(
@@ -64,14 +80,50 @@ def _mark(file: str, mark: Any) -> Location:
     return Location(file, mark.line + 1, mark.column + 1)
 
 
+def _offset(file: str, text: str, offset: int) -> Location:
+    """The 1-based line and column of character `offset` of `text`."""
+    before = text[:offset]
+    line = before.count("\n") + 1
+    return Location(file, line, offset - (before.rfind("\n") + 1) + 1)
+
+
+def decode(data: bytes, file: str) -> str:
+    """`data` as UTF-8 text; SpecError at the first byte that is not UTF-8 (a binary or
+    latin-1 file) or when the file is larger than MAX_BYTES."""
+    if len(data) > MAX_BYTES:
+        raise SpecError([Diagnostic(Location(file, 1, 1), _too_large())])
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        good = data[: exc.start].decode("utf-8")
+        loc = _offset(file, good, len(good))
+        bad = data[exc.start : exc.start + 1].hex()
+        raise SpecError(
+            [Diagnostic(loc, f"the file is not UTF-8 text (byte 0x{bad}); save it as UTF-8")]
+        ) from None
+
+
+def _too_large() -> str:
+    return f"file is larger than {MAX_BYTES} bytes"
+
+
+def read(path: str, file: str) -> str:
+    """Read at most MAX_BYTES + 1 bytes of `path` (a device such as /dev/zero never ends) and
+    decode them; SpecError (shown as `file`) when the file is too large or not UTF-8."""
+    with open(path, "rb") as fh:
+        data = fh.read(MAX_BYTES + 1)
+    return decode(data, file)
+
+
 def load_text(text: str, file: str) -> Document:
     """Parse `text` (the contents of `file`); raise SpecError with every problem found."""
     errors = Collector()
-    if len(text.encode("utf-8", "surrogatepass")) > MAX_BYTES:
-        errors.error(Location(file, 1, 1), f"file is larger than {MAX_BYTES} bytes")
+    if len(text) > MAX_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_BYTES:
+        errors.error(Location(file, 1, 1), _too_large())
         errors.raise_if_any()
-    loader = _NoAliasLoader(text)
+    loader: _NoAliasLoader | None = None
     try:
+        loader = _NoAliasLoader(text)  # checks every character first
         root = loader.get_single_node()
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -81,11 +133,19 @@ def load_text(text: str, file: str) -> Document:
             problem = "only one YAML document is allowed (remove the '---' separator)"
         errors.error(loc, problem)
         errors.raise_if_any()
+    except yaml.reader.ReaderError as exc:  # a character YAML does not allow (NUL, ...)
+        char = exc.character if isinstance(exc.character, str) else chr(exc.character)
+        errors.error(
+            _offset(file, text, exc.position),
+            f"character {char!r} (U+{ord(char):04X}) is not allowed in a YAML file",
+        )
+        errors.raise_if_any()
     except yaml.YAMLError as exc:  # pragma: no cover - PyYAML raises marked errors for text
-        errors.error(Location(file, 1, 1), str(exc))
+        errors.error(Location(file, 1, 1), " ".join(str(exc).split()))
         errors.raise_if_any()
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     if root is None:
         errors.error(Location(file, 1, 1), "the file is empty; a spec needs at least 'version'")
         errors.raise_if_any()
@@ -146,6 +206,5 @@ def load_text(text: str, file: str) -> Document:
 
 
 def load_file(path: str, display_name: str | None = None) -> Document:
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
-    return load_text(text, display_name or path)
+    file = display_name or path
+    return load_text(read(path, file), file)

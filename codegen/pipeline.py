@@ -20,6 +20,5 @@ def compile_text(text: str, file: str = "buffers.yaml") -> Spec:
 
 
 def compile_file(path: str, display_name: str | None = None) -> Spec:
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
-    return compile_text(text, display_name or path)
+    file = display_name or path
+    return compile_text(load.read(path, file), file)

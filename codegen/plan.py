@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import expr as E
-from . import vocab
+from . import prove, vocab
 from .errors import Location
 from .model import Check, Derived, Family, Parameter, Spec, StepSize, Tensor
 
@@ -66,6 +66,7 @@ class FamilyPlan:
     sizes: tuple[StepSize, ...]
     tensors: tuple[PlannedTensor, ...]
     index_sets: tuple[PlannedIndexSet, ...] = ()
+    dtype_values: tuple[tuple[str, tuple[str, ...]], ...] = ()  # each dtype parameter's choices
 
 
 def _conj(a: E.Expr | None, b: E.Expr | None) -> E.Expr | None:
@@ -85,11 +86,7 @@ def _fold(cond: E.Expr | None, flags: dict[str, str | bool]) -> E.Expr | None:
 
 
 def lower_family(spec: Spec, family: Family) -> FamilyPlan:
-    # local import: validate imports this module lazily, and proofs reuse its rewriting
-    from .validate import Checker
-
-    checker = Checker(spec)
-    checker.symbols()
+    prover = prove.prover(spec)
     flags = family_flags(spec, family)
     by_name = {t.name: t for t in spec.tensors}
     tensors: list[PlannedTensor] = []
@@ -110,11 +107,9 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
         assert src.dtype is not None and src.capacity is not None and src.shape is not None
         capacity = tuple(f.expr for f in src.capacity)
         shape = tuple(f.expr for f in src.shape)
-        proven = True
-        for cap, step in zip(capacity, shape):
-            up = checker.upper(step)
-            if up is None or not E.provably_at_least(checker.shifted(cap), up):
-                proven = False
+        proven = all(
+            prover.at_least(cap, step, prove.VAR, prove.UPPER) for cap, step in zip(capacity, shape)
+        )
         tensors.append(
             PlannedTensor(
                 name=t.name,
@@ -202,16 +197,34 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
         if params_needed <= used:
             checks.append(c)
             used |= needs
+    parameters = tuple(p for p in spec.parameters if p.name in used)
     return FamilyPlan(
         family=family,
         flags=tuple(flags.items()),
-        parameters=tuple(p for p in spec.parameters if p.name in used),
+        parameters=parameters,
         derived=tuple(_topo(d for d in spec.derived if d.name in used)),
         checks=tuple(checks),
         sizes=sizes,
         tensors=tuple(tensors),
         index_sets=index_sets,
+        dtype_values=tuple(
+            (p.name, dtype_values(spec, p)) for p in parameters if p.kind == "dtype"
+        ),
     )
+
+
+def dtype_values(spec: Spec, param: Parameter) -> tuple[str, ...]:
+    """The dtypes dtype parameter `param` may take: its declared values; without them, the
+    dtypes every fill rule of a tensor declared with it can write (all dtypes if none)."""
+    if param.values:
+        return tuple(param.values)
+    allowed = tuple(vocab.DTYPES)
+    for t in spec.tensors:
+        if t.dtype == param.name and t.fill.kind == "rule":
+            rule = vocab.FILL_RULES.get(t.fill.target or "")
+            if rule is not None:
+                allowed = tuple(d for d in allowed if d in rule.dtypes)
+    return allowed
 
 
 def _additional_outputs(

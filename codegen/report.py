@@ -19,12 +19,25 @@ class ReportError(Exception):
     pass
 
 
+# Values the formulas may reach while reporting (bytes of a tensor included); larger ones
+# are reported as an error instead of overflowing a float or running away.
+_LIMIT = 1 << 128
+
+
 def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024  # type: ignore[assignment]
+    if n < 1024:
+        return f"{n} B"
+    for i, unit in enumerate(("KiB", "MiB", "GiB"), 1):
+        if n < 1024 ** (i + 1) or unit == "GiB":
+            return f"{n / 1024**i:.1f} {unit}"
     return f"{n} B"  # pragma: no cover
+
+
+def _evaluate(e: E.Expr, env: dict[str, int | bool | str], what: str) -> int | bool | str:
+    try:
+        return E.evaluate(e, env, limit=_LIMIT)
+    except ArithmeticError as exc:  # division by zero, a value beyond _LIMIT
+        raise ReportError(f"cannot evaluate {what}: {exc}") from None
 
 
 def report(spec: Spec, family_name: str, settings: dict[str, str]) -> str:
@@ -60,9 +73,18 @@ def report(spec: Spec, family_name: str, settings: dict[str, str]) -> str:
             env[key] = names  # type: ignore[assignment]
         else:
             try:
-                env[key] = int(raw)
+                value = int(raw) if len(raw) <= 32 else None
             except ValueError:
-                raise ReportError(f"{key}: '{raw}' is not an integer") from None
+                value = None
+            if value is None and raw.strip().lstrip("+-").isdigit():
+                raise ReportError(
+                    f"{key}: {raw[:24]}... is too large (at most {vocab.INT_LIMIT - 1})"
+                )
+            if value is None:
+                raise ReportError(f"{key}: '{raw}' is not an integer")
+            if abs(value) >= vocab.INT_LIMIT:
+                raise ReportError(f"{key}: {value} is too large (at most {vocab.INT_LIMIT - 1})")
+            env[key] = value
     for p in plan.parameters:
         if p.kind == "dtype":
             dtypes.setdefault(p.name, str(p.default))
@@ -79,26 +101,30 @@ def report(spec: Spec, family_name: str, settings: dict[str, str]) -> str:
         if p.kind == "int" and p.minimum is not None and int(env[p.name]) < p.minimum:  # type: ignore[arg-type]
             raise ReportError(f"{p.name} must be at least {p.minimum}")
     for d in plan.derived:
-        env[d.name] = E.evaluate(d.value.expr, env)
+        env[d.name] = _evaluate(d.value.expr, env, f"derived value '{d.name}'")
     for c in plan.checks:
-        if not E.evaluate(c.require.expr, env):
+        if not _evaluate(c.require.expr, env, "a check"):
             raise ReportError(f"{c.message} ({c.require.text})")
 
     staged = {t.fill_target for t in plan.tensors if t.fill_kind == "mirror"}
     groups: dict[str, list[tuple[str, ...]]] = {"device": [], "pinned": [], "host": []}
     totals = dict.fromkeys(groups, 0)
     for t in plan.tensors:
-        if t.when is not None and not E.evaluate(t.when, env):
+        if t.when is not None and not _evaluate(t.when, env, f"the condition of '{t.name}'"):
             continue
-        shape = [int(E.evaluate(e, env)) for e in t.capacity]
+        shape = [int(_evaluate(e, env, f"the capacity of '{t.name}'")) for e in t.capacity]
+        if any(n < 0 for n in shape):
+            raise ReportError(f"the capacity of '{t.name}' is negative: {shape}")
         dtype = dtypes[t.dtype] if t.dtype_is_param else t.dtype
         nbytes = vocab.DTYPE_BYTES[dtype] * math.prod(shape)
+        if nbytes > _LIMIT:
+            raise ReportError(f"'{t.name}' would need {nbytes} bytes")
         copies = 2 if t.name in staged else 1  # staging is double-buffered
         totals[t.memory] += nbytes * copies
         binds = [
             f"{'in' if b.direction == 'input' else 'out'}:{b.engine_name}"
             for b in t.bindings
-            if b.when is None or E.evaluate(b.when, env)
+            if b.when is None or _evaluate(b.when, env, f"a binding of '{t.name}'")
         ]
         groups[t.memory].append(
             (

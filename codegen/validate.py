@@ -12,12 +12,13 @@ import dataclasses
 import itertools
 import keyword
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from . import expr as E
-from . import vocab
+from . import prove, vocab
 from .errors import Collector, Location, SpecError, did_you_mean
-from .model import Binding, Formula, Parameter, Spec, Tensor
+from .model import Binding, Check, Formula, Parameter, Spec, Tensor
+from .plan import FamilyPlan, PlannedTensor, dtype_values, family_flags
 
 RESERVED = {
     "true",
@@ -32,6 +33,30 @@ RESERVED = {
     "rt",
     "config",
     "sizes",
+}
+
+# Names a generated module binds or reads at module and class level (family.py.j2): a field
+# of its Config with one of these names would shadow them (a parameter 'dataclasses' with a
+# default breaks the module's import), so no declared name may take them. The upper-case ones
+# cannot be spec names (the schema's pattern); they are listed so that a test can check this
+# set against the template's output.
+GENERATED_NAMES = {
+    "annotations",
+    "dataclasses",
+    "torch",
+    "rt",
+    "fills",
+    "int",
+    "bool",
+    "str",
+    "tuple",
+    "object",
+    "FAMILY",
+    "FLAGS",
+    "Config",
+    "SIZE_BOUNDS",
+    "TENSORS",
+    "RuntimeBuffers",
 }
 
 KIND_TEXT = {
@@ -74,11 +99,18 @@ class Checker:
         self.kinds: dict[str, str] = {}
         self.flags = {f.name: f for f in spec.flags}
         self.params = {p.name: p for p in spec.parameters}
+        self.prover = prove.prover(spec)
 
     # ------------------------------------------------------------------ names and symbols
     def check_name(self, name: str, loc: Location, what: str) -> None:
         if keyword.iskeyword(name) or keyword.issoftkeyword(name) or name in RESERVED:
             self.errors.error(loc, f"{what} name '{name}' is reserved; choose another name")
+        elif name in GENERATED_NAMES or name.startswith("SET_"):
+            self.errors.error(
+                loc,
+                f"{what} name '{name}' is reserved: generated modules use it at module level; "
+                "choose another name",
+            )
 
     def symbols(self) -> None:
         s = self.spec
@@ -167,6 +199,32 @@ class Checker:
                 )
                 self.errors.error(
                     f.loc, f"{ctx.what} must be {want}, got {self.describe(got)}: '{f.text}'"
+                )
+            elif got is not None:
+                self.divisors(f)
+
+    def divisors(self, f: Formula) -> None:
+        """Every divisor of `f` must be provably non-zero over the declared ranges (step sizes
+        from 0 to their max): a zero divisor would fail at construction or in a step."""
+        for node in E.walk(f.expr):
+            divisor = _divisor(node)
+            if divisor is None or not list(E.names(divisor)):
+                continue  # constant divisors: _divides_by_zero
+            status = self.prover.divisor(divisor)
+            if status is None:
+                continue
+            text = E.to_source(divisor)
+            col = next(iter(E.names(divisor))).col
+            advice = "make it provably non-zero (e.g. max(..., 1)) or raise the parameters' min"
+            if status:
+                self.errors.error(
+                    f.at(col), f"'{f.text}' divides by zero {status}: '{text}' is 0; {advice}"
+                )
+            else:
+                self.errors.error(
+                    f.at(col),
+                    f"'{f.text}' may divide by zero: '{text}' is not provably non-zero for "
+                    f"the parameters' declared ranges; {advice}",
                 )
 
     def infer(self, f: Formula, e: E.Expr) -> str | None:
@@ -313,6 +371,19 @@ class Checker:
                 self.errors.error(
                     p.loc, f"default {p.default} of '{p.name}' is not one of its values"
                 )
+            choices = dtype_values(self.spec, p)
+            if not p.values and not choices:
+                self.errors.error(
+                    p.loc,
+                    f"dtype parameter '{p.name}' is the dtype of tensors whose fill rules write "
+                    "no dtype in common",
+                )
+            elif not p.values and p.default in vocab.DTYPES and p.default not in choices:
+                self.errors.error(
+                    p.loc,
+                    f"default {p.default} of '{p.name}' cannot be written by the fill rules of "
+                    f"the tensors it is the dtype of (they write {', '.join(choices)})",
+                )
             if p.default is not None and p.default not in vocab.DTYPES:
                 self.errors.error(
                     p.loc,
@@ -364,25 +435,40 @@ class Checker:
             self.formula(x.where, SET_WHERE)
 
     def derived_cycles(self) -> None:
+        """One error per cycle of derived values (a strongly connected group), at its first
+        member, naming one loop through it. Linear in the spec (a chain of values that each
+        read the one before twice is not a reason to enumerate 2 ** n paths)."""
         deps = {
-            d.name: [n.id for n in E.names(d.value.expr) if self.kinds.get(n.id) == "derived"]
+            d.name: sorted(
+                {n.id for n in E.names(d.value.expr) if self.kinds.get(n.id) == "derived"},
+                key=list(self.kinds).index,
+            )
             for d in self.spec.derived
         }
         locs = {d.name: d.loc for d in self.spec.derived}
-        reported: set[frozenset[str]] = set()
-        for start in deps:
-            stack = [(start, [start])]
-            while stack:
-                node, trail = stack.pop()
-                for nxt in deps.get(node, []):
+        for group in _components(deps):
+            members = [n for n in deps if n in group]  # declaration order
+            start = members[0]
+            if len(members) == 1 and start not in deps[start]:
+                continue
+            # the shortest loop from `start` back to itself, inside the group
+            parent: dict[str, str] = {}
+            queue, seen, end = [start], {start}, None
+            while queue and end is None:
+                node = queue.pop(0)
+                for nxt in deps[node]:
                     if nxt == start:
-                        cycle = frozenset(trail)
-                        if cycle not in reported:
-                            reported.add(cycle)
-                            path = " -> ".join([*trail, start])
-                            self.errors.error(locs[start], f"derived values form a cycle: {path}")
-                    elif nxt not in trail:
-                        stack.append((nxt, [*trail, nxt]))
+                        end = node
+                        break
+                    if nxt in group and nxt not in seen:
+                        seen.add(nxt)
+                        parent[nxt] = node
+                        queue.append(nxt)
+            trail = [end or start]
+            while trail[-1] != start:
+                trail.append(parent[trail[-1]])
+            path = " -> ".join([*reversed(trail), start])
+            self.errors.error(locs[start], f"derived values form a cycle: {path}")
 
     def families(self) -> None:
         for fam in self.spec.families:
@@ -483,6 +569,19 @@ class Checker:
                 self.capacity_fits(t)
         if t.pad is not None and t.dtype == "bool" and t.pad not in (0, 1):
             self.errors.error(t.field_loc("pad"), f"pad of bool tensor '{t.name}' must be 0 or 1")
+        elif t.pad is not None:
+            for dtype in self.dtype_choices(t.dtype):
+                lo, hi = vocab.DTYPE_RANGES[dtype]
+                if not lo <= t.pad <= hi:
+                    via = (
+                        f" (dtype parameter '{t.dtype}' may be {dtype})" if t.dtype != dtype else ""
+                    )
+                    self.errors.error(
+                        t.field_loc("pad"),
+                        f"pad {t.pad} of tensor '{t.name}' is outside the range of {dtype}, "
+                        f"{lo} to {hi}{via}",
+                    )
+                    break
         if t.fill.kind == "rule":
             self.rule(t)
         elif t.fill.kind == "constant":
@@ -591,6 +690,15 @@ class Checker:
                 t.field_loc("dtype"),
                 f"fill rule '{name}' writes {' or '.join(rule.dtypes)}, not {t.dtype}",
             )
+        param = self.params.get(t.dtype or "")
+        if param is not None and param.kind == "dtype":
+            cannot = [v for v in param.values if v not in rule.dtypes]
+            if cannot:
+                self.errors.error(
+                    t.field_loc("dtype"),
+                    f"fill rule '{name}' writes {' or '.join(rule.dtypes)}, but dtype parameter "
+                    f"'{param.name}' of '{t.name}' may be {', '.join(cannot)}; limit its 'values'",
+                )
         if t.shape is not None:
             want = tuple(E.parse(s) for s in rule.shape)
             got = tuple(f.expr for f in t.shape)
@@ -606,51 +714,16 @@ class Checker:
         recorded by ``plan``; anything in between is checked at run time)."""
         assert t.capacity is not None and t.shape is not None
         for i, (cap, step) in enumerate(zip(t.capacity, t.shape)):
-            if E.provably_at_least(
-                self.lower(step.expr), E.BinOp("+", self.shifted(cap.expr), E.Int(1))
-            ):
+            if self.prover.at_least(step.expr, cap.expr, prove.ZERO, prove.VAR, plus=1):
                 self.errors.error(
                     step.loc,
                     f"tensor '{t.name}': step shape dimension {i} '{step.text}' is always "
                     f"larger than its capacity '{cap.text}'",
                 )
 
-    def shifted(self, e: E.Expr) -> E.Expr:
-        """Rewrite parameters p as (min_p + p'), p' >= 0, and inline derived values."""
-        derived = {d.name: d.value.expr for d in self.spec.derived}
-        for _ in range(len(derived) + 1):
-            e2 = E.substitute(e, derived)
-            if e2 == e:
-                break
-            e = e2
-        return E.substitute(
-            e,
-            {
-                p.name: E.BinOp("+", E.Int(p.minimum), E.Name(p.name))
-                for p in self.spec.parameters
-                if p.minimum
-            },
-        )
-
-    def lower(self, e: E.Expr) -> E.Expr:
-        """`e` with step sizes at zero: the smallest value a step shape can take."""
-        return self.shifted(E.substitute(e, {z.name: E.Int(0) for z in self.spec.sizes}))
-
-    def upper(self, e: E.Expr) -> E.Expr | None:
-        """`e` with step sizes at their declared bounds (None when a size has no bound)."""
-        bounds: dict[str, E.Expr] = {}
-        for z in self.spec.sizes:
-            if z.bound is not None:
-                bounds[z.name] = z.bound.expr
-        if any(self.kinds.get(n.id) == "size" and n.id not in bounds for n in E.names(e)):
-            return None
-        return self.shifted(E.substitute(e, bounds))
-
-    def engine_names(self) -> None:
-        from .plan import lower_family  # local import: plan depends on a checked spec
-
-        for fam in self.spec.families:
-            plan = lower_family(self.spec, fam)
+    def engine_names(self, plans: list[FamilyPlan]) -> None:
+        for plan in plans:
+            fam = plan.family
             seen: dict[tuple[str, str], list[tuple[str, E.Expr | None]]] = {}
             for pt in plan.tensors:
                 for b in pt.bindings:
@@ -670,25 +743,169 @@ class Checker:
                         )
 
     def exclusive(self, a: E.Expr | None, b: E.Expr | None) -> bool:
-        """True when conditions `a` and `b` (None = always) never hold together: their
-        conjunction folds to false for every value of the boolean parameters they read, or
-        they compare one parameter with different constants."""
+        """True when conditions `a` and `b` (None = always) never hold together: for every
+        value of the boolean parameters they read, their conjunction folds to false or
+        compares the parameters in ways no value satisfies (``prove.can_hold``)."""
         if a is None or b is None:
             return False
-        both = E.BoolOp("and", (a, b))
-        bools = sorted(
-            {
-                n.id
-                for n in E.names(both)
-                if self.kinds.get(n.id) == "parameter" and self.params[n.id].kind == "bool"
-            }
-        )
-        if len(bools) > 8:
-            return False
-        for values in itertools.product((False, True), repeat=len(bools)):
-            if E.fold(both, dict(zip(bools, values))) != E.FALSE:
-                return False
-        return True
+        return not self.prover.can_hold(E.BoolOp("and", (a, b)))
+
+    # ------------------------------------------------------- values over the declared ranges
+    def ranges(self, plans: list[FamilyPlan]) -> None:
+        """Capacities that are negative, and constant fills outside their dtype, at a point of
+        the declared ranges where the family's checks and the tensor's condition hold."""
+        where: dict[str, list[tuple[FamilyPlan, PlannedTensor]]] = {}
+        for plan in plans:
+            for pt in plan.tensors:
+                where.setdefault(pt.name, []).append((plan, pt))
+        dims: dict[str, tuple[Formula, ...]] = {}
+        for t in self.spec.tensors:
+            if t.fill.kind != "mirror" and t.capacity is not None:
+                dims[t.name] = t.capacity
+        for fam in self.spec.families:
+            for o in fam.additional_outputs:
+                dims.setdefault(o.name, (Formula("", E.Int(1), o.loc), *o.dims))
+        reported: set[Location] = set()
+        for name, present in where.items():
+            if name not in dims:
+                continue
+            for i, f in enumerate(dims[name]):
+                if f.loc in reported or self.prover.range_of(f.expr)[0] >= 0:
+                    continue
+                found = self._witness(f.expr, lambda v: v < 0, present)
+                if found is not None:
+                    reported.add(f.loc)
+                    point, value = found
+                    self.errors.error(
+                        f.loc,
+                        f"tensor '{name}': capacity dimension {i} '{f.text}' is negative "
+                        f"({value}) {self.prover.where(f.expr, point)}",
+                    )
+        for t in self.spec.tensors:
+            if t.fill.kind == "constant" and t.fill.value is not None and t.name in where:
+                self.constant_range(t, t.fill.value, where[t.name])
+
+    def _witness(
+        self,
+        e: E.Expr,
+        bad: Callable[[int], bool],
+        present: list[tuple[FamilyPlan, PlannedTensor]],
+    ) -> tuple[prove.Point, int] | None:
+        def valid(env: prove.Env) -> bool:
+            return any(
+                all(self.prover.holds(c.require.expr, env) for c in plan.checks)
+                and (pt.when is None or self.prover.holds(pt.when, env))
+                for plan, pt in present
+            )
+
+        return self.prover.find(e, bad, valid)
+
+    def constant_range(
+        self, t: Tensor, f: Formula, present: list[tuple[FamilyPlan, PlannedTensor]]
+    ) -> None:
+        lo, hi = self.prover.range_of(f.expr)
+        for dtype in self.dtype_choices(t.dtype):
+            dlo, dhi = vocab.DTYPE_RANGES[dtype]
+            span = f"{dtype} holds {dlo} to {dhi}" if dtype != "bool" else "bool holds 0 or 1"
+            if hi < dlo or lo > dhi:
+                self.errors.error(
+                    f.loc,
+                    f"tensor '{t.name}': constant fill '{f.text}' is always outside its dtype "
+                    f"({span})",
+                )
+                return
+            if dlo <= lo and hi <= dhi:
+                continue
+            found = self._witness(f.expr, _outside(dlo, dhi), present)
+            if found is not None:
+                point, value = found
+                self.errors.error(
+                    f.loc,
+                    f"tensor '{t.name}': constant fill '{f.text}' is {value} "
+                    f"{self.prover.where(f.expr, point)}, outside its dtype ({span})",
+                )
+                return
+
+    def dtype_choices(self, dtype: str | None) -> tuple[str, ...]:
+        """The dtypes a tensor declared with `dtype` can have (a dtype parameter: its values)."""
+        if dtype in vocab.DTYPES:
+            return (dtype,)
+        p = self.params.get(dtype or "")
+        return dtype_values(self.spec, p) if p is not None and p.kind == "dtype" else ()
+
+    # ------------------------------------------------------ conditions that can never hold
+    def conditions(self, plans: list[FamilyPlan]) -> None:
+        """Tensors and bindings whose 'when' holds in no family (a contradiction, or flags no
+        family sets), checks that can never hold (alone or with the checks before them), and
+        check conditions ('when') true in no family."""
+        present: dict[str, list[PlannedTensor]] = {}
+        for plan in plans:
+            for pt in plan.tensors:
+                if self.prover.can_hold(pt.when):
+                    present.setdefault(pt.name, []).append(pt)
+        by_name = {t.name: t for t in self.spec.tensors}
+        for t in self.spec.tensors:
+            src = by_name.get(t.fill.target or "") if t.fill.kind == "mirror" else None
+            if t.name not in present:
+                if t.when is not None and (src is None or src.name in present):
+                    self.errors.error(
+                        t.when.loc,
+                        f"tensor '{t.name}' exists in no family: its 'when' '{t.when.text}' "
+                        "never holds (a contradiction, or flag values no family sets)",
+                    )
+                continue
+            for b in t.bind:
+                if b.when is None:
+                    continue
+                if not any(
+                    self.prover.can_hold(_conj(pt.when, pb.when))
+                    for pt in present[t.name]
+                    for pb in pt.bindings
+                    if pb.loc == b.loc
+                ):
+                    self.errors.error(
+                        b.when.loc,
+                        f"the binding of '{t.name}' to engine {b.direction} '{b.engine_name}' "
+                        f"never applies: its 'when' '{b.when.text}' never holds where "
+                        f"'{t.name}' exists",
+                    )
+        reported: set[Location] = set()
+        applied: set[Location] = set()
+        for plan in plans:
+            before: list[Check] = []
+            for c in plan.checks:
+                applied.add(c.loc)
+                if c.loc not in reported and not self.prover.can_hold(c.require.expr):
+                    reported.add(c.loc)
+                    self.errors.error(
+                        c.require.loc,
+                        f"check '{c.require.text}' can never hold for the parameters' declared "
+                        "ranges: every Config would fail it",
+                    )
+                elif c.loc not in reported and not self.prover.can_hold(_all([*before, c])):
+                    # the earlier checks it cannot hold with: those without which it could
+                    needed = [
+                        b
+                        for b in before
+                        if self.prover.can_hold(_all([x for x in before if x is not b] + [c]))
+                    ]
+                    lines = ", ".join(str(b.loc.line) for b in needed or before)
+                    reported.add(c.loc)
+                    self.errors.error(
+                        c.require.loc,
+                        f"check '{c.require.text}' contradicts the check(s) at line(s) {lines} "
+                        f"in family '{plan.family.name}': every Config would fail one of them",
+                    )
+                before.append(c)
+        for c in self.spec.checks:
+            if c.when is not None and c.loc not in applied:
+                flags = [family_flags(self.spec, f) for f in self.spec.families]
+                if all(E.fold(c.when.expr, fl) == E.FALSE for fl in flags):
+                    self.errors.error(
+                        c.when.loc,
+                        f"the check '{c.require.text}' applies to no family: its 'when' "
+                        f"'{c.when.text}' is false in every family",
+                    )
 
 
 def _conj(a: E.Expr | None, b: E.Expr | None) -> E.Expr | None:
@@ -697,14 +914,69 @@ def _conj(a: E.Expr | None, b: E.Expr | None) -> E.Expr | None:
     return E.BoolOp("and", (a, b))
 
 
+def _outside(lo: int, hi: int) -> Callable[[int], bool]:
+    return lambda v: not lo <= v <= hi
+
+
+def _all(checks: list[Check]) -> E.Expr:
+    return E.BoolOp("and", tuple(c.require.expr for c in checks))
+
+
+def _components(graph: dict[str, list[str]]) -> list[set[str]]:
+    """Strongly connected components of `graph` (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[set[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(graph.get(root, ())))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in graph:
+                    continue
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(graph[child])))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.add(member)
+                    if member == node:
+                        break
+                out.append(group)
+    return out
+
+
+def _divisor(node: E.Expr) -> E.Expr | None:
+    if isinstance(node, E.BinOp) and node.op in ("//", "%"):
+        return node.right
+    if isinstance(node, E.Call) and node.fn == "cdiv":
+        return node.args[1]
+    return None
+
+
 def _divides_by_zero(e: E.Expr) -> bool:
     """True when a divisor is a constant zero (after folding what is constant)."""
     for node in E.walk(e):
-        divisor = (
-            node.right
-            if isinstance(node, E.BinOp) and node.op in ("//", "%")
-            else (node.args[1] if isinstance(node, E.Call) and node.fn == "cdiv" else None)
-        )
+        divisor = _divisor(node)
         if divisor is not None and not list(E.names(divisor)):
             try:
                 if E.evaluate(divisor, {}) == 0:
@@ -716,13 +988,18 @@ def _divides_by_zero(e: E.Expr) -> bool:
 
 def check_spec(spec: Spec) -> None:
     """Raise SpecError with every semantic problem in `spec`."""
+    from .plan import lower_family  # local import: plan depends on a checked spec
+
     c = Checker(spec)
     c.symbols()
     c.errors.raise_if_any()
     c.declarations()
     c.tensors()
     c.errors.raise_if_any()
-    c.engine_names()
+    plans = [lower_family(spec, fam) for fam in spec.families]
+    c.engine_names(plans)
+    c.ranges(plans)
+    c.conditions(plans)
     c.errors.raise_if_any()
 
 

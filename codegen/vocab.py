@@ -33,6 +33,24 @@ DTYPE_BYTES: dict[str, int] = {
     "float64": 8,
 }
 
+# Integer parameters must stay below this (the generated Config checks it): sane sizes, and
+# formulas over them stay far from overflowing what the generator evaluates.
+INT_LIMIT = 1 << 62
+
+# The values each dtype holds: a pad or constant fill outside them would fail or wrap around
+# (integers) or become infinite (floats: their largest finite value).
+DTYPE_RANGES: dict[str, tuple[int, int]] = {
+    "bool": (0, 1),
+    "uint8": (0, 255),
+    "int8": (-128, 127),
+    "int32": (-(2**31), 2**31 - 1),
+    "int64": (-(2**63), 2**63 - 1),
+    "float16": (-65504, 65504),
+    "bfloat16": (-(2**128 - 2**120), 2**128 - 2**120),
+    "float32": (-(2**128 - 2**104), 2**128 - 2**104),
+    "float64": (-(2**1024 - 2**971), 2**1024 - 2**971),
+}
+
 # spec memory kind -> runtime constant name
 MEMORY_KINDS: dict[str, str] = {"device": "DEVICE", "host": "HOST", "pinned": "PINNED"}
 
@@ -77,7 +95,7 @@ class FillRule:
 
 
 _INT = ("int32", "int64")
-_FLOAT = ("float16", "bfloat16", "float32")
+_FLOAT = ("float16", "bfloat16", "float32", "float64")  # device copies of request tensors
 _LORA = ("lora_modules", "first_local_layer", "num_local_layers")
 _POSITIONS_2D = ("2", "num_context_tokens + num_generation_sequences")
 
@@ -86,7 +104,6 @@ FILL_RULES: dict[str, FillRule] = {
         "context chunks (plus drafts on a last chunk), then each beam's last token and drafts",
         _INT,
         ("num_tokens",),
-        needs=("vocab_size",),
     ),
     "position_ids": FillRule(
         "positions of each input token; explicit position ids when a request has them",

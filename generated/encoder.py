@@ -52,15 +52,17 @@ class Config(rt.ConfigBase):
     """Most logit rows in one step (draft tokens and beam search are mutually exclusive)."""
 
     def __post_init__(self) -> None:
-        rt.check_int(self, 'max_batch_size', minimum=1)
-        rt.check_int(self, 'max_beam_width', minimum=1)
-        rt.check_int(self, 'max_num_tokens', minimum=1)
-        rt.check_int(self, 'max_draft_tokens', minimum=0)
-        rt.check_int(self, 'tp_size', minimum=1)
-        rt.check_dtype(self, 'model_dtype', ('float16', 'bfloat16', 'float32', 'float64'))
-        rt.check_int(self, 'max_encoder_length', minimum=1)
-        rt.check_int(self, 'max_input_length', minimum=1)
-        rt.check_int(self, 'encoder_hidden_size', minimum=1)
+        errors: list[str] = []
+        rt.check_int(self, 'max_batch_size', minimum=1, errors=errors)
+        rt.check_int(self, 'max_beam_width', minimum=1, errors=errors)
+        rt.check_int(self, 'max_num_tokens', minimum=1, errors=errors)
+        rt.check_int(self, 'max_draft_tokens', minimum=0, errors=errors)
+        rt.check_int(self, 'tp_size', minimum=1, errors=errors)
+        rt.check_dtype(self, 'model_dtype', ('float16', 'bfloat16', 'float32', 'float64'), errors)
+        rt.check_int(self, 'max_encoder_length', minimum=1, errors=errors)
+        rt.check_int(self, 'max_input_length', minimum=1, errors=errors)
+        rt.check_int(self, 'encoder_hidden_size', minimum=1, errors=errors)
+        rt.require(self, errors)  # every parameter error at once
         object.__setattr__(self, 'max_num_sequences', self.max_batch_size * self.max_beam_width)
         object.__setattr__(self, 'max_num_logits', self.max_batch_size * max(1 + self.max_draft_tokens, self.max_beam_width))
 

@@ -76,33 +76,39 @@ class Config(rt.ConfigBase):
     """KV-cache blocks one sequence can hold (its attention window, in blocks)."""
 
     def __post_init__(self) -> None:
-        rt.check_int(self, 'max_batch_size', minimum=1)
-        rt.check_int(self, 'max_beam_width', minimum=1)
-        rt.check_int(self, 'max_num_tokens', minimum=1)
-        rt.check_int(self, 'max_draft_tokens', minimum=0)
-        rt.check_int(self, 'vocab_size', minimum=1)
-        rt.check_int(self, 'num_layers', minimum=1)
-        rt.check_int(self, 'tp_size', minimum=1)
-        rt.check_int(self, 'pp_size', minimum=1)
-        rt.check_int(self, 'pp_rank', minimum=0)
-        rt.check_int(self, 'max_attention_window', minimum=1)
-        rt.check_int(self, 'tokens_per_block', minimum=1)
-        rt.check_int(self, 'num_kv_blocks', minimum=0)
-        rt.check_int(self, 'sink_token_length', minimum=0)
-        rt.check_dtype(self, 'logits_dtype', ('float16', 'bfloat16', 'float32', 'float64'))
-        rt.check_bool(self, 'gather_context_logits')
-        rt.check_bool(self, 'gather_generation_logits')
-        rt.check_int(self, 'num_languages', minimum=1)
+        errors: list[str] = []
+        rt.check_int(self, 'max_batch_size', minimum=1, errors=errors)
+        rt.check_int(self, 'max_beam_width', minimum=1, errors=errors)
+        rt.check_int(self, 'max_num_tokens', minimum=1, errors=errors)
+        rt.check_int(self, 'max_draft_tokens', minimum=0, errors=errors)
+        rt.check_int(self, 'vocab_size', minimum=1, errors=errors)
+        rt.check_int(self, 'num_layers', minimum=1, errors=errors)
+        rt.check_int(self, 'tp_size', minimum=1, errors=errors)
+        rt.check_int(self, 'pp_size', minimum=1, errors=errors)
+        rt.check_int(self, 'pp_rank', minimum=0, errors=errors)
+        rt.check_int(self, 'max_attention_window', minimum=1, errors=errors)
+        rt.check_int(self, 'tokens_per_block', minimum=1, errors=errors)
+        rt.check_int(self, 'num_kv_blocks', minimum=0, errors=errors)
+        rt.check_int(self, 'sink_token_length', minimum=0, errors=errors)
+        rt.check_dtype(self, 'logits_dtype', ('float16', 'bfloat16', 'float32', 'float64'), errors)
+        rt.check_bool(self, 'gather_context_logits', errors)
+        rt.check_bool(self, 'gather_generation_logits', errors)
+        rt.check_int(self, 'num_languages', minimum=1, errors=errors)
+        rt.require(self, errors)  # every parameter error at once
         object.__setattr__(self, 'world_size', self.tp_size * self.pp_size)
         object.__setattr__(self, 'vocab_size_padded', rt.cdiv(self.vocab_size, self.world_size) * self.world_size)
         object.__setattr__(self, 'max_num_sequences', self.max_batch_size * self.max_beam_width)
         object.__setattr__(self, 'max_num_logits', self.max_batch_size * max(1 + self.max_draft_tokens, self.max_beam_width))
         object.__setattr__(self, 'num_local_layers', self.num_layers // self.pp_size)
         object.__setattr__(self, 'max_blocks_per_seq', rt.cdiv(self.max_attention_window, self.tokens_per_block))
-        rt.require(self, self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml:226)')
-        rt.require(self, self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:228)')
-        rt.require(self, self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:230)')
-        rt.require(self, self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:232)')
+        rt.require(
+            self,
+            errors,
+            (lambda: self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml:226)'),
+            (lambda: self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:228)'),
+            (lambda: self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:230)'),
+            (lambda: self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:232)'),
+        )
 
 
 # Step sizes checked against these bounds before any buffer is written.

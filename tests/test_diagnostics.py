@@ -523,6 +523,8 @@ def test_a_rule_that_reads_an_undeclared_parameter():
         "max_blocks_per_seq], but 'host_ids' declares [num_tokens]",
         "buffers.yaml:20:18: fill rule 'kv_cache_block_offsets' reads 'max_blocks_per_seq' from the "
         "Config; declare it as a parameter or derived value",
+        "buffers.yaml:20:18: fill rule 'kv_cache_block_offsets' reads 'num_kv_blocks' from the "
+        "Config; declare it as a parameter or derived value",
         "buffers.yaml:20:18: fill rule 'kv_cache_block_offsets' reads 'num_local_layers' from the "
         "Config; declare it as a parameter or derived value",
         "buffers.yaml:20:18: fill rule 'kv_cache_block_offsets' reads 'tokens_per_block' from the "
@@ -647,7 +649,7 @@ FORMAT_CASES = [
     pytest.param(
         'version: 1\nflags:\n  variant: {doc: Variant., values: [a, b]}\nparameters:\n  max_batch_size: {doc: Batch., min: 1}\n  max_num_tokens: {doc: Tokens., min: 1}\n  act_dtype: {doc: Dtype., type: dtype, default: float16}\nsizes:\n  num_tokens: {doc: Tokens., max: "max_num_tokens"}\n  num_requests: {doc: Requests., max: "max_batch_size"}\nfamilies:\n  fam_a: {doc: A., flags: {variant: a}}\ntensors:\n  - name: host_ids\n    doc: Ids.\n    dtype: int32\n    memory: pinned\n    capacity: ["max_num_tokens"]\n    shape: ["num_tokens"]\n    fill: {rule: encoder_output}\n  - name: ids\n    doc: Ids on device.\n    memory: device\n    fill: {mirror: host_ids}\n    bind:\n      - input: input_ids\n',
         [
-            "buffers.yaml:16:5: fill rule 'encoder_output' writes float16 or bfloat16 or float32, not int32",
+            "buffers.yaml:16:5: fill rule 'encoder_output' writes float16 or bfloat16 or float32 or float64, not int32",
             "buffers.yaml:17:5: fill rule 'encoder_output' copies request tensors on the device; 'host_ids' must be device memory",
             "buffers.yaml:19:5: fill rule 'encoder_output' writes shape [num_encoder_tokens, encoder_hidden_size], but 'host_ids' declares [num_tokens]",
             "buffers.yaml:20:18: fill rule 'encoder_output' reads 'encoder_hidden_size' from the Config; declare it as a parameter or derived value",
