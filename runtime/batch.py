@@ -500,7 +500,12 @@ def _explicit_positions_ok(
                 return False
             continue
         a = int_array(r.position_ids)
-        if a is None or len(a) != len(r.prompt) or not in_range(a, 0, INT32_MAX + 1 - after):
+        if (
+            a is None
+            or len(a) != len(r.prompt)
+            or not in_range(a, 0, INT32_MAX + 1)
+            or int(a[-1]) + after > INT32_MAX
+        ):
             return False
     return True
 

@@ -493,6 +493,24 @@ class RuntimeBuffers:
         step): the same storage as the step's views, with the rows past the step holding their
         pad values."""
         c = self.config
+        last = self._last
+        if last is not None and sizes != last:
+            # a bucket: only a tensor whose step rows lead its shape keeps them in place
+            # ([rows, ...], or [1, rows, ...]); one laid out [.., rows, ..] (LoRA's [modules,
+            # layers, sequences], ChatGLM's [2, tokens]) would put the step's values elsewhere
+            moved = sorted(
+                {
+                    e
+                    for e, n, f, _ in self._inputs + self._outputs
+                    if not _prefix_layout(tuple(f(c, last)), tuple(f(c, sizes)))
+                }
+            )
+            if moved:
+                raise ValueError(
+                    f"views(): {', '.join(moved)} change shape past their first dimension at "
+                    "these sizes, so the step's values would not line up with a view at them; "
+                    "this family's steps cannot be padded to a bucket"
+                )
 
         def view(n: str, f: Any, index: tuple[int, ...]) -> torch.Tensor:
             v = self._view(n, f(c, sizes))
@@ -528,3 +546,10 @@ class RuntimeBuffers:
         self._flat[self._half][self._past_kv][: s.num_sequences] = value
         self._decode = None  # the past-KV lengths no longer follow the tokens
         self._half_run[self._half] = None
+
+
+def _prefix_layout(small: tuple[int, ...], large: tuple[int, ...]) -> bool:
+    """True when a row-major tensor of shape `small` is the leading part of one of shape
+    `large`: the shapes differ at most in one dimension, and only 1s come before it."""
+    k = next((i for i, (a, b) in enumerate(zip(small, large)) if a != b), None)
+    return k is None or (math.prod(small[:k]) == 1 and small[k + 1 :] == large[k + 1 :])

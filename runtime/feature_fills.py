@@ -302,8 +302,9 @@ def _lora_check(b: Batch, config: Any) -> None:
         if rows is None:
             continue
         kept = memo.get(id(r))
-        try:  # a deep copy of the rows, so that a row edited in place is seen
-            snapshot = tuple(tuple(row) for row in rows)
+        try:  # a deep copy of the rows with each value's type, so that a row edited in place
+            # is seen, even to an equal value of another type (8.0 == 8)
+            snapshot = tuple(tuple((type(v), v) for v in row) for row in rows)
         except TypeError:
             snapshot = None  # not rows at all: _parse_lora names the problem
         if kept is None or snapshot is None or kept[0] != snapshot:

@@ -403,7 +403,25 @@ def _advance_kv(out: np.ndarray, prev: np.ndarray, d: Decode, config: Any) -> in
 
 _sequences = _advance_same(lambda b: b.sizes.num_sequences)
 token_ids = Rule("token_ids", _token_ids, advance=_advance_tokens)
-position_ids = Rule("position_ids", _position_ids, advance=_advance_plus_one)
+
+
+def _advance_position_check(d: Decode, config: Any = None) -> None:
+    """Explicit positions grow by one each step: refuse the step that would take one past
+    int32 (default positions are token counts, far below it)."""
+    b = d.batch
+    for i in b.explicit_positions:  # generation request indices: advance follows no context
+        r = b.generation[i]
+        position = r.position_ids[-1] + int(d.seq_tokens[b.seq_first[i]] - b.gen_prompt_len[i])
+        if position > INT32_MAX:
+            raise BatchError(
+                f"generation request {i} (seq_slot {r.seq_slot}): its next position "
+                f"{position} runs past the int32 range"
+            )
+
+
+position_ids = Rule(
+    "position_ids", _position_ids, advance=_advance_plus_one, advance_check=_advance_position_check
+)
 chatglm_position_ids = Rule(
     "chatglm_position_ids", _chatglm_position_ids, _two_row_check, _advance_two_rows
 )
