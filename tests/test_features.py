@@ -253,6 +253,28 @@ def test_encoder_engine_fills():
         )
 
 
+def test_encoder_engine_sizes_come_from_the_encoder_inputs_alone():
+    """The encoder engine never reads the decoder prompt: its token count is the encoder
+    inputs', bounded by max_num_tokens (the reference's EncoderBuffers::setBufferSizes)."""
+    b = make_buffers(
+        "encoder",
+        max_num_tokens=8,
+        max_input_length=16,
+        max_encoder_length=16,
+        encoder_hidden_size=8,
+    )
+    long_prompt = Request(seq_slot=0, prompt=list(range(20)), encoder_input_ids=[5, 6, 7])
+    step = b.prepare_step([long_prompt], [])
+    assert step.sizes.num_tokens == 3 and step.inputs["input_ids"].tolist() == [5, 6, 7]
+    no_prompt = Request(seq_slot=1, prompt=None, encoder_input_ids=[1, 2])
+    assert b.prepare_step([no_prompt], []).inputs["input_lengths"].tolist() == [2]
+    two = [Request(seq_slot=i, prompt=[1], encoder_input_ids=[3] * 12) for i in range(2)]
+    with pytest.raises(BatchError, match="num_context_tokens = 24 exceeds its capacity 8"):
+        b.prepare_step(two, [])
+    with pytest.raises(BatchError, match="encoder_input_ids.1. must be an integer, got 'x'"):
+        b.prepare_step([Request(seq_slot=0, prompt=[1], encoder_input_ids=[3, "x"])], [])
+
+
 # ---------------------------------------------------------------- the checks that reject input
 def kv(**kw):
     return {"kv_block_ids": [[1]], **kw}
