@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Sequence
 from itertools import chain
 from operator import attrgetter, itemgetter
@@ -77,6 +78,7 @@ _DRAFT_TOKENS = attrgetter("draft_tokens")
 _GENERATED = attrgetter("generated")
 _PROMPT = attrgetter("prompt")
 _LAST = itemgetter(-1)
+_IS_NONE = functools.partial(operator.is_, None)
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
@@ -300,9 +302,12 @@ def _build(
         g_explicit = list(map(_POSITION_IDS, generation))
         g_explicit_at = [i for i, p in enumerate(g_explicit) if p is not None]
     drafts = list(map(_DRAFT_TOKENS, generation))
-    drafts_list = [0 if d is None else len(d) for d in drafts]
+    try:
+        drafts_list = list(map(len, drafts))
+    except TypeError:  # None for no drafts (or not a list: _diagnose names it)
+        drafts_list = [0 if d is None else len(d) for d in drafts]
     beams = list(map(_GENERATED, generation))
-    if any(bs is None for bs in beams):
+    if any(map(_IS_NONE, beams)):
         fail()
     flat = list(chain.from_iterable(beams))
     len_list = list(map(len, flat))
