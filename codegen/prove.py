@@ -181,8 +181,9 @@ class Prover(E.PolyBuilder):
             self.mode = old
         if lo > 0 or hi < 0:
             return None
-        found = self.find(d, lambda v: v == 0, sizes=dict.fromkeys(self.sizes, 0))
-        return self.where(d, found[0]) if found else ""
+        sizes = dict.fromkeys(self.sizes, 0)
+        found = self.find(d, lambda v: v == 0, sizes=sizes)
+        return self.where(d, found[0], sizes) if found else ""
 
     # ------------------------------------------------------------------- witnesses
     def reads(self, e: E.Expr) -> list[str]:
@@ -270,12 +271,12 @@ class Prover(E.PolyBuilder):
         """`cond` at `env`; False when it cannot be evaluated there."""
         return _safe(lambda: bool(E.evaluate(cond, env, limit=_EVAL_LIMIT)))
 
-    def where(self, e: E.Expr, point: Point) -> str:
-        """`point` in words, for the parameters `e` reads."""
-        names = self.reads(e)
-        if not names:
-            return "for every value of the parameters"
-        return "when " + ", ".join(f"{n} = {point[n]}" for n in names)
+    def where(self, e: E.Expr, point: Point, sizes: Mapping[str, int] | None = None) -> str:
+        """`point` in words, for the parameters (and step sizes) `e` reads."""
+        read = {n.id for n in E.names(e)}
+        parts = [f"{n} = {point[n]}" for n in self.reads(e)]
+        parts += [f"{n} = {v}" for n, v in (sizes or {}).items() if n in read]
+        return "when " + ", ".join(parts) if parts else "for every value of the parameters"
 
     # ------------------------------------------------------------------ conditions
     def can_hold(self, cond: E.Expr | None) -> bool:
@@ -291,7 +292,7 @@ class Prover(E.PolyBuilder):
             }
         )
         if len(bools) > _MAX_BOOLS:
-            return True
+            bools = []  # no enumeration: the normal form below still sees p and not p
         for values in itertools.product((False, True), repeat=len(bools)):
             folded = E.fold(cond, dict(zip(bools, values)))
             if folded == E.TRUE:

@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import keyword
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from . import expr as E
 from . import prove, vocab
@@ -784,24 +784,39 @@ class Checker:
         for t in self.spec.tensors:
             if t.fill.kind == "constant" and t.fill.value is not None and t.name in where:
                 self.constant_range(t, t.fill.value, where[t.name])
+        for z in self.spec.sizes:
+            used = [(plan, None) for plan in plans if z in plan.sizes]
+            if z.bound is None or not used or self.prover.range_of(z.bound.expr)[0] >= 0:
+                continue
+            found = self._witness(z.bound.expr, lambda v: v < 0, used)
+            if found is not None:
+                point, value = found
+                self.errors.error(
+                    z.bound.loc,
+                    f"the max of step size '{z.name}', '{z.bound.text}', is negative ({value}) "
+                    f"{self.prover.where(z.bound.expr, point)}: no step could be prepared",
+                )
 
     def _witness(
         self,
         e: E.Expr,
         bad: Callable[[int], bool],
-        present: list[tuple[FamilyPlan, PlannedTensor]],
+        present: Sequence[tuple[FamilyPlan, PlannedTensor | None]],
     ) -> tuple[prove.Point, int] | None:
+        """A point where `bad(e)`, in a family where its checks (and the tensor's condition,
+        when there is a tensor) hold."""
+
         def valid(env: prove.Env) -> bool:
             return any(
                 all(self.prover.holds(c.require.expr, env) for c in plan.checks)
-                and (pt.when is None or self.prover.holds(pt.when, env))
+                and (pt is None or pt.when is None or self.prover.holds(pt.when, env))
                 for plan, pt in present
             )
 
         return self.prover.find(e, bad, valid)
 
     def constant_range(
-        self, t: Tensor, f: Formula, present: list[tuple[FamilyPlan, PlannedTensor]]
+        self, t: Tensor, f: Formula, present: Sequence[tuple[FamilyPlan, PlannedTensor]]
     ) -> None:
         lo, hi = self.prover.range_of(f.expr)
         for dtype in self.dtype_choices(t.dtype):

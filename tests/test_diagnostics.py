@@ -850,6 +850,14 @@ LATER_CASES = [
         id="capacity_negative",
     ),
     pytest.param(
+        BASE.replace('max: "max_num_tokens"', 'max: "max_num_tokens - 3"'),
+        [
+            "buffers.yaml:9:36: the max of step size 'num_tokens', 'max_num_tokens - 3', is "
+            "negative (-2) when max_num_tokens = 1: no step could be prepared"
+        ],
+        id="size_max_negative",
+    ),
+    pytest.param(
         _with(
             _tensor(
                 "never",
