@@ -5,7 +5,7 @@ The pipeline, one module per stage::
     buffers.yaml --load--> Document (data + line:col of every value)      load.py
                  --schema--> structural errors, located                    schema.py
                  --model--> frozen Spec, formulas parsed into IR           model.py, expr.py
-                 --validate--> semantic errors, located                    validate.py
+                 --validate--> semantic errors, located                    validate.py, prove.py
                  --plan--> per family: flags folded, residual conditions   plan.py
                  --emit--> Python source per family (jinja2)               emit.py
                  --files--> generated/ written, or checked for staleness   files.py
