@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     except ReportError as exc:
         print(f"bufc report: {exc}", file=sys.stderr)
         return 1
+    except files.NotGeneratedError as exc:
+        print(f"bufc generate: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"bufc: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
         return 1

@@ -103,9 +103,12 @@ class Limits:
     max_input_length: int = INT32_MAX  # encoder input tokens of one request
     max_encoder_length: int = INT32_MAX  # encoder output rows of one request
     encoder_engine: bool = False  # the step runs an encoder engine: sizes from encoder inputs
+    # every generation request carries exactly max_draft_tokens drafts (Medusa's fixed tree:
+    # the engine reads max_decoding_tokens tokens per generation request)
+    exact_drafts: bool = False
 
     @staticmethod
-    def of(config: Any, encoder_engine: bool = False) -> Limits:
+    def of(config: Any, flags: dict[str, Any]) -> Limits:
         vocab = getattr(config, "vocab_size", None)
         prompt_rows = getattr(config, "max_prompt_vocab_size", 0)
         if vocab is None:
@@ -123,7 +126,8 @@ class Limits:
             token_limit_text=text,
             max_input_length=getattr(config, "max_input_length", INT32_MAX),
             max_encoder_length=getattr(config, "max_encoder_length", INT32_MAX),
-            encoder_engine=encoder_engine,
+            encoder_engine=flags.get("engine") == "encoder",
+            exact_drafts=flags.get("spec_decoding") == "medusa",
         )
 
 
@@ -323,6 +327,8 @@ def _build(
     if len(flat) != len(generation) and (np.minimum.reduceat(seq_len, seq_offsets) != g_max).any():
         fail()  # beams of unequal length
 
+    if limits.exact_drafts and generation and (g_ndraft != limits.max_draft_tokens).any():
+        fail()
     ndraft = np.concatenate((c_ndraft, g_ndraft))
     if ndraft.any():
         beam = np.concatenate((c_beam, g_bw))
@@ -635,6 +641,11 @@ def _check_request(r: Any, w: str, limits: Limits, is_context: bool) -> None:
         )
     if n_drafts:
         check_ints(drafts, "draft_tokens", w, *vocab)
+    if limits.exact_drafts and not is_context and n_drafts != limits.max_draft_tokens:
+        raise BatchError(
+            f"{w}: Medusa verifies a fixed tree, so every generation request carries "
+            f"max_draft_tokens={limits.max_draft_tokens} draft tokens; got {n_drafts}"
+        )
     if r.position_ids is not None:
         if _length(r.position_ids, "position_ids", w) != n:
             raise BatchError(f"{w}: {len(r.position_ids)} position_ids for a prompt of {n} tokens")

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from .batch import ENCODER_SIZES, Batch, Limits, StepSizes
+from .batch import ENCODER_SIZES, STEP_SIZES, Batch, Limits, StepSizes
 from .decl import DEVICE, PINNED, STATIC, Constant, Mirror, SizeBound, TensorDecl
 from .errors import BatchError, ConfigError
 from .fills import Decode, Rule, past_key_value_lengths
@@ -167,12 +167,20 @@ class RuntimeBuffers:
         self.copies_per_step = 1 if end else 0
 
         # engine bindings: (engine name, tensor, step shape, index into its leading dims);
-        # static tensors are bound once (static_inputs), ring tensors bind one slot per step
+        # static tensors of a fixed shape are bound once (static_inputs); those with a step
+        # shape (Medusa's tree, set once, read [num_generation_requests, ...]) are bound every
+        # step at it, as views of their storage, as the reference resizes them; ring tensors
+        # bind one slot per step
+        zero = StepSizes(**dict.fromkeys(STEP_SIZES, 0))
+        step_shaped = {
+            d.name for d in decls if tuple(d.shape(c, zero)) != self._capacity_shape[d.name]
+        }
+
         def bindings(which: str) -> tuple:
             return tuple(
                 (name, d.name, d.shape, index)
                 for d in decls
-                if d.fill is not STATIC and d.ring is None
+                if (d.fill is not STATIC or d.name in step_shaped) and d.ring is None
                 for b in getattr(d, which)
                 if b.when is None or b.when(c)
                 for name, index in b.expand(c)
@@ -192,7 +200,7 @@ class RuntimeBuffers:
         self._static_bindings = {
             name: (d.name, index)
             for d in decls
-            if d.fill is STATIC
+            if d.fill is STATIC and d.name not in step_shaped
             for b in d.inputs
             if b.when is None or b.when(c)
             for name, index in b.expand(c)
@@ -219,7 +227,7 @@ class RuntimeBuffers:
             dict.fromkeys(r.name for _, r in rules if r.advance is None)
         )  # rules without an advance form: advance() is not possible for this family
         self._can_advance = not self._no_advance
-        self._limits = Limits.of(c, encoder_engine=self.flags.get("engine") == "encoder")
+        self._limits = Limits.of(c, self.flags)
         self._advance_checks = tuple(
             dict.fromkeys(r.advance_check for _, r in rules if r.advance_check is not None)
         )

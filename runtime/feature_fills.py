@@ -68,16 +68,19 @@ def _field(b: Batch, name: str, what: str) -> list[Any]:
 # -------------------------------------------------------------- beam search: cache indirection
 def cache_indirection_copies(out: np.ndarray, b: Batch, config: Any) -> int:
     """[src, dst, size] of each generation request's copy from the decoder's cache indirection
-    into the engine's [batch, beam, window] input, whose beam dimension is the step's widest
-    generation beam. The reference strides the source by the first generation request's beam
-    width; the decoder's buffer is [slots, max_beam_width, window], so the source stride is
-    max_beam_width * window (the same when every beam width is the maximum)."""
+    ([slots, max_beam_width, window]) into the engine's input, bound at its capacity shape
+    [max_batch_size, max_beam_width, window]: generation request i's beams land in row i, so
+    the engine reads beam k of request i at [i, k, :] whatever the step's beam widths.
+
+    The reference strides the destination by the step's widest beam (the layout of the
+    [batch, step beam width, window] view its runtime binds) and the source by the first
+    request's beam width; both are fixed here at max_beam_width, the stride of the bound
+    tensor and of the decoder's buffer."""
     n = len(b.generation)
-    aw = config.max_attention_window
-    widest = int(b.gen_beam_width.max()) if n else 0
-    out[:n] = b.seq_slot[len(b.context) :] * (config.max_beam_width * aw)
-    out[n : 2 * n] = np.arange(n) * (widest * aw)
-    out[2 * n : 3 * n] = b.gen_beam_width * aw
+    stride = config.max_beam_width * config.max_attention_window
+    out[:n] = b.seq_slot[len(b.context) :] * stride
+    out[n : 2 * n] = np.arange(n) * stride
+    out[2 * n : 3 * n] = b.gen_beam_width * config.max_attention_window
     return 3 * n
 
 
@@ -403,6 +406,25 @@ def prompt_tasks(out: np.ndarray, b: Batch, config: Any = None) -> int:
 
 
 # --------------------------------------------------------------------------- recurrent state
+def _recurrent_check(b: Batch, config: Any = None) -> None:
+    """The batches a recurrent model takes (TensorRT-LLM's batch manager and Mamba plugins):
+    a prompt in one context step (a state is started from zero with the whole prompt), and
+    context and generation in separate steps (the plugin picks one kernel for the step from
+    the first request's type). Beam search is refused by the Config (max_beam_width 1)."""
+    chunked = np.flatnonzero((b.ctx_begin > 0) | (b.ctx_chunk < b.ctx_prompt_len))
+    if chunked.size:
+        i = int(chunked[0])
+        raise BatchError(
+            f"{_where(b, i)}: a recurrent model runs a prompt in one context step; schedule the "
+            "whole prompt (chunked context is not supported)"
+        )
+    if b.context and b.generation:
+        raise BatchError(
+            f"a recurrent model runs context and generation requests in separate steps; got "
+            f"{len(b.context)} context and {len(b.generation)} generation requests"
+        )
+
+
 def slot_mapping(out: np.ndarray, b: Batch, config: Any = None) -> int:
     """Each sequence's state slot: its request's seq_slot (every family bounds it by
     max_batch_size, the state pools' rows)."""
@@ -491,7 +513,7 @@ def _threshold_check(b: Batch, config: Any) -> None:
         if v is not None and (
             not isinstance(v, numbers.Real)
             or isinstance(v, bool)
-            or not (v >= 0 and math.isfinite(v))
+            or not (float(v) >= 0 and math.isfinite(v))
         ):
             raise BatchError(f"{_where(b, i)}: eagle_posterior_threshold {v} must be >= 0")
 
@@ -532,6 +554,7 @@ CHECKS: dict[str, Callable[[Batch, Any], None]] = {
     "lora_ranks": _lora_check,
     "prompt_embedding_table": _prompt_check,
     "prompt_tasks": _prompt_check,
+    "slot_mapping": _recurrent_check,
     "mrope_rotary_cos_sin": _mrope_check,
     "mrope_position_deltas": _mrope_check,
     "language_adapter_routings": _language_check,

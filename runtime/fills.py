@@ -484,7 +484,9 @@ prompt_embedding_table = Rule(
     "prompt_embedding_table", F.prompt_embedding_table, F.CHECKS.get("prompt_embedding_table")
 )
 prompt_tasks = Rule("prompt_tasks", F.prompt_tasks, F.CHECKS.get("prompt_tasks"))
-slot_mapping = Rule("slot_mapping", F.slot_mapping, F.CHECKS.get("slot_mapping"))
+slot_mapping = Rule(
+    "slot_mapping", F.slot_mapping, F.CHECKS.get("slot_mapping"), advance=_sequences
+)
 mrope_rotary_cos_sin = Rule(
     "mrope_rotary_cos_sin", F.mrope_rotary_cos_sin, F.CHECKS.get("mrope_rotary_cos_sin")
 )

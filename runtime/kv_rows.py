@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from operator import attrgetter
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -139,7 +139,7 @@ def _diagnose(
     width_name: str,
     limit: tuple[int, str],
     what: str,
-) -> None:
+) -> NoReturn:
     """Walk the requests and raise a BatchError for the first bad list (the cold path)."""
     seq = 0
     for kind, reqs in (("context", b.context), ("generation", b.generation)):
@@ -149,7 +149,7 @@ def _diagnose(
             beams = 1 if kind == "context" else int(r.beam_width)
             try:
                 count = len(ids) if ids is not None else 0
-                lists = list(ids) if count else []
+                lists = list(ids) if ids is not None and count else []
             except TypeError:
                 count, lists = 0, []
             if not count or count not in (1, r.beam_width) or not all(map(_is_sequence, lists)):

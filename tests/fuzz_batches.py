@@ -72,7 +72,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     ),
     "mamba": dict(COMMON, max_beam_width=1, max_draft_tokens=0),
 }
-ADVANCES = {"gpt", "llama", "medusa"}  # families whose every fill rule has an advance form
+ADVANCES = {"gpt", "llama", "medusa", "mamba"}  # families whose every fill rule has an advance form
 HISTORY = (ENGINE, EXTERNAL, STATIC)  # written by the engine, the decoder or the caller
 
 
@@ -430,22 +430,33 @@ class Client:
             if not r.generated or (not everyone and rng.random() < 0.25):
                 continue
             drafts = []
-            if int(r.beam_width) == 1 and self.max_drafts and rng.random() < 0.25:
-                drafts = [self.token() for _ in range(rng.randint(1, self.max_drafts))]
+            exact = self.name == "medusa"  # a fixed tree: every generation request, K drafts
+            if int(r.beam_width) == 1 and self.max_drafts and (exact or rng.random() < 0.25):
+                n = self.max_drafts if exact else rng.randint(1, self.max_drafts)
+                drafts = [self.token() for _ in range(n)]
             cost = int(r.beam_width) + len(drafts)
             if cost > budget:
                 continue
             r.draft_tokens = drafts
             budget -= cost
             gen.append(r)
+        recurrent = self.name == "mamba"  # whole prompts, context and generation apart
+        if recurrent and gen and rng.random() < 0.5:
+            budget = 0  # a generation step
+        elif recurrent:
+            gen, budget = [], c.max_num_tokens  # a context step
         for x in self.live:
             r = x.req
             if r.generated or budget < 1 or rng.random() < 0.1:
                 continue
             begin = int(r.context_position)
             rest = len(r.prompt) - begin
+            if recurrent and rest > budget:
+                continue
             chunk = (
-                rest if rest <= budget and rng.random() < 0.6 else rng.randint(1, min(rest, budget))
+                rest
+                if rest <= budget and (recurrent or rng.random() < 0.6)
+                else rng.randint(1, min(rest, budget))
             )
             drafts = []
             last = begin + chunk == len(r.prompt)

@@ -189,7 +189,9 @@ CASES = [
     (
         "qwen2_vl",
         {},
-        PAGED | {"mrope_rotary_cos_sin", "mrope_position_deltas"},
+        PAGED
+        | {"mrope_rotary_cos_sin", "mrope_position_deltas"}
+        | {"prompt_embedding_table", "tasks", "prompt_vocab_size"},
         {"logits"},
         STATIC_TRANSFORMER | STATIC_KV,
     ),
@@ -220,21 +222,9 @@ CASES = [
     (
         "medusa",
         ONE_BEAM,
-        PAGED
-        | SPEC_COMMON
-        - {
-            "spec_decoding_packed_mask",
-            "spec_decoding_generation_lengths",
-            "spec_decoding_position_offsets",
-        },
+        PAGED | SPEC_COMMON,  # the tree's mask, lengths and offsets: set once, bound per step
         {"logits", "medusa_logits"},
-        STATIC_TRANSFORMER
-        | STATIC_KV
-        | {
-            "spec_decoding_packed_mask",
-            "spec_decoding_generation_lengths",
-            "spec_decoding_position_offsets",
-        },
+        STATIC_TRANSFORMER | STATIC_KV,
     ),
     ("lookahead", ONE_BEAM, PAGED | SPEC_COMMON, {"logits"}, STATIC_TRANSFORMER | STATIC_KV),
     (

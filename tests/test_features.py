@@ -20,7 +20,9 @@ from bufc.runtime import BatchError, Request
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MODULES = ("attn_qkv", "attn_dense", "mlp_gate")
 ENC = dict(max_input_length=16, max_encoder_length=16, encoder_hidden_size=8, tokens_per_block=4)
-MROPE = dict(max_position_embeddings=6, rotary_embedding_dim=2)
+MROPE = dict(
+    max_position_embeddings=6, rotary_embedding_dim=2, max_prompt_embedding_table_size=8 * 5
+)
 PROMPT = dict(max_prompt_embedding_table_size=8 * 5, hidden_size=4)  # 5 rows per request
 
 
@@ -193,10 +195,32 @@ def test_mrope_and_language_adapter_fills(case):
 @given(batch("gpt", max_beam=1, slots=8))
 def test_recurrent_state_slot_mapping(case):
     ctx, gen = case
+    for r in ctx:  # a recurrent model takes whole prompts, context and generation apart
+        r.context_position, r.context_chunk_size = 0, None
     b = make_buffers("mamba", max_beam_width=1)
-    step = b.prepare_step(ctx, gen)
-    assert step.inputs["slot_mapping"].tolist() == R.slot_mapping(ctx, gen)
-    assert "position_ids" not in step.inputs and "host_past_key_value_lengths" not in step.inputs
+    for c, g in ((ctx, []), ([], gen)):
+        step = b.prepare_step(c, g)
+        assert step.inputs["slot_mapping"].tolist() == R.slot_mapping(c, g)
+        assert "position_ids" not in step.inputs
+        assert "host_past_key_value_lengths" not in step.inputs
+
+
+@pytest.mark.parametrize("name", ["mamba", "recurrentgemma"])
+def test_recurrent_families_reject_chunks_and_mixed_steps_and_advance(name):
+    b = make_buffers(name, max_beam_width=1)
+    kv = {"kv_block_ids": [[1]]} if name == "recurrentgemma" else {}
+    whole = Request(seq_slot=0, prompt=[1, 2, 3], **kv)
+    chunk = Request(seq_slot=1, prompt=[1, 2, 3], context_chunk_size=2, **kv)
+    later = Request(seq_slot=1, prompt=[1, 2, 3], context_position=2, **kv)
+    decode = Request(seq_slot=2, prompt=[4], generated=[[5]], **kv)
+    for bad in ([chunk], [later]):
+        with pytest.raises(BatchError, match="runs a prompt in one context step"):
+            b.prepare_step(bad, [])
+    with pytest.raises(BatchError, match="context and generation requests in separate steps"):
+        b.prepare_step([whole], [decode])
+    b.prepare_step([], [decode])
+    step = b.advance([6])  # steady decoding: slot_mapping has an advance form
+    assert step.inputs["slot_mapping"].tolist() == [2]
 
 
 @SETTINGS
