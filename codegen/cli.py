@@ -7,13 +7,17 @@ as ``FILE:LINE:COL: message``; no traceback reaches the user.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from importlib import resources
 from pathlib import Path
+
+from bufc import __version__
 
 from . import emit, files
 from .errors import SpecError
 from .pipeline import compile_file
-from .report import ReportError, report
+from .report import Report, ReportError, plot, report
 
 
 def _spec(path: str):  # noqa: ANN202 - returns Spec
@@ -55,14 +59,62 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(args: argparse.Namespace) -> int:
+def _settings(items: list[str] | None) -> dict[str, str]:
     settings = {}
-    for item in args.set or ():
+    for item in items or ():
         key, sep, value = item.partition("=")
         if not sep:
             raise ReportError(f"--set expects name=value, got '{item}'")
         settings[key.strip()] = value.strip()
-    sys.stdout.write(report(_spec(args.spec), args.family, settings))
+    return settings
+
+
+def _report(args: argparse.Namespace) -> int:
+    settings = _settings(args.set)
+    if args.spec is None and not Path("buffers.yaml").is_file():
+        from .report_module import report_module  # needs torch: the generated module
+
+        def build(s: dict[str, str]) -> Report:
+            return report_module(args.family, s)
+    else:
+        spec = _spec(args.spec or "buffers.yaml")
+
+        def build(s: dict[str, str]) -> Report:
+            return report(spec, args.family, s)
+
+    if args.sweep:
+        name, sep, values = args.sweep.partition("=")
+        if not sep or not values.strip(","):
+            raise ReportError(f"--sweep expects name=v1,v2,..., got '{args.sweep}'")
+        points = [(v, build({**settings, name: v})) for v in values.split(",") if v]
+    else:
+        points = [("", build(settings))]
+    if args.plot:
+        if not args.sweep:
+            raise ReportError("--plot draws a sweep; give --sweep name=v1,v2,...")
+        plot(points, name, args.plot)
+        print(f"{args.plot}: memory of family {args.family} over {name} ({len(points)} points)")
+    if args.json:
+        data = (
+            points[0][1].json()
+            if not args.sweep
+            else {"sweep": name, "points": [{"value": v, **r.json()} for v, r in points]}
+        )
+        print(json.dumps(data, indent=2))
+    elif not args.plot:
+        for value, r in points:
+            if args.sweep:
+                print(f"== {name}={value}")
+            sys.stdout.write(r.text())
+    return 0
+
+
+def _schema(args: argparse.Namespace) -> int:
+    path = resources.files("bufc.schema").joinpath("buffers.schema.json")
+    if args.path:
+        print(path)
+    else:
+        sys.stdout.write(path.read_text("utf-8"))
     return 0
 
 
@@ -74,8 +126,13 @@ def _demo(argv: list[str]) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="bufc", description="Compile buffers.yaml into runtime buffer modules."
+        prog="bufc",
+        description="Compile buffers.yaml into runtime buffer modules.",
+        epilog="Exit status: 0 success; 1 an invalid spec, a stale output folder or a failed "
+        "report; 2 a usage error. Results go to stdout, diagnostics to stderr as "
+        "FILE:LINE:COL: message. Output has no colour.",
     )
+    p.add_argument("--version", action="version", version=f"bufc {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def with_spec(sp: argparse.ArgumentParser, out: bool = True) -> None:
@@ -96,15 +153,48 @@ def parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="validate spec files")
     v.add_argument("files", nargs="+")
     v.set_defaults(run=_validate)
-    r = sub.add_parser("report", help="tensors, shapes and bytes of a family for given parameters")
+    r = sub.add_parser(
+        "report",
+        help="tensors, shapes and bytes of a family for given parameters",
+        description="Every tensor a family allocates for the given parameters, with dtype, "
+        "memory kind, capacity, bytes, fill and engine bindings, and the totals per memory "
+        "kind. Reads the spec (--spec, or ./buffers.yaml); without one, the installed "
+        "generated module bufc.generated.FAMILY (needs torch).",
+    )
     r.add_argument("family")
     r.add_argument(
         "--set", action="append", metavar="NAME=VALUE", help="a construct-time parameter"
     )
-    with_spec(r, out=False)
+    r.add_argument(
+        "--spec", default=None, help="the spec file (default: ./buffers.yaml if present)"
+    )
+    r.add_argument("--json", action="store_true", help="print the report as JSON")
+    r.add_argument(
+        "--sweep", metavar="NAME=V1,V2,...", help="report once per value of one parameter"
+    )
+    r.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="draw memory per tensor and memory kind over --sweep into FILE (.svg, .png; "
+        "needs matplotlib: pip install 'bufc[plot]')",
+    )
     r.set_defaults(run=_report)
+    s = sub.add_parser(
+        "schema",
+        help="the JSON Schema of buffers.yaml (for editors)",
+        description="Print the installed JSON Schema's path or its text. Point an editor at "
+        "it, e.g. with the first line '# yaml-language-server: $schema=PATH' in a spec.",
+    )
+    how = s.add_mutually_exclusive_group(required=True)
+    how.add_argument("--path", action="store_true", help="print the schema file's path")
+    how.add_argument("--print", action="store_true", help="print the schema itself")
+    s.set_defaults(run=_schema)
     # `bufc demo ...` is dispatched before parsing (its options are the demo's own)
-    sub.add_parser("demo", help="serve a workload with a real model (needs torch, transformers)")
+    sub.add_parser(
+        "demo",
+        help="serve a workload with a real model and compare with transformers.generate "
+        "(needs torch and transformers; bufc demo --help lists its options)",
+    )
     return p
 
 

@@ -76,6 +76,40 @@ class _NoAliasLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
+# PyYAML's scanner and parser messages, in the house style: what is wrong and what to do.
+_PLAIN = (
+    (
+        "expected a single document",
+        "",
+        "only one YAML document is allowed (remove the '---' separator)",
+    ),
+    (
+        "mapping values are not allowed here",
+        "",
+        "a ':' here would start a mapping inside a value; quote the value, or put the key on "
+        "its own line",
+    ),
+    (
+        "expected <block end>",
+        "",
+        "this line's indentation does not match the lines above it; indent the keys of one "
+        "mapping (and the items of one list) by the same number of spaces",
+    ),
+    ("found character '\\t'", "", "a tab cannot indent YAML; indent with spaces"),
+    ("found unexpected end of stream", "quoted scalar", "this quoted string is never closed"),
+    ("expected ',' or ']'", "", "this list ('[') is never closed with ']'"),
+    ("expected ',' or '}'", "", "this mapping ('{') is never closed with '}'"),
+    ("could not find expected ':'", "", "a key on this line has no ':' after it"),
+)
+
+
+def _plain(problem: str, context: str) -> str:
+    for needle, where, sentence in _PLAIN:
+        if needle in problem + " " + context and where in context:
+            return sentence
+    return " ".join(f"{problem} ({context})".split()) if context else problem
+
+
 def _mark(file: str, mark: Any) -> Location:
     return Location(file, mark.line + 1, mark.column + 1)
 
@@ -126,11 +160,13 @@ def load_text(text: str, file: str) -> Document:
         loader = _NoAliasLoader(text)  # checks every character first
         root = loader.get_single_node()
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
+        # an unclosed string, list or mapping is found at the end of the file: point at its start
+        unclosed = any(
+            w in (exc.context or "") for w in ("quoted scalar", "flow sequence", "flow mapping")
+        )
+        mark = (exc.context_mark if unclosed else None) or exc.problem_mark or exc.context_mark
         loc = _mark(file, mark) if mark else Location(file, 1, 1)
-        problem = exc.problem or "invalid YAML"
-        if "expected a single document" in (exc.context or ""):
-            problem = "only one YAML document is allowed (remove the '---' separator)"
+        problem = _plain(exc.problem or "invalid YAML", exc.context or "")
         errors.error(loc, problem)
         errors.raise_if_any()
     except yaml.reader.ReaderError as exc:  # a character YAML does not allow (NUL, ...)
@@ -191,6 +227,13 @@ def load_text(text: str, file: str) -> Document:
             return out
         if isinstance(node, yaml.SequenceNode):
             return [walk(item, (*path, i)) for i, item in enumerate(node.value)]
+        if node.tag == "tag:yaml.org,2002:bool" and node.value.lower() not in ("true", "false"):
+            errors.error(
+                _mark(file, node.start_mark),
+                f"'{node.value}' is a YAML 1.1 boolean; write true or false (or quote it for "
+                "the text)",
+            )
+            return None
         try:
             return constructor.construct_object(node, deep=True)
         except yaml.YAMLError:

@@ -6,6 +6,7 @@ capacity shapes and bytes, their engine bindings, and the total.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from . import expr as E
@@ -17,6 +18,94 @@ from .plan import lower_family
 
 class ReportError(Exception):
     pass
+
+
+MEMORY_KINDS = ("device", "pinned", "host")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRow:
+    name: str
+    dtype: str
+    memory: str  # device | pinned | host
+    shape: tuple[int, ...]  # capacity
+    nbytes: int  # one copy
+    copies: int  # 2 for double-buffered host tensors
+    fill: str
+    binds: tuple[str, ...]  # "in:NAME" / "out:NAME", with {set} placeholders unexpanded
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    family: str
+    flags: tuple[tuple[str, object], ...]
+    tensors: tuple[TensorRow, ...]
+
+    def totals(self) -> dict[str, int]:
+        """Bytes allocated per memory kind (every copy counted)."""
+        out = dict.fromkeys(MEMORY_KINDS, 0)
+        for t in self.tensors:
+            out[t.memory] += t.nbytes * t.copies
+        return out
+
+    def text(self) -> str:
+        """The table: one group per memory kind, then the total."""
+        head = ("tensor", "dtype", "capacity", "bytes", "fill", "binds")
+        groups: dict[str, list[tuple[str, ...]]] = {m: [] for m in MEMORY_KINDS}
+        for t in self.tensors:
+            groups[t.memory].append(
+                (
+                    t.name,
+                    t.dtype,
+                    "[" + ", ".join(map(str, t.shape)) + "]",
+                    _human(t.nbytes) + (f" x{t.copies}" if t.copies > 1 else ""),
+                    t.fill,
+                    " ".join(t.binds) or "-",
+                )
+            )
+        rows = [r for g in groups.values() for r in g]
+        widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+        totals = self.totals()
+        lines = [f"family {self.family}: " + ", ".join(f"{k}={v}" for k, v in self.flags)]
+        for memory, group in groups.items():
+            if not group:
+                continue
+            lines.append("")
+            lines.append(f"{memory} memory: {len(group)} tensors, {_human(totals[memory])}")
+            lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
+            for r in group:
+                lines.append("  " + "  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
+        lines.append("")
+        total = sum(totals.values())
+        split = ", ".join(f"{k} {_human(v)}" for k, v in totals.items() if v)
+        lines.append(
+            f"{len(rows)} tensors, {_human(total)} allocated for runtime buffers ({split})"
+        )
+        return "\n".join(lines) + "\n"
+
+    def json(self) -> dict[str, object]:
+        """Every tensor with its dtype, memory kind, shape, bytes and bindings, and the totals
+        (the same numbers as the table, bytes exact)."""
+        totals = self.totals()
+        return {
+            "family": self.family,
+            "flags": dict(self.flags),
+            "tensors": [
+                {
+                    "name": t.name,
+                    "dtype": t.dtype,
+                    "memory": t.memory,
+                    "shape": list(t.shape),
+                    "bytes": t.nbytes,
+                    "copies": t.copies,
+                    "fill": t.fill,
+                    "inputs": [b[3:] for b in t.binds if b.startswith("in:")],
+                    "outputs": [b[4:] for b in t.binds if b.startswith("out:")],
+                }
+                for t in self.tensors
+            ],
+            "totals": {**{k: v for k, v in totals.items()}, "all": sum(totals.values())},
+        }
 
 
 # Values the formulas may reach while reporting (bytes of a tensor included); larger ones
@@ -33,6 +122,63 @@ def _human(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
+def parse_int(name: str, raw: str) -> int:
+    """A --set integer, bounded like a Config's (a 400-digit number is an error, not a hang)."""
+    try:
+        value = int(raw) if len(raw) <= 32 else None
+    except ValueError:
+        value = None
+    if value is None and raw.strip().lstrip("+-").isdigit():
+        raise ReportError(f"{name}: {raw[:24]}... is too large (at most {vocab.INT_LIMIT - 1})")
+    if value is None:
+        raise ReportError(f"{name}: '{raw}' is not an integer")
+    if abs(value) >= vocab.INT_LIMIT:
+        raise ReportError(f"{name}: {value} is too large (at most {vocab.INT_LIMIT - 1})")
+    return value
+
+
+def plot(points: list[tuple[str, Report]], parameter: str, path: str, top: int = 6) -> None:
+    """Memory per tensor and memory kind over a sweep of `parameter` (one stacked bar per
+    value, one panel per memory kind that holds anything; the `top` largest tensors of each
+    kind by name, the rest as 'other'), written to `path` (.svg, .png, .pdf)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ModuleNotFoundError:
+        raise ReportError("--plot needs matplotlib: pip install 'bufc[plot]'") from None
+    kinds = [m for m in MEMORY_KINDS if any(r.totals()[m] for _, r in points)]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4), squeeze=False)
+    labels = [value for value, _ in points]
+    for ax, kind in zip(axes[0], kinds):
+        sizes: dict[str, list[float]] = {}
+        for i, (_, r) in enumerate(points):
+            for t in r.tensors:
+                if t.memory == kind:
+                    sizes.setdefault(t.name, [0.0] * len(points))[i] = t.nbytes * t.copies / 2**20
+        largest = sorted(sizes, key=lambda n: sizes[n][-1], reverse=True)
+        stacks = {n: sizes[n] for n in largest[:top]}
+        if len(largest) > top:
+            stacks["other"] = [sum(sizes[n][i] for n in largest[top:]) for i in range(len(points))]
+        bottom = [0.0] * len(points)
+        for name, values in stacks.items():
+            ax.bar(labels, values, bottom=bottom, label=name)
+            bottom = [a + b for a, b in zip(bottom, values)]
+        ax.set_title(f"{kind} memory")
+        ax.set_xlabel(parameter)
+        ax.set_ylabel("MiB")
+        ax.legend(fontsize="small")
+    fig.suptitle(f"family {points[0][1].family}: runtime buffers over {parameter}")
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except (OSError, ValueError) as exc:
+        raise ReportError(f"cannot write {path}: {exc}") from None
+    finally:
+        plt.close(fig)
+
+
 def _evaluate(e: E.Expr, env: dict[str, int | bool | str], what: str) -> int | bool | str:
     try:
         return E.evaluate(e, env, limit=_LIMIT)
@@ -40,7 +186,9 @@ def _evaluate(e: E.Expr, env: dict[str, int | bool | str], what: str) -> int | b
         raise ReportError(f"cannot evaluate {what}: {exc}") from None
 
 
-def report(spec: Spec, family_name: str, settings: dict[str, str]) -> str:
+def report(spec: Spec, family_name: str, settings: dict[str, str]) -> Report:
+    """What `family_name` allocates for `settings` (parameter name -> text, as given to
+    ``--set``), evaluated from the spec."""
     families = {f.name: f for f in spec.families}
     if family_name not in families:
         raise ReportError(
@@ -72,19 +220,7 @@ def report(spec: Spec, family_name: str, settings: dict[str, str]) -> str:
                     raise ReportError(f"{key}: '{n}' is not one of {', '.join(known[key].values)}")
             env[key] = names  # type: ignore[assignment]
         else:
-            try:
-                value = int(raw) if len(raw) <= 32 else None
-            except ValueError:
-                value = None
-            if value is None and raw.strip().lstrip("+-").isdigit():
-                raise ReportError(
-                    f"{key}: {raw[:24]}... is too large (at most {vocab.INT_LIMIT - 1})"
-                )
-            if value is None:
-                raise ReportError(f"{key}: '{raw}' is not an integer")
-            if abs(value) >= vocab.INT_LIMIT:
-                raise ReportError(f"{key}: {value} is too large (at most {vocab.INT_LIMIT - 1})")
-            env[key] = value
+            env[key] = parse_int(key, raw)
     for p in plan.parameters:
         if p.kind == "dtype":
             dtypes.setdefault(p.name, str(p.default))
@@ -107,49 +243,34 @@ def report(spec: Spec, family_name: str, settings: dict[str, str]) -> str:
             raise ReportError(f"{c.message} ({c.require.text})")
 
     staged = {t.fill_target for t in plan.tensors if t.fill_kind == "mirror"}
-    groups: dict[str, list[tuple[str, ...]]] = {"device": [], "pinned": [], "host": []}
-    totals = dict.fromkeys(groups, 0)
+    tensors = []
     for t in plan.tensors:
         if t.when is not None and not _evaluate(t.when, env, f"the condition of '{t.name}'"):
             continue
-        shape = [int(_evaluate(e, env, f"the capacity of '{t.name}'")) for e in t.capacity]
+        shape = tuple(int(_evaluate(e, env, f"the capacity of '{t.name}'")) for e in t.capacity)
         if any(n < 0 for n in shape):
-            raise ReportError(f"the capacity of '{t.name}' is negative: {shape}")
+            raise ReportError(f"the capacity of '{t.name}' is negative: {list(shape)}")
         dtype = dtypes[t.dtype] if t.dtype_is_param else t.dtype
         nbytes = vocab.DTYPE_BYTES[dtype] * math.prod(shape)
         if nbytes > _LIMIT:
             raise ReportError(f"'{t.name}' would need {nbytes} bytes")
-        copies = 2 if t.name in staged else 1  # staging is double-buffered
-        totals[t.memory] += nbytes * copies
-        binds = [
-            f"{'in' if b.direction == 'input' else 'out'}:{b.engine_name}"
-            for b in t.bindings
-            if b.when is None or _evaluate(b.when, env, f"a binding of '{t.name}'")
-        ]
-        groups[t.memory].append(
-            (
-                t.name,
-                dtype,
-                "[" + ", ".join(map(str, shape)) + "]",
-                _human(nbytes) + (" x2" if copies == 2 else ""),
-                t.fill_kind if t.fill_kind != "rule" else f"rule {t.fill_target}",
-                " ".join(binds) or "-",
+        tensors.append(
+            TensorRow(
+                name=t.name,
+                dtype=dtype,
+                memory=t.memory,
+                shape=shape,
+                nbytes=nbytes,
+                # staging is double-buffered, and so is every host tensor a rule fills
+                copies=2
+                if t.name in staged or (t.memory != "device" and t.fill_kind == "rule")
+                else 1,
+                fill=t.fill_kind if t.fill_kind != "rule" else f"rule {t.fill_target}",
+                binds=tuple(
+                    f"{'in' if b.direction == 'input' else 'out'}:{b.engine_name}"
+                    for b in t.bindings
+                    if b.when is None or _evaluate(b.when, env, f"a binding of '{t.name}'")
+                ),
             )
         )
-    head = ("tensor", "dtype", "capacity", "bytes", "fill", "binds")
-    rows = [r for g in groups.values() for r in g]
-    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
-    lines = [f"family {family_name}: " + ", ".join(f"{k}={v}" for k, v in plan.flags)]
-    for memory, group in groups.items():
-        if not group:
-            continue
-        lines.append("")
-        lines.append(f"{memory} memory: {len(group)} tensors, {_human(totals[memory])}")
-        lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
-        for r in group:
-            lines.append("  " + "  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
-    lines.append("")
-    total = sum(totals.values())
-    split = ", ".join(f"{k} {_human(v)}" for k, v in totals.items() if v)
-    lines.append(f"{len(rows)} tensors, {_human(total)} allocated for runtime buffers ({split})")
-    return "\n".join(lines) + "\n"
+    return Report(family_name, tuple((k, v) for k, v in plan.flags), tuple(tensors))

@@ -295,6 +295,16 @@ class Checker:
                     )
                     return None
                 return "bool"
+            if {lt, rt} == {"bool", "str"}:
+                flag = next(
+                    (x.id for x in (e.left, e.right) if isinstance(x, E.Name)), "the condition"
+                )
+                self.errors.error(
+                    f.at(col),
+                    f"'{flag}' is a boolean, not a string: write '{flag}' or 'not {flag}' "
+                    "instead of comparing it with a quoted value",
+                )
+                return None
             if lt != "int" or rt != "int":
                 self.errors.error(
                     f.at(col),

@@ -2,7 +2,8 @@
 every token against transformers.generate.
 
 It builds a small random Llama (float64), runs the in-flight batching executor with chunked
-prefill over a paged KV cache, prints a progress bar and per-step figures, then a summary.
+prefill over a paged KV cache, shows a tqdm progress bar (requests finished, rate, ETA; plain
+lines when the output is not a terminal) and per-step figures, then a summary.
 """
 
 from __future__ import annotations
@@ -16,13 +17,11 @@ from .compare import Mismatch, assert_same_tokens, reference_tokens, tiny_llama,
 from .executor import Executor, StepStats
 
 
-def _bar(done: int, total: int, width: int = 30) -> str:
-    filled = width * done // max(total, 1)
-    return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total} requests"
-
-
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bufc demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="bufc demo",
+        description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", "'"),
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-prompt", type=int, default=400, help="longest prompt, in tokens")
@@ -44,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         import transformers  # noqa: F401
+        from tqdm import tqdm  # transformers depends on it
     except ImportError:
         print("bufc demo needs transformers: pip install transformers", file=sys.stderr)
         return 1
@@ -69,17 +69,19 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.tokens_per_block} tokens/block, {where}"
     )
     print(f"{'step':>5} {'in flight':>9} {'ctx':>4} {'gen':>4} {'tokens':>6} {'prepare_step':>13}")
-    tty = sys.stdout.isatty()
+    # on a terminal the bar redraws in place; otherwise tqdm writes a line at most every
+    # 5 seconds (mininterval), so captured output stays short
+    tty = sys.stderr.isatty()
+    bar = tqdm(total=len(jobs), unit="req", desc="requests", mininterval=0.1 if tty else 5.0)
 
     def on_step(s: StepStats) -> None:
         if s.step % args.every == 0:
-            line = (
+            bar.write(
                 f"{s.step:5d} {s.in_flight:9d} {s.context_requests:4d} {s.generation_requests:4d} "
-                f"{s.tokens:6d} {s.prepare_s * 1e6:10.0f} us"
+                f"{s.tokens:6d} {s.prepare_s * 1e6:10.0f} us",
+                file=sys.stdout,
             )
-            print(("\r" + " " * 60 + "\r" if tty else "") + line)
-        if tty:
-            print("\r" + _bar(s.finished, len(jobs)), end="", flush=True)
+        bar.update(s.finished - bar.n)
 
     if world > 1:
         from .distributed import run_world
@@ -99,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         result = executor.run(jobs, on_step=on_step)
         elapsed = time.perf_counter() - start
-    print(("\r" if tty else "") + _bar(len(jobs), len(jobs)))
+    bar.update(len(jobs) - bar.n)
+    bar.close()
     ref_start = time.perf_counter()
     reference = reference_tokens(model, jobs)
     ref_elapsed = time.perf_counter() - ref_start

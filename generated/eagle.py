@@ -118,7 +118,7 @@ class Config(rt.ConfigBase):
             (lambda: self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:230)'),
             (lambda: self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:232)'),
             (lambda: self.max_beam_width == 1, 'speculative decoding needs max_beam_width 1 (buffers.yaml:235)'),
-            (lambda: self.max_draft_tokens >= 1, 'speculative decoding needs max_draft_tokens of at least 1 (buffers.yaml:241)'),
+            (lambda: self.max_draft_tokens >= 1, 'speculative decoding needs max_draft_tokens of at least 1 (buffers.yaml:244)'),
         )
 
 
@@ -136,7 +136,7 @@ SIZE_BOUNDS = (
 )
 
 TENSORS = (
-    # buffers.yaml:370: Token ids of the packed batch, staged on the host.
+    # buffers.yaml:373: Token ids of the packed batch, staged on the host.
     rt.TensorDecl(
         'host_input_ids',
         dtype=torch.int32,
@@ -147,7 +147,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.pp_rank == 0,
     ),
-    # buffers.yaml:379: Token ids of the packed batch; context chunks first, then each generation beam.
+    # buffers.yaml:382: Token ids of the packed batch; context chunks first, then each generation beam.
     rt.TensorDecl(
         'input_ids',
         dtype=torch.int32,
@@ -159,7 +159,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == 0,
         inputs=(rt.Bind('input_ids'),),
     ),
-    # buffers.yaml:387: Position of every input token (one per generation beam), staged on the host.
+    # buffers.yaml:390: Position of every input token (one per generation beam), staged on the host.
     rt.TensorDecl(
         'host_position_ids',
         dtype=torch.int32,
@@ -170,7 +170,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:425: Position ids of the packed batch.
+    # buffers.yaml:428: Position ids of the packed batch.
     rt.TensorDecl(
         'position_ids',
         dtype=torch.int32,
@@ -182,7 +182,7 @@ TENSORS = (
         inputs=(rt.Bind('position_ids'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:451: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+    # buffers.yaml:454: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
     rt.TensorDecl(
         'host_context_lengths',
         dtype=torch.int32,
@@ -193,7 +193,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_lengths'),),
     ),
-    # buffers.yaml:462: Device copy of host_context_lengths.
+    # buffers.yaml:465: Device copy of host_context_lengths.
     rt.TensorDecl(
         'context_lengths',
         dtype=torch.int32,
@@ -204,7 +204,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('context_lengths'),),
     ),
-    # buffers.yaml:468: Tokens of each sequence once this step's inputs are appended, staged on the host.
+    # buffers.yaml:471: Tokens of each sequence once this step's inputs are appended, staged on the host.
     rt.TensorDecl(
         'host_sequence_lengths',
         dtype=torch.int32,
@@ -214,7 +214,7 @@ TENSORS = (
         fill=fills.sequence_lengths,
         pad=0,
     ),
-    # buffers.yaml:477: Tokens of each sequence once this step's inputs are appended.
+    # buffers.yaml:480: Tokens of each sequence once this step's inputs are appended.
     rt.TensorDecl(
         'sequence_length',
         dtype=torch.int32,
@@ -225,7 +225,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('sequence_length'),),
     ),
-    # buffers.yaml:483: Kind of each sequence, 0 for context and 1 for generation.
+    # buffers.yaml:486: Kind of each sequence, 0 for context and 1 for generation.
     rt.TensorDecl(
         'host_request_types',
         dtype=torch.int32,
@@ -236,7 +236,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
-    # buffers.yaml:494: KV-cache length of each sequence after this step (generation excludes drafts).
+    # buffers.yaml:497: KV-cache length of each sequence after this step (generation excludes drafts).
     rt.TensorDecl(
         'host_past_key_value_lengths',
         dtype=torch.int32,
@@ -247,7 +247,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_past_key_value_lengths'),),
     ),
-    # buffers.yaml:507: 1-based index in the packed tokens of the last token of each logit row.
+    # buffers.yaml:510: 1-based index in the packed tokens of the last token of each logit row.
     rt.TensorDecl(
         'host_last_token_ids',
         dtype=torch.int32,
@@ -257,7 +257,7 @@ TENSORS = (
         fill=fills.last_token_ids,
         pad=0,
     ),
-    # buffers.yaml:516: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
+    # buffers.yaml:519: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
     rt.TensorDecl(
         'last_token_ids',
         dtype=torch.int32,
@@ -268,7 +268,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('last_token_ids'),),
     ),
-    # buffers.yaml:522: Logits of every logit row over the padded vocabulary (last pipeline rank).
+    # buffers.yaml:525: Logits of every logit row over the padded vocabulary (last pipeline rank).
     rt.TensorDecl(
         'logits',
         dtype=lambda c: c.logits_dtype,
@@ -279,7 +279,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and not c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:536: Logits of every token of the step (gather_context_logits), last pipeline rank.
+    # buffers.yaml:539: Logits of every token of the step (gather_context_logits), last pipeline rank.
     rt.TensorDecl(
         'context_logits',
         dtype=lambda c: c.logits_dtype,
@@ -290,7 +290,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:561: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
+    # buffers.yaml:564: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
     rt.TensorDecl(
         'generation_logits_transposed',
         dtype=lambda c: c.logits_dtype,
@@ -300,7 +300,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:569: Device pointers of the logits fragments to merge.
+    # buffers.yaml:572: Device pointers of the logits fragments to merge.
     rt.TensorDecl(
         'generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -310,7 +310,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:577: Host pointer lists of the logits fragments, one row per merge.
+    # buffers.yaml:580: Host pointer lists of the logits fragments, one row per merge.
     rt.TensorDecl(
         'host_generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -320,7 +320,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:587: KV-cache block index of every block of each sequence, K row then V row.
+    # buffers.yaml:590: KV-cache block index of every block of each sequence, K row then V row.
     rt.TensorDecl(
         'host_kv_cache_block_offsets',
         dtype=torch.int32,
@@ -331,7 +331,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:598: Device copy of host_kv_cache_block_offsets.
+    # buffers.yaml:601: Device copy of host_kv_cache_block_offsets.
     rt.TensorDecl(
         'kv_cache_block_offsets',
         dtype=torch.int32,
@@ -342,7 +342,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:604: Static: (primary, secondary) address of each KV pool.
+    # buffers.yaml:607: Static: (primary, secondary) address of each KV pool.
     rt.TensorDecl(
         'host_kv_cache_pool_pointers',
         dtype=torch.int64,
@@ -352,7 +352,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_pointers'),),
     ),
-    # buffers.yaml:614: Static: (pool, layer in pool) of each layer of this rank.
+    # buffers.yaml:617: Static: (pool, layer in pool) of each layer of this rank.
     rt.TensorDecl(
         'host_kv_cache_pool_mapping',
         dtype=torch.int32,
@@ -362,7 +362,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_mapping'),),
     ),
-    # buffers.yaml:636: Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
+    # buffers.yaml:639: Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
     rt.TensorDecl(
         'cache_indirection',
         dtype=torch.int32,
@@ -372,7 +372,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('cache_indirection'),),
     ),
-    # buffers.yaml:647: Source, destination and size of the copy of each generation request's cache indirection.
+    # buffers.yaml:650: Source, destination and size of the copy of each generation request's cache indirection.
     rt.TensorDecl(
         'host_cache_indirection_copies',
         dtype=torch.int64,
@@ -383,7 +383,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:656: Device copy of host_cache_indirection_copies, read by the batched copy kernel.
+    # buffers.yaml:659: Device copy of host_cache_indirection_copies, read by the batched copy kernel.
     rt.TensorDecl(
         'cache_indirection_copies',
         dtype=torch.int64,
@@ -394,7 +394,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:660: Source, destination and size of each request's decoder output-to-input indirection copy.
+    # buffers.yaml:663: Source, destination and size of each request's decoder output-to-input indirection copy.
     rt.TensorDecl(
         'host_cache_indirection_decoder_copies',
         dtype=torch.int64,
@@ -405,7 +405,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:669: Device copy of host_cache_indirection_decoder_copies.
+    # buffers.yaml:672: Device copy of host_cache_indirection_decoder_copies.
     rt.TensorDecl(
         'cache_indirection_decoder_copies',
         dtype=torch.int64,
@@ -416,7 +416,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:675: Attention window of each layer on this pipeline rank.
+    # buffers.yaml:678: Attention window of each layer on this pipeline rank.
     rt.TensorDecl(
         'host_max_attention_window_sizes',
         dtype=torch.int32,
@@ -426,7 +426,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.max_attention_window),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),
-    # buffers.yaml:695: Attention sink tokens.
+    # buffers.yaml:698: Attention sink tokens.
     rt.TensorDecl(
         'host_sink_token_length',
         dtype=torch.int32,
@@ -436,7 +436,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.sink_token_length),
         inputs=(rt.Bind('host_sink_token_length'),),
     ),
-    # buffers.yaml:705: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
+    # buffers.yaml:708: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
     rt.TensorDecl(
         'host_context_progress',
         dtype=torch.int64,
@@ -447,7 +447,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_progress'),),
     ),
-    # buffers.yaml:716: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
+    # buffers.yaml:719: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
     rt.TensorDecl(
         'host_runtime_perf_knobs',
         dtype=torch.int64,
@@ -458,7 +458,7 @@ TENSORS = (
         pad=-1,
         inputs=(rt.Bind('host_runtime_perf_knobs'),),
     ),
-    # buffers.yaml:727: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
+    # buffers.yaml:730: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
     rt.TensorDecl(
         'host_all_reduce_workspace',
         dtype=torch.int64,
@@ -469,7 +469,7 @@ TENSORS = (
         when=lambda c: c.tp_size > 1,
         inputs=(rt.Bind('all_reduce_workspace'),),
     ),
-    # buffers.yaml:737: Decoder slot of each request, context requests first.
+    # buffers.yaml:740: Decoder slot of each request, context requests first.
     rt.TensorDecl(
         'host_seq_slots',
         dtype=torch.int32,
@@ -479,7 +479,7 @@ TENSORS = (
         fill=fills.seq_slots,
         pad=0,
     ),
-    # buffers.yaml:746: Device copy of host_seq_slots, for decoder-side gathers.
+    # buffers.yaml:749: Device copy of host_seq_slots, for decoder-side gathers.
     rt.TensorDecl(
         'seq_slots',
         dtype=torch.int32,
@@ -489,7 +489,7 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
-    # buffers.yaml:1106: Speculative decoding on (1).
+    # buffers.yaml:1109: Speculative decoding on (1).
     rt.TensorDecl(
         'spec_decoding_use',
         dtype=torch.int32,
@@ -499,7 +499,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: 1),
         inputs=(rt.Bind('spec_decoding_use'),),
     ),
-    # buffers.yaml:1159: Packed attention mask of each generation request's decoding tokens (written by the drafter).
+    # buffers.yaml:1162: Packed attention mask of each generation request's decoding tokens (written by the drafter).
     rt.TensorDecl(
         'spec_packed_mask',
         dtype=torch.int32,
@@ -509,7 +509,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_packed_mask'),),
     ),
-    # buffers.yaml:1169: Tokens each generation request feeds (written by the drafter).
+    # buffers.yaml:1172: Tokens each generation request feeds (written by the drafter).
     rt.TensorDecl(
         'spec_generation_lengths',
         dtype=torch.int32,
@@ -519,7 +519,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_generation_lengths'),),
     ),
-    # buffers.yaml:1179: Position offset of each decoding token (written by the drafter).
+    # buffers.yaml:1182: Position offset of each decoding token (written by the drafter).
     rt.TensorDecl(
         'spec_position_offsets',
         dtype=torch.int32,
@@ -529,7 +529,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_position_offsets'),),
     ),
-    # buffers.yaml:1396: Static: 1 for greedy draft sampling (EagleConfig).
+    # buffers.yaml:1399: Static: 1 for greedy draft sampling (EagleConfig).
     rt.TensorDecl(
         'host_eagle_greedy_sampling',
         dtype=torch.int32,
@@ -540,7 +540,7 @@ TENSORS = (
         pad=1,
         inputs=(rt.Bind('greedy_sampling'),),
     ),
-    # buffers.yaml:1407: Sampling temperature of each request (written by the drafter).
+    # buffers.yaml:1410: Sampling temperature of each request (written by the drafter).
     rt.TensorDecl(
         'eagle_temperature',
         dtype=torch.float32,
@@ -551,7 +551,7 @@ TENSORS = (
         inputs=(rt.Bind('eagle_temperature'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1417: Posterior threshold of each request (its own or 0.09), staged on the host.
+    # buffers.yaml:1420: Posterior threshold of each request (its own or 0.09), staged on the host.
     rt.TensorDecl(
         'host_eagle_posterior_thresholds',
         dtype=torch.float32,
@@ -562,7 +562,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1426: Posterior threshold of each request.
+    # buffers.yaml:1429: Posterior threshold of each request.
     rt.TensorDecl(
         'posterior_threshold',
         dtype=torch.float32,
@@ -574,7 +574,7 @@ TENSORS = (
         inputs=(rt.Bind('posterior_threshold'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1432: Square root of each request's posterior threshold, staged on the host.
+    # buffers.yaml:1435: Square root of each request's posterior threshold, staged on the host.
     rt.TensorDecl(
         'host_eagle_posterior_alphas',
         dtype=torch.float32,
@@ -585,7 +585,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1441: Square root of each request's posterior threshold.
+    # buffers.yaml:1444: Square root of each request's posterior threshold.
     rt.TensorDecl(
         'posterior_alpha',
         dtype=torch.float32,
@@ -597,7 +597,7 @@ TENSORS = (
         inputs=(rt.Bind('posterior_alpha'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1447: Random number of each request for sampling (written by the drafter).
+    # buffers.yaml:1450: Random number of each request for sampling (written by the drafter).
     rt.TensorDecl(
         'eagle_rand_data_sample',
         dtype=torch.float32,
@@ -608,7 +608,7 @@ TENSORS = (
         inputs=(rt.Bind('rand_data_sample'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1457: Random numbers of each decoding token for validation (written by the drafter).
+    # buffers.yaml:1460: Random numbers of each decoding token for validation (written by the drafter).
     rt.TensorDecl(
         'eagle_rand_data_validation',
         dtype=torch.float32,
@@ -619,7 +619,7 @@ TENSORS = (
         inputs=(rt.Bind('rand_data_validation'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1467: Draft tokens of each request (-1 on a context request's last chunk; written by the drafter).
+    # buffers.yaml:1470: Draft tokens of each request (-1 on a context request's last chunk; written by the drafter).
     rt.TensorDecl(
         'eagle_draft_tokens',
         dtype=torch.int32,
@@ -630,7 +630,7 @@ TENSORS = (
         inputs=(rt.Bind('draft_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1477: Draft tokens of each request (written by the drafter).
+    # buffers.yaml:1480: Draft tokens of each request (written by the drafter).
     rt.TensorDecl(
         'eagle_draft_lens',
         dtype=torch.int32,
@@ -641,7 +641,7 @@ TENSORS = (
         inputs=(rt.Bind('draft_lens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1487: Draft tree paths of each request (written by the drafter).
+    # buffers.yaml:1490: Draft tree paths of each request (written by the drafter).
     rt.TensorDecl(
         'eagle_draft_paths',
         dtype=torch.int32,
@@ -652,7 +652,7 @@ TENSORS = (
         inputs=(rt.Bind('draft_paths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1497: EagleNet context-phase request type of each request (copied from the decoder state).
+    # buffers.yaml:1500: EagleNet context-phase request type of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_context_request_types',
         dtype=torch.int32,
@@ -663,7 +663,7 @@ TENSORS = (
         inputs=(rt.Bind('host_ctx_eagle_net_request_types'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1507: EagleNet context-phase context length of each request (copied from the decoder state).
+    # buffers.yaml:1510: EagleNet context-phase context length of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_context_lengths',
         dtype=torch.int32,
@@ -674,7 +674,7 @@ TENSORS = (
         inputs=(rt.Bind('host_ctx_eagle_net_context_lengths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1517: EagleNet context-phase past KV length of each request (copied from the decoder state).
+    # buffers.yaml:1520: EagleNet context-phase past KV length of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_context_past_kv_lengths',
         dtype=torch.int32,
@@ -685,7 +685,7 @@ TENSORS = (
         inputs=(rt.Bind('host_ctx_eagle_net_past_key_value_lengths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1527: EagleNet generation-phase request type of each request (copied from the decoder state).
+    # buffers.yaml:1530: EagleNet generation-phase request type of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_generation_request_types',
         dtype=torch.int32,
@@ -696,7 +696,7 @@ TENSORS = (
         inputs=(rt.Bind('host_gen_eagle_net_request_types'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1537: EagleNet generation-phase context length of each request (copied from the decoder state).
+    # buffers.yaml:1540: EagleNet generation-phase context length of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_generation_context_lengths',
         dtype=torch.int32,
@@ -707,7 +707,7 @@ TENSORS = (
         inputs=(rt.Bind('host_gen_eagle_net_context_lengths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1547: EagleNet generation-phase past KV length of each request (copied from the decoder state).
+    # buffers.yaml:1550: EagleNet generation-phase past KV length of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_generation_past_kv_lengths',
         dtype=torch.int32,
@@ -718,7 +718,7 @@ TENSORS = (
         inputs=(rt.Bind('host_gen_eagle_net_past_key_value_lengths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1557: Generation input tokens of the EagleNets (the reference shapes it but never writes it).
+    # buffers.yaml:1560: Generation input tokens of the EagleNets (the reference shapes it but never writes it).
     rt.TensorDecl(
         'host_eagle_input_generation_tokens',
         dtype=torch.int32,
@@ -729,7 +729,7 @@ TENSORS = (
         inputs=(rt.Bind('input_gen_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1567: The token after each context request's chunk (-1 on a last chunk and for generation).
+    # buffers.yaml:1570: The token after each context request's chunk (-1 on a last chunk and for generation).
     rt.TensorDecl(
         'host_chunked_context_next_tokens',
         dtype=torch.int32,
@@ -740,7 +740,7 @@ TENSORS = (
         pad=-1,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1576: Device copy of host_chunked_context_next_tokens.
+    # buffers.yaml:1579: Device copy of host_chunked_context_next_tokens.
     rt.TensorDecl(
         'chunked_context_next_tokens',
         dtype=torch.int32,
@@ -752,7 +752,7 @@ TENSORS = (
         inputs=(rt.Bind('chunked_context_next_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1582: Static: 1 for Eagle-2 dynamic trees.
+    # buffers.yaml:1585: Static: 1 for Eagle-2 dynamic trees.
     rt.TensorDecl(
         'host_eagle_use_dynamic_tree',
         dtype=torch.int32,
@@ -763,7 +763,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('use_dynamic_tree'),),
     ),
-    # buffers.yaml:1593: Static: top-k of each Eagle-2 dynamic tree layer, or -1.
+    # buffers.yaml:1596: Static: top-k of each Eagle-2 dynamic tree layer, or -1.
     rt.TensorDecl(
         'host_eagle_dynamic_tree_max_top_k',
         dtype=torch.int32,
@@ -774,7 +774,7 @@ TENSORS = (
         pad=-1,
         inputs=(rt.Bind('dynamic_tree_max_topK'),),
     ),
-    # buffers.yaml:1604: EagleNet scratch, scores of the previous layer (the engine writes it).
+    # buffers.yaml:1607: EagleNet scratch, scores of the previous layer (the engine writes it).
     rt.TensorDecl(
         'eagle_prev_scores',
         dtype=torch.float32,
@@ -785,7 +785,7 @@ TENSORS = (
         inputs=(rt.Bind('prev_scores'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1614: EagleNet scratch, expanded indices of the current layer (the engine writes it).
+    # buffers.yaml:1617: EagleNet scratch, expanded indices of the current layer (the engine writes it).
     rt.TensorDecl(
         'eagle_current_expand_indices',
         dtype=torch.int32,
@@ -796,7 +796,7 @@ TENSORS = (
         inputs=(rt.Bind('current_expand_indices'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1624: EagleNet scratch, scores of every layer (the engine writes it).
+    # buffers.yaml:1627: EagleNet scratch, scores of every layer (the engine writes it).
     rt.TensorDecl(
         'eagle_all_layers_scores',
         dtype=torch.float32,
@@ -807,7 +807,7 @@ TENSORS = (
         inputs=(rt.Bind('all_layers_scores'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1634: EagleNet scratch, draft tokens of every layer (the engine writes it).
+    # buffers.yaml:1637: EagleNet scratch, draft tokens of every layer (the engine writes it).
     rt.TensorDecl(
         'eagle_all_layers_draft_token_ids',
         dtype=torch.int32,
@@ -818,7 +818,7 @@ TENSORS = (
         inputs=(rt.Bind('all_layers_draft_token_ids'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1644: EagleNet scratch, predecessor of every layer's draft tokens (the engine writes it).
+    # buffers.yaml:1647: EagleNet scratch, predecessor of every layer's draft tokens (the engine writes it).
     rt.TensorDecl(
         'eagle_all_layers_draft_token_ids_predecessor',
         dtype=torch.int32,
@@ -829,7 +829,7 @@ TENSORS = (
         inputs=(rt.Bind('all_layers_draft_token_ids_predecessor'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1654: Next draft tokens of each path (engine output).
+    # buffers.yaml:1657: Next draft tokens of each path (engine output).
     rt.TensorDecl(
         'eagle_next_draft_tokens',
         dtype=torch.int32,
@@ -839,7 +839,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('next_draft_tokens'),),
     ),
-    # buffers.yaml:1664: Next draft tokens of each request (engine output).
+    # buffers.yaml:1667: Next draft tokens of each request (engine output).
     rt.TensorDecl(
         'eagle_next_draft_lens',
         dtype=torch.int32,
@@ -849,7 +849,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('next_draft_lens'),),
     ),
-    # buffers.yaml:1674: Next draft tree paths (engine output).
+    # buffers.yaml:1677: Next draft tree paths (engine output).
     rt.TensorDecl(
         'eagle_next_draft_paths',
         dtype=torch.int32,
@@ -859,7 +859,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('next_draft_paths'),),
     ),
-    # buffers.yaml:1684: Accepted tokens of each request (engine output).
+    # buffers.yaml:1687: Accepted tokens of each request (engine output).
     rt.TensorDecl(
         'eagle_accepted_tokens',
         dtype=torch.int32,
@@ -869,7 +869,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('accepted_tokens'),),
     ),
-    # buffers.yaml:1694: Accepted token count of each request (engine output).
+    # buffers.yaml:1697: Accepted token count of each request (engine output).
     rt.TensorDecl(
         'eagle_num_accepted_tokens',
         dtype=torch.int32,
@@ -879,7 +879,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('num_accepted_tokens'),),
     ),
-    # buffers.yaml:1704: Accepted path of each request (engine output).
+    # buffers.yaml:1707: Accepted path of each request (engine output).
     rt.TensorDecl(
         'eagle_accepted_paths',
         dtype=torch.int32,

@@ -112,7 +112,7 @@ class Config(rt.ConfigBase):
             (lambda: self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:230)'),
             (lambda: self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:232)'),
             (lambda: self.max_beam_width == 1, 'speculative decoding needs max_beam_width 1 (buffers.yaml:235)'),
-            (lambda: self.max_draft_tokens >= 1, 'speculative decoding needs max_draft_tokens of at least 1 (buffers.yaml:241)'),
+            (lambda: self.max_draft_tokens >= 1, 'speculative decoding needs max_draft_tokens of at least 1 (buffers.yaml:244)'),
         )
 
 
@@ -130,7 +130,7 @@ SIZE_BOUNDS = (
 )
 
 TENSORS = (
-    # buffers.yaml:370: Token ids of the packed batch, staged on the host.
+    # buffers.yaml:373: Token ids of the packed batch, staged on the host.
     rt.TensorDecl(
         'host_input_ids',
         dtype=torch.int32,
@@ -141,7 +141,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.pp_rank == 0,
     ),
-    # buffers.yaml:379: Token ids of the packed batch; context chunks first, then each generation beam.
+    # buffers.yaml:382: Token ids of the packed batch; context chunks first, then each generation beam.
     rt.TensorDecl(
         'input_ids',
         dtype=torch.int32,
@@ -153,7 +153,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == 0,
         inputs=(rt.Bind('input_ids'),),
     ),
-    # buffers.yaml:416: Positions of the context tokens; the drafter writes the generation part on the device.
+    # buffers.yaml:419: Positions of the context tokens; the drafter writes the generation part on the device.
     rt.TensorDecl(
         'host_spec_position_ids',
         dtype=torch.int32,
@@ -163,7 +163,7 @@ TENSORS = (
         fill=fills.context_position_ids,
         pad=0,
     ),
-    # buffers.yaml:443: Position ids (context part copied, generation part written by the drafter after it).
+    # buffers.yaml:446: Position ids (context part copied, generation part written by the drafter after it).
     rt.TensorDecl(
         'spec_position_ids',
         dtype=torch.int32,
@@ -174,7 +174,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('position_ids'),),
     ),
-    # buffers.yaml:451: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+    # buffers.yaml:454: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
     rt.TensorDecl(
         'host_context_lengths',
         dtype=torch.int32,
@@ -185,7 +185,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_lengths'),),
     ),
-    # buffers.yaml:462: Device copy of host_context_lengths.
+    # buffers.yaml:465: Device copy of host_context_lengths.
     rt.TensorDecl(
         'context_lengths',
         dtype=torch.int32,
@@ -196,7 +196,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('context_lengths'),),
     ),
-    # buffers.yaml:468: Tokens of each sequence once this step's inputs are appended, staged on the host.
+    # buffers.yaml:471: Tokens of each sequence once this step's inputs are appended, staged on the host.
     rt.TensorDecl(
         'host_sequence_lengths',
         dtype=torch.int32,
@@ -206,7 +206,7 @@ TENSORS = (
         fill=fills.sequence_lengths,
         pad=0,
     ),
-    # buffers.yaml:477: Tokens of each sequence once this step's inputs are appended.
+    # buffers.yaml:480: Tokens of each sequence once this step's inputs are appended.
     rt.TensorDecl(
         'sequence_length',
         dtype=torch.int32,
@@ -217,7 +217,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('sequence_length'),),
     ),
-    # buffers.yaml:483: Kind of each sequence, 0 for context and 1 for generation.
+    # buffers.yaml:486: Kind of each sequence, 0 for context and 1 for generation.
     rt.TensorDecl(
         'host_request_types',
         dtype=torch.int32,
@@ -228,7 +228,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
-    # buffers.yaml:494: KV-cache length of each sequence after this step (generation excludes drafts).
+    # buffers.yaml:497: KV-cache length of each sequence after this step (generation excludes drafts).
     rt.TensorDecl(
         'host_past_key_value_lengths',
         dtype=torch.int32,
@@ -239,7 +239,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_past_key_value_lengths'),),
     ),
-    # buffers.yaml:507: 1-based index in the packed tokens of the last token of each logit row.
+    # buffers.yaml:510: 1-based index in the packed tokens of the last token of each logit row.
     rt.TensorDecl(
         'host_last_token_ids',
         dtype=torch.int32,
@@ -249,7 +249,7 @@ TENSORS = (
         fill=fills.last_token_ids,
         pad=0,
     ),
-    # buffers.yaml:516: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
+    # buffers.yaml:519: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
     rt.TensorDecl(
         'last_token_ids',
         dtype=torch.int32,
@@ -260,7 +260,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('last_token_ids'),),
     ),
-    # buffers.yaml:522: Logits of every logit row over the padded vocabulary (last pipeline rank).
+    # buffers.yaml:525: Logits of every logit row over the padded vocabulary (last pipeline rank).
     rt.TensorDecl(
         'logits',
         dtype=lambda c: c.logits_dtype,
@@ -271,7 +271,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and not c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:536: Logits of every token of the step (gather_context_logits), last pipeline rank.
+    # buffers.yaml:539: Logits of every token of the step (gather_context_logits), last pipeline rank.
     rt.TensorDecl(
         'context_logits',
         dtype=lambda c: c.logits_dtype,
@@ -282,7 +282,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:561: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
+    # buffers.yaml:564: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
     rt.TensorDecl(
         'generation_logits_transposed',
         dtype=lambda c: c.logits_dtype,
@@ -292,7 +292,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:569: Device pointers of the logits fragments to merge.
+    # buffers.yaml:572: Device pointers of the logits fragments to merge.
     rt.TensorDecl(
         'generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -302,7 +302,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:577: Host pointer lists of the logits fragments, one row per merge.
+    # buffers.yaml:580: Host pointer lists of the logits fragments, one row per merge.
     rt.TensorDecl(
         'host_generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -312,7 +312,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:587: KV-cache block index of every block of each sequence, K row then V row.
+    # buffers.yaml:590: KV-cache block index of every block of each sequence, K row then V row.
     rt.TensorDecl(
         'host_kv_cache_block_offsets',
         dtype=torch.int32,
@@ -323,7 +323,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:598: Device copy of host_kv_cache_block_offsets.
+    # buffers.yaml:601: Device copy of host_kv_cache_block_offsets.
     rt.TensorDecl(
         'kv_cache_block_offsets',
         dtype=torch.int32,
@@ -334,7 +334,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:604: Static: (primary, secondary) address of each KV pool.
+    # buffers.yaml:607: Static: (primary, secondary) address of each KV pool.
     rt.TensorDecl(
         'host_kv_cache_pool_pointers',
         dtype=torch.int64,
@@ -344,7 +344,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_pointers'),),
     ),
-    # buffers.yaml:614: Static: (pool, layer in pool) of each layer of this rank.
+    # buffers.yaml:617: Static: (pool, layer in pool) of each layer of this rank.
     rt.TensorDecl(
         'host_kv_cache_pool_mapping',
         dtype=torch.int32,
@@ -354,7 +354,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_mapping'),),
     ),
-    # buffers.yaml:636: Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
+    # buffers.yaml:639: Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
     rt.TensorDecl(
         'cache_indirection',
         dtype=torch.int32,
@@ -364,7 +364,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('cache_indirection'),),
     ),
-    # buffers.yaml:647: Source, destination and size of the copy of each generation request's cache indirection.
+    # buffers.yaml:650: Source, destination and size of the copy of each generation request's cache indirection.
     rt.TensorDecl(
         'host_cache_indirection_copies',
         dtype=torch.int64,
@@ -375,7 +375,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:656: Device copy of host_cache_indirection_copies, read by the batched copy kernel.
+    # buffers.yaml:659: Device copy of host_cache_indirection_copies, read by the batched copy kernel.
     rt.TensorDecl(
         'cache_indirection_copies',
         dtype=torch.int64,
@@ -386,7 +386,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:660: Source, destination and size of each request's decoder output-to-input indirection copy.
+    # buffers.yaml:663: Source, destination and size of each request's decoder output-to-input indirection copy.
     rt.TensorDecl(
         'host_cache_indirection_decoder_copies',
         dtype=torch.int64,
@@ -397,7 +397,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:669: Device copy of host_cache_indirection_decoder_copies.
+    # buffers.yaml:672: Device copy of host_cache_indirection_decoder_copies.
     rt.TensorDecl(
         'cache_indirection_decoder_copies',
         dtype=torch.int64,
@@ -408,7 +408,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:675: Attention window of each layer on this pipeline rank.
+    # buffers.yaml:678: Attention window of each layer on this pipeline rank.
     rt.TensorDecl(
         'host_max_attention_window_sizes',
         dtype=torch.int32,
@@ -418,7 +418,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.max_attention_window),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),
-    # buffers.yaml:695: Attention sink tokens.
+    # buffers.yaml:698: Attention sink tokens.
     rt.TensorDecl(
         'host_sink_token_length',
         dtype=torch.int32,
@@ -428,7 +428,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.sink_token_length),
         inputs=(rt.Bind('host_sink_token_length'),),
     ),
-    # buffers.yaml:705: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
+    # buffers.yaml:708: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
     rt.TensorDecl(
         'host_context_progress',
         dtype=torch.int64,
@@ -439,7 +439,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_progress'),),
     ),
-    # buffers.yaml:716: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
+    # buffers.yaml:719: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
     rt.TensorDecl(
         'host_runtime_perf_knobs',
         dtype=torch.int64,
@@ -450,7 +450,7 @@ TENSORS = (
         pad=-1,
         inputs=(rt.Bind('host_runtime_perf_knobs'),),
     ),
-    # buffers.yaml:727: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
+    # buffers.yaml:730: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
     rt.TensorDecl(
         'host_all_reduce_workspace',
         dtype=torch.int64,
@@ -461,7 +461,7 @@ TENSORS = (
         when=lambda c: c.tp_size > 1,
         inputs=(rt.Bind('all_reduce_workspace'),),
     ),
-    # buffers.yaml:737: Decoder slot of each request, context requests first.
+    # buffers.yaml:740: Decoder slot of each request, context requests first.
     rt.TensorDecl(
         'host_seq_slots',
         dtype=torch.int32,
@@ -471,7 +471,7 @@ TENSORS = (
         fill=fills.seq_slots,
         pad=0,
     ),
-    # buffers.yaml:746: Device copy of host_seq_slots, for decoder-side gathers.
+    # buffers.yaml:749: Device copy of host_seq_slots, for decoder-side gathers.
     rt.TensorDecl(
         'seq_slots',
         dtype=torch.int32,
@@ -481,7 +481,7 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
-    # buffers.yaml:1106: Speculative decoding on (1).
+    # buffers.yaml:1109: Speculative decoding on (1).
     rt.TensorDecl(
         'spec_decoding_use',
         dtype=torch.int32,
@@ -491,7 +491,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: 1),
         inputs=(rt.Bind('spec_decoding_use'),),
     ),
-    # buffers.yaml:1159: Packed attention mask of each generation request's decoding tokens (written by the drafter).
+    # buffers.yaml:1162: Packed attention mask of each generation request's decoding tokens (written by the drafter).
     rt.TensorDecl(
         'spec_packed_mask',
         dtype=torch.int32,
@@ -501,7 +501,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_packed_mask'),),
     ),
-    # buffers.yaml:1169: Tokens each generation request feeds (written by the drafter).
+    # buffers.yaml:1172: Tokens each generation request feeds (written by the drafter).
     rt.TensorDecl(
         'spec_generation_lengths',
         dtype=torch.int32,
@@ -511,7 +511,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_generation_lengths'),),
     ),
-    # buffers.yaml:1179: Position offset of each decoding token (written by the drafter).
+    # buffers.yaml:1182: Position offset of each decoding token (written by the drafter).
     rt.TensorDecl(
         'spec_position_offsets',
         dtype=torch.int32,

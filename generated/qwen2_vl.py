@@ -123,7 +123,7 @@ class Config(rt.ConfigBase):
             (lambda: self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:228)'),
             (lambda: self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:230)'),
             (lambda: self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:232)'),
-            (lambda: self.max_prompt_embedding_table_size >= self.max_batch_size, 'the prompt table needs at least one row per request (buffers.yaml:244)'),
+            (lambda: self.max_prompt_embedding_table_size >= self.max_batch_size, 'the prompt table needs at least one row per request (buffers.yaml:247)'),
         )
 
 
@@ -141,7 +141,7 @@ SIZE_BOUNDS = (
 )
 
 TENSORS = (
-    # buffers.yaml:370: Token ids of the packed batch, staged on the host.
+    # buffers.yaml:373: Token ids of the packed batch, staged on the host.
     rt.TensorDecl(
         'host_input_ids',
         dtype=torch.int32,
@@ -152,7 +152,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.pp_rank == 0,
     ),
-    # buffers.yaml:379: Token ids of the packed batch; context chunks first, then each generation beam.
+    # buffers.yaml:382: Token ids of the packed batch; context chunks first, then each generation beam.
     rt.TensorDecl(
         'input_ids',
         dtype=torch.int32,
@@ -164,7 +164,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == 0,
         inputs=(rt.Bind('input_ids'),),
     ),
-    # buffers.yaml:387: Position of every input token (one per generation beam), staged on the host.
+    # buffers.yaml:390: Position of every input token (one per generation beam), staged on the host.
     rt.TensorDecl(
         'host_position_ids',
         dtype=torch.int32,
@@ -175,7 +175,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:425: Position ids of the packed batch.
+    # buffers.yaml:428: Position ids of the packed batch.
     rt.TensorDecl(
         'position_ids',
         dtype=torch.int32,
@@ -187,7 +187,7 @@ TENSORS = (
         inputs=(rt.Bind('position_ids'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:451: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+    # buffers.yaml:454: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
     rt.TensorDecl(
         'host_context_lengths',
         dtype=torch.int32,
@@ -198,7 +198,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_lengths'),),
     ),
-    # buffers.yaml:462: Device copy of host_context_lengths.
+    # buffers.yaml:465: Device copy of host_context_lengths.
     rt.TensorDecl(
         'context_lengths',
         dtype=torch.int32,
@@ -209,7 +209,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('context_lengths'),),
     ),
-    # buffers.yaml:468: Tokens of each sequence once this step's inputs are appended, staged on the host.
+    # buffers.yaml:471: Tokens of each sequence once this step's inputs are appended, staged on the host.
     rt.TensorDecl(
         'host_sequence_lengths',
         dtype=torch.int32,
@@ -219,7 +219,7 @@ TENSORS = (
         fill=fills.sequence_lengths,
         pad=0,
     ),
-    # buffers.yaml:477: Tokens of each sequence once this step's inputs are appended.
+    # buffers.yaml:480: Tokens of each sequence once this step's inputs are appended.
     rt.TensorDecl(
         'sequence_length',
         dtype=torch.int32,
@@ -230,7 +230,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('sequence_length'),),
     ),
-    # buffers.yaml:483: Kind of each sequence, 0 for context and 1 for generation.
+    # buffers.yaml:486: Kind of each sequence, 0 for context and 1 for generation.
     rt.TensorDecl(
         'host_request_types',
         dtype=torch.int32,
@@ -241,7 +241,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
-    # buffers.yaml:494: KV-cache length of each sequence after this step (generation excludes drafts).
+    # buffers.yaml:497: KV-cache length of each sequence after this step (generation excludes drafts).
     rt.TensorDecl(
         'host_past_key_value_lengths',
         dtype=torch.int32,
@@ -252,7 +252,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_past_key_value_lengths'),),
     ),
-    # buffers.yaml:507: 1-based index in the packed tokens of the last token of each logit row.
+    # buffers.yaml:510: 1-based index in the packed tokens of the last token of each logit row.
     rt.TensorDecl(
         'host_last_token_ids',
         dtype=torch.int32,
@@ -262,7 +262,7 @@ TENSORS = (
         fill=fills.last_token_ids,
         pad=0,
     ),
-    # buffers.yaml:516: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
+    # buffers.yaml:519: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
     rt.TensorDecl(
         'last_token_ids',
         dtype=torch.int32,
@@ -273,7 +273,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('last_token_ids'),),
     ),
-    # buffers.yaml:522: Logits of every logit row over the padded vocabulary (last pipeline rank).
+    # buffers.yaml:525: Logits of every logit row over the padded vocabulary (last pipeline rank).
     rt.TensorDecl(
         'logits',
         dtype=lambda c: c.logits_dtype,
@@ -284,7 +284,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and not c.gather_context_logits and not c.gather_generation_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:536: Logits of every token of the step (gather_context_logits), last pipeline rank.
+    # buffers.yaml:539: Logits of every token of the step (gather_context_logits), last pipeline rank.
     rt.TensorDecl(
         'context_logits',
         dtype=lambda c: c.logits_dtype,
@@ -295,7 +295,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:548: Ring of 8 step buffers of generation logits (gather_generation_logits), one bound per step.
+    # buffers.yaml:551: Ring of 8 step buffers of generation logits (gather_generation_logits), one bound per step.
     rt.TensorDecl(
         'generation_logits_cache',
         dtype=lambda c: c.logits_dtype,
@@ -307,7 +307,7 @@ TENSORS = (
         outputs=(rt.Bind('logits'),),
         ring=8,
     ),
-    # buffers.yaml:561: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
+    # buffers.yaml:564: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
     rt.TensorDecl(
         'generation_logits_transposed',
         dtype=lambda c: c.logits_dtype,
@@ -317,7 +317,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:569: Device pointers of the logits fragments to merge.
+    # buffers.yaml:572: Device pointers of the logits fragments to merge.
     rt.TensorDecl(
         'generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -327,7 +327,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:577: Host pointer lists of the logits fragments, one row per merge.
+    # buffers.yaml:580: Host pointer lists of the logits fragments, one row per merge.
     rt.TensorDecl(
         'host_generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -337,7 +337,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:587: KV-cache block index of every block of each sequence, K row then V row.
+    # buffers.yaml:590: KV-cache block index of every block of each sequence, K row then V row.
     rt.TensorDecl(
         'host_kv_cache_block_offsets',
         dtype=torch.int32,
@@ -348,7 +348,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:598: Device copy of host_kv_cache_block_offsets.
+    # buffers.yaml:601: Device copy of host_kv_cache_block_offsets.
     rt.TensorDecl(
         'kv_cache_block_offsets',
         dtype=torch.int32,
@@ -359,7 +359,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:604: Static: (primary, secondary) address of each KV pool.
+    # buffers.yaml:607: Static: (primary, secondary) address of each KV pool.
     rt.TensorDecl(
         'host_kv_cache_pool_pointers',
         dtype=torch.int64,
@@ -369,7 +369,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_pointers'),),
     ),
-    # buffers.yaml:614: Static: (pool, layer in pool) of each layer of this rank.
+    # buffers.yaml:617: Static: (pool, layer in pool) of each layer of this rank.
     rt.TensorDecl(
         'host_kv_cache_pool_mapping',
         dtype=torch.int32,
@@ -379,7 +379,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_mapping'),),
     ),
-    # buffers.yaml:636: Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
+    # buffers.yaml:639: Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
     rt.TensorDecl(
         'cache_indirection',
         dtype=torch.int32,
@@ -389,7 +389,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('cache_indirection'),),
     ),
-    # buffers.yaml:647: Source, destination and size of the copy of each generation request's cache indirection.
+    # buffers.yaml:650: Source, destination and size of the copy of each generation request's cache indirection.
     rt.TensorDecl(
         'host_cache_indirection_copies',
         dtype=torch.int64,
@@ -400,7 +400,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:656: Device copy of host_cache_indirection_copies, read by the batched copy kernel.
+    # buffers.yaml:659: Device copy of host_cache_indirection_copies, read by the batched copy kernel.
     rt.TensorDecl(
         'cache_indirection_copies',
         dtype=torch.int64,
@@ -411,7 +411,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:660: Source, destination and size of each request's decoder output-to-input indirection copy.
+    # buffers.yaml:663: Source, destination and size of each request's decoder output-to-input indirection copy.
     rt.TensorDecl(
         'host_cache_indirection_decoder_copies',
         dtype=torch.int64,
@@ -422,7 +422,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:669: Device copy of host_cache_indirection_decoder_copies.
+    # buffers.yaml:672: Device copy of host_cache_indirection_decoder_copies.
     rt.TensorDecl(
         'cache_indirection_decoder_copies',
         dtype=torch.int64,
@@ -433,7 +433,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:675: Attention window of each layer on this pipeline rank.
+    # buffers.yaml:678: Attention window of each layer on this pipeline rank.
     rt.TensorDecl(
         'host_max_attention_window_sizes',
         dtype=torch.int32,
@@ -443,7 +443,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.max_attention_window),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),
-    # buffers.yaml:695: Attention sink tokens.
+    # buffers.yaml:698: Attention sink tokens.
     rt.TensorDecl(
         'host_sink_token_length',
         dtype=torch.int32,
@@ -453,7 +453,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.sink_token_length),
         inputs=(rt.Bind('host_sink_token_length'),),
     ),
-    # buffers.yaml:705: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
+    # buffers.yaml:708: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
     rt.TensorDecl(
         'host_context_progress',
         dtype=torch.int64,
@@ -464,7 +464,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_progress'),),
     ),
-    # buffers.yaml:716: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
+    # buffers.yaml:719: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
     rt.TensorDecl(
         'host_runtime_perf_knobs',
         dtype=torch.int64,
@@ -475,7 +475,7 @@ TENSORS = (
         pad=-1,
         inputs=(rt.Bind('host_runtime_perf_knobs'),),
     ),
-    # buffers.yaml:727: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
+    # buffers.yaml:730: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
     rt.TensorDecl(
         'host_all_reduce_workspace',
         dtype=torch.int64,
@@ -486,7 +486,7 @@ TENSORS = (
         when=lambda c: c.tp_size > 1,
         inputs=(rt.Bind('all_reduce_workspace'),),
     ),
-    # buffers.yaml:737: Decoder slot of each request, context requests first.
+    # buffers.yaml:740: Decoder slot of each request, context requests first.
     rt.TensorDecl(
         'host_seq_slots',
         dtype=torch.int32,
@@ -496,7 +496,7 @@ TENSORS = (
         fill=fills.seq_slots,
         pad=0,
     ),
-    # buffers.yaml:746: Device copy of host_seq_slots, for decoder-side gathers.
+    # buffers.yaml:749: Device copy of host_seq_slots, for decoder-side gathers.
     rt.TensorDecl(
         'seq_slots',
         dtype=torch.int32,
@@ -506,7 +506,7 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
-    # buffers.yaml:981: Prompt embedding rows of each request with a table, at rows [b * max_prompt_vocab_size, ...).
+    # buffers.yaml:984: Prompt embedding rows of each request with a table, at rows [b * max_prompt_vocab_size, ...).
     rt.TensorDecl(
         'prompt_embedding_table',
         dtype=lambda c: c.model_dtype,
@@ -516,7 +516,7 @@ TENSORS = (
         fill=fills.prompt_embedding_table,
         inputs=(rt.Bind('prompt_embedding_table'),),
     ),
-    # buffers.yaml:992: Prompt table (task) of every input token, staged on the host.
+    # buffers.yaml:995: Prompt table (task) of every input token, staged on the host.
     rt.TensorDecl(
         'host_prompt_tasks',
         dtype=torch.int32,
@@ -526,7 +526,7 @@ TENSORS = (
         fill=fills.prompt_tasks,
         pad=0,
     ),
-    # buffers.yaml:1001: Prompt table (task) of every input token.
+    # buffers.yaml:1004: Prompt table (task) of every input token.
     rt.TensorDecl(
         'tasks',
         dtype=torch.int32,
@@ -537,7 +537,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('tasks'),),
     ),
-    # buffers.yaml:1007: Prompt-table rows of one request.
+    # buffers.yaml:1010: Prompt-table rows of one request.
     rt.TensorDecl(
         'prompt_vocab_size',
         dtype=torch.int32,
@@ -547,7 +547,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.max_prompt_vocab_size),
         inputs=(rt.Bind('prompt_vocab_size'),),
     ),
-    # buffers.yaml:1058: Rotary cos/sin table of each context request's row (generation rows are not read).
+    # buffers.yaml:1061: Rotary cos/sin table of each context request's row (generation rows are not read).
     rt.TensorDecl(
         'mrope_rotary_cos_sin',
         dtype=torch.float32,
@@ -557,7 +557,7 @@ TENSORS = (
         fill=fills.mrope_rotary_cos_sin,
         inputs=(rt.Bind('mrope_rotary_cos_sin'),),
     ),
-    # buffers.yaml:1069: M-RoPE position delta of each generation sequence (context rows 0), staged on the host.
+    # buffers.yaml:1072: M-RoPE position delta of each generation sequence (context rows 0), staged on the host.
     rt.TensorDecl(
         'host_mrope_position_deltas',
         dtype=torch.int32,
@@ -567,7 +567,7 @@ TENSORS = (
         fill=fills.mrope_position_deltas,
         pad=0,
     ),
-    # buffers.yaml:1078: M-RoPE position delta of each sequence.
+    # buffers.yaml:1081: M-RoPE position delta of each sequence.
     rt.TensorDecl(
         'mrope_position_deltas',
         dtype=torch.int32,

@@ -121,7 +121,7 @@ class Config(rt.ConfigBase):
             (lambda: self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:230)'),
             (lambda: self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:232)'),
             (lambda: self.max_beam_width == 1, 'speculative decoding needs max_beam_width 1 (buffers.yaml:235)'),
-            (lambda: self.max_draft_tokens >= 1, 'speculative decoding needs max_draft_tokens of at least 1 (buffers.yaml:241)'),
+            (lambda: self.max_draft_tokens >= 1, 'speculative decoding needs max_draft_tokens of at least 1 (buffers.yaml:244)'),
         )
 
 
@@ -139,7 +139,7 @@ SIZE_BOUNDS = (
 )
 
 TENSORS = (
-    # buffers.yaml:370: Token ids of the packed batch, staged on the host.
+    # buffers.yaml:373: Token ids of the packed batch, staged on the host.
     rt.TensorDecl(
         'host_input_ids',
         dtype=torch.int32,
@@ -150,7 +150,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.pp_rank == 0,
     ),
-    # buffers.yaml:379: Token ids of the packed batch; context chunks first, then each generation beam.
+    # buffers.yaml:382: Token ids of the packed batch; context chunks first, then each generation beam.
     rt.TensorDecl(
         'input_ids',
         dtype=torch.int32,
@@ -162,7 +162,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == 0,
         inputs=(rt.Bind('input_ids'),),
     ),
-    # buffers.yaml:416: Positions of the context tokens; the drafter writes the generation part on the device.
+    # buffers.yaml:419: Positions of the context tokens; the drafter writes the generation part on the device.
     rt.TensorDecl(
         'host_spec_position_ids',
         dtype=torch.int32,
@@ -172,7 +172,7 @@ TENSORS = (
         fill=fills.context_position_ids,
         pad=0,
     ),
-    # buffers.yaml:443: Position ids (context part copied, generation part written by the drafter after it).
+    # buffers.yaml:446: Position ids (context part copied, generation part written by the drafter after it).
     rt.TensorDecl(
         'spec_position_ids',
         dtype=torch.int32,
@@ -183,7 +183,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('position_ids'),),
     ),
-    # buffers.yaml:451: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+    # buffers.yaml:454: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
     rt.TensorDecl(
         'host_context_lengths',
         dtype=torch.int32,
@@ -194,7 +194,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_lengths'),),
     ),
-    # buffers.yaml:462: Device copy of host_context_lengths.
+    # buffers.yaml:465: Device copy of host_context_lengths.
     rt.TensorDecl(
         'context_lengths',
         dtype=torch.int32,
@@ -205,7 +205,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('context_lengths'),),
     ),
-    # buffers.yaml:468: Tokens of each sequence once this step's inputs are appended, staged on the host.
+    # buffers.yaml:471: Tokens of each sequence once this step's inputs are appended, staged on the host.
     rt.TensorDecl(
         'host_sequence_lengths',
         dtype=torch.int32,
@@ -215,7 +215,7 @@ TENSORS = (
         fill=fills.sequence_lengths,
         pad=0,
     ),
-    # buffers.yaml:477: Tokens of each sequence once this step's inputs are appended.
+    # buffers.yaml:480: Tokens of each sequence once this step's inputs are appended.
     rt.TensorDecl(
         'sequence_length',
         dtype=torch.int32,
@@ -226,7 +226,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('sequence_length'),),
     ),
-    # buffers.yaml:483: Kind of each sequence, 0 for context and 1 for generation.
+    # buffers.yaml:486: Kind of each sequence, 0 for context and 1 for generation.
     rt.TensorDecl(
         'host_request_types',
         dtype=torch.int32,
@@ -237,7 +237,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
-    # buffers.yaml:494: KV-cache length of each sequence after this step (generation excludes drafts).
+    # buffers.yaml:497: KV-cache length of each sequence after this step (generation excludes drafts).
     rt.TensorDecl(
         'host_past_key_value_lengths',
         dtype=torch.int32,
@@ -248,7 +248,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_past_key_value_lengths'),),
     ),
-    # buffers.yaml:507: 1-based index in the packed tokens of the last token of each logit row.
+    # buffers.yaml:510: 1-based index in the packed tokens of the last token of each logit row.
     rt.TensorDecl(
         'host_last_token_ids',
         dtype=torch.int32,
@@ -258,7 +258,7 @@ TENSORS = (
         fill=fills.last_token_ids,
         pad=0,
     ),
-    # buffers.yaml:516: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
+    # buffers.yaml:519: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
     rt.TensorDecl(
         'last_token_ids',
         dtype=torch.int32,
@@ -269,7 +269,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('last_token_ids'),),
     ),
-    # buffers.yaml:522: Logits of every logit row over the padded vocabulary (last pipeline rank).
+    # buffers.yaml:525: Logits of every logit row over the padded vocabulary (last pipeline rank).
     rt.TensorDecl(
         'logits',
         dtype=lambda c: c.logits_dtype,
@@ -280,7 +280,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and not c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:536: Logits of every token of the step (gather_context_logits), last pipeline rank.
+    # buffers.yaml:539: Logits of every token of the step (gather_context_logits), last pipeline rank.
     rt.TensorDecl(
         'context_logits',
         dtype=lambda c: c.logits_dtype,
@@ -291,7 +291,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:561: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
+    # buffers.yaml:564: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
     rt.TensorDecl(
         'generation_logits_transposed',
         dtype=lambda c: c.logits_dtype,
@@ -301,7 +301,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:569: Device pointers of the logits fragments to merge.
+    # buffers.yaml:572: Device pointers of the logits fragments to merge.
     rt.TensorDecl(
         'generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -311,7 +311,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:577: Host pointer lists of the logits fragments, one row per merge.
+    # buffers.yaml:580: Host pointer lists of the logits fragments, one row per merge.
     rt.TensorDecl(
         'host_generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -321,7 +321,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:587: KV-cache block index of every block of each sequence, K row then V row.
+    # buffers.yaml:590: KV-cache block index of every block of each sequence, K row then V row.
     rt.TensorDecl(
         'host_kv_cache_block_offsets',
         dtype=torch.int32,
@@ -332,7 +332,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:598: Device copy of host_kv_cache_block_offsets.
+    # buffers.yaml:601: Device copy of host_kv_cache_block_offsets.
     rt.TensorDecl(
         'kv_cache_block_offsets',
         dtype=torch.int32,
@@ -343,7 +343,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:604: Static: (primary, secondary) address of each KV pool.
+    # buffers.yaml:607: Static: (primary, secondary) address of each KV pool.
     rt.TensorDecl(
         'host_kv_cache_pool_pointers',
         dtype=torch.int64,
@@ -353,7 +353,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_pointers'),),
     ),
-    # buffers.yaml:614: Static: (pool, layer in pool) of each layer of this rank.
+    # buffers.yaml:617: Static: (pool, layer in pool) of each layer of this rank.
     rt.TensorDecl(
         'host_kv_cache_pool_mapping',
         dtype=torch.int32,
@@ -363,7 +363,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_mapping'),),
     ),
-    # buffers.yaml:636: Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
+    # buffers.yaml:639: Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
     rt.TensorDecl(
         'cache_indirection',
         dtype=torch.int32,
@@ -373,7 +373,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('cache_indirection'),),
     ),
-    # buffers.yaml:647: Source, destination and size of the copy of each generation request's cache indirection.
+    # buffers.yaml:650: Source, destination and size of the copy of each generation request's cache indirection.
     rt.TensorDecl(
         'host_cache_indirection_copies',
         dtype=torch.int64,
@@ -384,7 +384,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:656: Device copy of host_cache_indirection_copies, read by the batched copy kernel.
+    # buffers.yaml:659: Device copy of host_cache_indirection_copies, read by the batched copy kernel.
     rt.TensorDecl(
         'cache_indirection_copies',
         dtype=torch.int64,
@@ -395,7 +395,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:660: Source, destination and size of each request's decoder output-to-input indirection copy.
+    # buffers.yaml:663: Source, destination and size of each request's decoder output-to-input indirection copy.
     rt.TensorDecl(
         'host_cache_indirection_decoder_copies',
         dtype=torch.int64,
@@ -406,7 +406,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:669: Device copy of host_cache_indirection_decoder_copies.
+    # buffers.yaml:672: Device copy of host_cache_indirection_decoder_copies.
     rt.TensorDecl(
         'cache_indirection_decoder_copies',
         dtype=torch.int64,
@@ -417,7 +417,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:675: Attention window of each layer on this pipeline rank.
+    # buffers.yaml:678: Attention window of each layer on this pipeline rank.
     rt.TensorDecl(
         'host_max_attention_window_sizes',
         dtype=torch.int32,
@@ -427,7 +427,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.max_attention_window),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),
-    # buffers.yaml:695: Attention sink tokens.
+    # buffers.yaml:698: Attention sink tokens.
     rt.TensorDecl(
         'host_sink_token_length',
         dtype=torch.int32,
@@ -437,7 +437,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.sink_token_length),
         inputs=(rt.Bind('host_sink_token_length'),),
     ),
-    # buffers.yaml:705: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
+    # buffers.yaml:708: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
     rt.TensorDecl(
         'host_context_progress',
         dtype=torch.int64,
@@ -448,7 +448,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_progress'),),
     ),
-    # buffers.yaml:716: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
+    # buffers.yaml:719: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
     rt.TensorDecl(
         'host_runtime_perf_knobs',
         dtype=torch.int64,
@@ -459,7 +459,7 @@ TENSORS = (
         pad=-1,
         inputs=(rt.Bind('host_runtime_perf_knobs'),),
     ),
-    # buffers.yaml:727: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
+    # buffers.yaml:730: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
     rt.TensorDecl(
         'host_all_reduce_workspace',
         dtype=torch.int64,
@@ -470,7 +470,7 @@ TENSORS = (
         when=lambda c: c.tp_size > 1,
         inputs=(rt.Bind('all_reduce_workspace'),),
     ),
-    # buffers.yaml:737: Decoder slot of each request, context requests first.
+    # buffers.yaml:740: Decoder slot of each request, context requests first.
     rt.TensorDecl(
         'host_seq_slots',
         dtype=torch.int32,
@@ -480,7 +480,7 @@ TENSORS = (
         fill=fills.seq_slots,
         pad=0,
     ),
-    # buffers.yaml:746: Device copy of host_seq_slots, for decoder-side gathers.
+    # buffers.yaml:749: Device copy of host_seq_slots, for decoder-side gathers.
     rt.TensorDecl(
         'seq_slots',
         dtype=torch.int32,
@@ -490,7 +490,7 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
-    # buffers.yaml:1106: Speculative decoding on (1).
+    # buffers.yaml:1109: Speculative decoding on (1).
     rt.TensorDecl(
         'spec_decoding_use',
         dtype=torch.int32,
@@ -500,7 +500,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: 1),
         inputs=(rt.Bind('spec_decoding_use'),),
     ),
-    # buffers.yaml:1159: Packed attention mask of each generation request's decoding tokens (written by the drafter).
+    # buffers.yaml:1162: Packed attention mask of each generation request's decoding tokens (written by the drafter).
     rt.TensorDecl(
         'spec_packed_mask',
         dtype=torch.int32,
@@ -510,7 +510,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_packed_mask'),),
     ),
-    # buffers.yaml:1169: Tokens each generation request feeds (written by the drafter).
+    # buffers.yaml:1172: Tokens each generation request feeds (written by the drafter).
     rt.TensorDecl(
         'spec_generation_lengths',
         dtype=torch.int32,
@@ -520,7 +520,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_generation_lengths'),),
     ),
-    # buffers.yaml:1179: Position offset of each decoding token (written by the drafter).
+    # buffers.yaml:1182: Position offset of each decoding token (written by the drafter).
     rt.TensorDecl(
         'spec_position_offsets',
         dtype=torch.int32,
@@ -530,7 +530,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_position_offsets'),),
     ),
-    # buffers.yaml:1190: Inverse sampling temperature of each request (written by the drafter).
+    # buffers.yaml:1193: Inverse sampling temperature of each request (written by the drafter).
     rt.TensorDecl(
         'redrafter_inverted_temperature',
         dtype=lambda c: c.model_dtype,
@@ -541,7 +541,7 @@ TENSORS = (
         inputs=(rt.Bind('redrafter_inverted_temperature'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1200: Device copy of host_request_types.
+    # buffers.yaml:1203: Device copy of host_request_types.
     rt.TensorDecl(
         'device_request_types',
         dtype=torch.int32,
@@ -553,7 +553,7 @@ TENSORS = (
         inputs=(rt.Bind('device_request_types'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1206: Kind of each sequence (0 context, 1 generation), staged for the device copy.
+    # buffers.yaml:1209: Kind of each sequence (0 context, 1 generation), staged for the device copy.
     rt.TensorDecl(
         'host_device_request_types',
         dtype=torch.int32,
@@ -564,7 +564,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1215: Draft tokens of each path of each generation request (written by the drafter).
+    # buffers.yaml:1218: Draft tokens of each path of each generation request (written by the drafter).
     rt.TensorDecl(
         'redrafter_draft_tokens',
         dtype=torch.int32,
@@ -574,7 +574,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('draft_tokens'),),
     ),
-    # buffers.yaml:1225: Index of each draft token in the flattened tree (written by the drafter).
+    # buffers.yaml:1228: Index of each draft token in the flattened tree (written by the drafter).
     rt.TensorDecl(
         'redrafter_draft_indices',
         dtype=torch.int32,
@@ -584,7 +584,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('draft_indices'),),
     ),
-    # buffers.yaml:1235: Draft probabilities of each draft token (written by the drafter).
+    # buffers.yaml:1238: Draft probabilities of each draft token (written by the drafter).
     rt.TensorDecl(
         'redrafter_draft_probs',
         dtype=lambda c: c.model_dtype,
@@ -594,7 +594,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('draft_probs'),),
     ),
-    # buffers.yaml:1245: Random number of each request for sampling (written by the drafter).
+    # buffers.yaml:1248: Random number of each request for sampling (written by the drafter).
     rt.TensorDecl(
         'redrafter_rand_data_sample',
         dtype=lambda c: c.model_dtype,
@@ -605,7 +605,7 @@ TENSORS = (
         inputs=(rt.Bind('rand_data_sample'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1255: Random numbers of each draft token for validation (written by the drafter).
+    # buffers.yaml:1258: Random numbers of each draft token for validation (written by the drafter).
     rt.TensorDecl(
         'redrafter_rand_data_validation',
         dtype=lambda c: c.model_dtype,
@@ -615,7 +615,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('rand_data_validation'),),
     ),
-    # buffers.yaml:1265: Position of each request's first decoding token (written by the drafter).
+    # buffers.yaml:1268: Position of each request's first decoding token (written by the drafter).
     rt.TensorDecl(
         'redrafter_position_ids_base',
         dtype=torch.int32,
@@ -626,7 +626,7 @@ TENSORS = (
         inputs=(rt.Bind('position_ids_base'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1275: Tokens each request feeds next step (engine output).
+    # buffers.yaml:1278: Tokens each request feeds next step (engine output).
     rt.TensorDecl(
         'redrafter_next_generation_lengths',
         dtype=torch.int32,
@@ -637,7 +637,7 @@ TENSORS = (
         outputs=(rt.Bind('next_spec_decoding_generation_lengths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1285: Position offsets of the next step's decoding tokens (engine output).
+    # buffers.yaml:1288: Position offsets of the next step's decoding tokens (engine output).
     rt.TensorDecl(
         'redrafter_next_position_offsets',
         dtype=torch.int32,
@@ -648,7 +648,7 @@ TENSORS = (
         outputs=(rt.Bind('next_spec_decoding_position_offsets'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1295: Attention mask of the next step's decoding tokens (engine output).
+    # buffers.yaml:1298: Attention mask of the next step's decoding tokens (engine output).
     rt.TensorDecl(
         'redrafter_masks',
         dtype=torch.bool,
@@ -659,7 +659,7 @@ TENSORS = (
         outputs=(rt.Bind('spec_decoding_mask'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1305: Next draft tokens of each path (engine output).
+    # buffers.yaml:1308: Next draft tokens of each path (engine output).
     rt.TensorDecl(
         'redrafter_next_draft_tokens',
         dtype=torch.int32,
@@ -670,7 +670,7 @@ TENSORS = (
         outputs=(rt.Bind('next_draft_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1315: Next draft token indices of each path (engine output).
+    # buffers.yaml:1318: Next draft token indices of each path (engine output).
     rt.TensorDecl(
         'redrafter_next_draft_indices',
         dtype=torch.int32,
@@ -681,7 +681,7 @@ TENSORS = (
         outputs=(rt.Bind('next_draft_indices'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1325: Next draft probabilities (engine output).
+    # buffers.yaml:1328: Next draft probabilities (engine output).
     rt.TensorDecl(
         'redrafter_next_draft_probs',
         dtype=lambda c: c.model_dtype,
@@ -692,7 +692,7 @@ TENSORS = (
         outputs=(rt.Bind('next_draft_probs'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1335: Next step's input tokens, flattened (engine output).
+    # buffers.yaml:1338: Next step's input tokens, flattened (engine output).
     rt.TensorDecl(
         'redrafter_next_flat_tokens',
         dtype=torch.int32,
@@ -703,7 +703,7 @@ TENSORS = (
         outputs=(rt.Bind('next_flat_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1345: Accepted tokens of each request (engine output).
+    # buffers.yaml:1348: Accepted tokens of each request (engine output).
     rt.TensorDecl(
         'redrafter_num_accepted_tokens',
         dtype=torch.int32,
@@ -714,7 +714,7 @@ TENSORS = (
         outputs=(rt.Bind('num_accepted_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1355: Accepted path of each request (engine output).
+    # buffers.yaml:1358: Accepted path of each request (engine output).
     rt.TensorDecl(
         'redrafter_accepted_beam_index',
         dtype=torch.int32,
@@ -725,7 +725,7 @@ TENSORS = (
         outputs=(rt.Bind('accepted_beam_index'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1365: Most tokens any request feeds next step (engine output).
+    # buffers.yaml:1368: Most tokens any request feeds next step (engine output).
     rt.TensorDecl(
         'redrafter_max_gen_token',
         dtype=torch.int32,
@@ -735,7 +735,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('max_gen_token'),),
     ),
-    # buffers.yaml:1375: Tokens all requests feed next step (engine output).
+    # buffers.yaml:1378: Tokens all requests feed next step (engine output).
     rt.TensorDecl(
         'redrafter_total_gen_token',
         dtype=torch.int32,
@@ -745,7 +745,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('total_gen_token'),),
     ),
-    # buffers.yaml:1385: Positions of the next step's tokens, packed (engine output).
+    # buffers.yaml:1388: Positions of the next step's tokens, packed (engine output).
     rt.TensorDecl(
         'redrafter_packed_position_ids',
         dtype=torch.int32,

@@ -472,13 +472,23 @@ def mrope_rotary_cos_sin(out: torch.Tensor, b: Batch, config: Any) -> int:
 
 
 def mrope_position_deltas(out: np.ndarray, b: Batch, config: Any = None) -> int:
-    """Each generation sequence's delta in its own row (context rows 0). The reference writes
-    the generation rows from row 0, over the context rows (a bug)."""
-    n_ctx, s = len(b.context), b.sizes.num_sequences
-    out[:n_ctx] = 0
-    out[n_ctx:s] = b.per_sequence(
+    """Each generation sequence's delta from row 0 (generation sequence j, counting generation
+    sequences only, in row j), then one 0 row per context request, as the reference writes
+    them. TensorRT-LLM's attention plugin reads generation request j's delta at row j of the
+    step's generation requests: unlike sequence_length or the KV block offsets, it does not
+    offset this pointer by the context sequences (gptAttentionPlugin.cpp, enqueueSome; the
+    kernel's `mrope_position_deltas[batch_idx]`). An earlier version of this rule wrote the
+    generation rows after the context rows, calling the reference's layout a bug; a real
+    Qwen2-VL engine indexed as the plugin indexes then rotates every generation request of a
+    mixed step at a wrong position (tests/test_qwen2_vl_model.py, logits off by ~14 against
+    Hugging Face). Rows stay one per beam, as in the reference, although the plugin's index is
+    the request's (batch_beam_idx / beam_width): the two differ with beams (not checked on a
+    real model)."""
+    n_gen, s = b.sizes.num_generation_sequences, b.sizes.num_sequences
+    out[:n_gen] = b.per_sequence(
         np.asarray([r.mrope_position_deltas for r in b.generation], np.int64)
     )
+    out[n_gen:s] = 0
     return s
 
 

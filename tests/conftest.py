@@ -38,8 +38,13 @@ def family(name: str):
     return importlib.import_module(f"bufc.generated.{name}")
 
 
-# GLM's mask tokens (50260, 50263, 50264) must lie in its vocabulary
-FAMILY_BASE = {"glm": {"vocab_size": GLM_VOCAB}}
+# GLM's mask tokens (50260, 50263, 50264) must lie in its vocabulary; recurrent state cannot
+# roll back rejected drafts
+FAMILY_BASE = {
+    "glm": {"vocab_size": GLM_VOCAB},
+    "mamba": {"max_draft_tokens": 0},
+    "recurrentgemma": {"max_draft_tokens": 0},
+}
 
 
 def make_config(name: str, **overrides):

@@ -174,11 +174,11 @@ def slot_mapping(ctx, gen) -> list:
 
 
 def mrope_position_deltas(ctx, gen) -> list:
-    rows = [[0] for _ in ctx]
+    rows = []
     for r in gen:
         for _ in range(r.beam_width):
-            rows.append([r.mrope_position_deltas])  # after the context rows (the reference: row 0)
-    return rows
+            rows.append([r.mrope_position_deltas])  # from row 0, as the reference and its plugin
+    return rows + [[0] for _ in ctx]
 
 
 def language_adapter_routings(ctx, gen) -> list:

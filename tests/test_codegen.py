@@ -189,7 +189,7 @@ def test_report_lists_tensors_shapes_and_bytes(capsys):
     last = out.strip().splitlines()[-1]
     assert re.fullmatch(
         r"20 tensors, 9\.0 MiB allocated for runtime buffers "
-        r"\(device 8\.9 MiB, pinned 130\.0 KiB, host 780 B\)",
+        r"\(device 8\.9 MiB, pinned 130\.0 KiB, host 1\.3 KiB\)",
         last,
     ), last
     assert "device memory: 8 tensors, 8.9 MiB" in out  # grouped by memory kind, with totals

@@ -107,7 +107,7 @@ CASES = [
     pytest.param(
         "    doc: Ids.\n",
         "    doc: Ids.\n\t  x: 1\n",
-        ["buffers.yaml:16:1: found character '\\t' that cannot start any token"],
+        ["buffers.yaml:16:1: a tab cannot indent YAML; indent with spaces"],
         id="syntax",
     ),
     pytest.param(

@@ -197,6 +197,8 @@ def test_recurrent_state_slot_mapping(case):
     ctx, gen = case
     for r in ctx:  # a recurrent model takes whole prompts, context and generation apart
         r.context_position, r.context_chunk_size = 0, None
+    for r in ctx + gen:  # and no drafts
+        r.draft_tokens = []
     b = make_buffers("mamba", max_beam_width=1)
     for c, g in ((ctx, []), ([], gen)):
         step = b.prepare_step(c, g)

@@ -1,0 +1,206 @@
+"""The bufc command as a user meets it: --version, schema, report (table, JSON, sweep, plot,
+from the spec or from the installed generated module), help texts, exit codes, and the YAML
+mistakes rewritten to the house format."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from conftest import REPO
+from test_diagnostics import BASE, diagnostics
+
+from bufc import __version__
+from bufc.codegen.cli import main
+
+LLAMA = [
+    "--set",
+    "max_batch_size=8",
+    "--set",
+    "max_num_tokens=256",
+    "--set",
+    "vocab_size=1000",
+    "--set",
+    "num_layers=4",
+    "--set",
+    "max_attention_window=512",
+]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"bufc {__version__}"
+
+
+def test_help_documents_exit_codes_and_streams(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Exit status: 0 success; 1 an invalid spec" in text
+    assert "2 a usage error" in text and "diagnostics to stderr" in text
+
+
+def test_a_usage_error_exits_2_on_stderr(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["report"])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "the following arguments are required: family" in err
+
+
+def test_demo_help_is_complete(capsys):
+    from bufc.examples.demo import parser
+
+    parser().print_help()
+    text = " ".join(capsys.readouterr().out.split())
+    assert "check every token against transformers.generate." in text
+
+
+def test_schema_path_and_print(capsys):
+    code, out, _ = run(capsys, "schema", "--path")
+    assert code == 0
+    path = out.strip()
+    assert path.endswith("buffers.schema.json")
+    code, out, _ = run(capsys, "schema", "--print")
+    schema = json.loads(out)
+    with open(path, encoding="utf-8") as fh:
+        assert schema == json.load(fh)
+    assert "$id" not in schema  # no made-up URL
+
+
+def test_report_json_equals_the_table(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    _, table, _ = run(capsys, "report", "llama", *LLAMA)
+    code, out, _ = run(capsys, "report", "llama", *LLAMA, "--json")
+    assert code == 0
+    data = json.loads(out)
+    lines = {line.split()[0]: line for line in table.splitlines() if line.startswith("  ")}
+    assert {t["name"] for t in data["tensors"]} == set(lines) - {"tensor"}
+    for t in data["tensors"]:
+        line = lines[t["name"]]
+        assert f" {t['dtype']} " in line and "[" + ", ".join(map(str, t["shape"])) + "]" in line
+        assert all(f"in:{name}" in line for name in t["inputs"])
+        assert (" x2 " in line) == (t["copies"] == 2)
+    totals = data["totals"]
+    assert totals["all"] == sum(t["bytes"] * t["copies"] for t in data["tensors"])
+    assert totals["device"] == sum(
+        t["bytes"] * t["copies"] for t in data["tensors"] if t["memory"] == "device"
+    )
+    assert table.splitlines()[-1].startswith(f"{len(data['tensors'])} tensors, ")
+
+
+@pytest.mark.parametrize(
+    ("family", "extra"),
+    [
+        ("llama", []),
+        ("gpt_lora", ["--set", "lora_modules=attn_qkv,mlp_gate"]),
+        ("medusa", ["--set", "max_draft_tokens=2", "--set", "num_medusa_heads=2"]),
+    ],
+)
+def test_report_without_a_spec_reads_the_generated_module(
+    capsys, monkeypatch, tmp_path, family, extra
+):
+    """An installed wheel has the generated modules, not the spec: the same report from them."""
+    monkeypatch.chdir(REPO)
+    _, from_spec, _ = run(capsys, "report", family, *LLAMA, *extra)
+    monkeypatch.chdir(tmp_path)  # no buffers.yaml here
+    code, from_module, err = run(capsys, "report", family, *LLAMA, *extra)
+    assert code == 0, err
+    assert from_module == from_spec
+
+
+def test_report_from_the_module_names_a_bad_parameter(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "report", "llama", *LLAMA, "--set", "max_batch_sise=3")
+    assert code == 1
+    assert (
+        "family 'llama' has no parameter 'max_batch_sise' (did you mean 'max_batch_size'?)" in err
+    )
+
+
+def test_report_sweep_and_plot(capsys, monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(REPO)
+    svg = tmp_path / "memory.svg"
+    sweep = "max_batch_size=8,64,256"
+    code, out, err = run(capsys, "report", "llama", *LLAMA, "--sweep", sweep, "--plot", str(svg))
+    assert code == 0, err
+    assert f"{svg}: memory of family llama over max_batch_size (3 points)" in out
+    assert svg.stat().st_size > 1000 and svg.read_text().lstrip().startswith("<?xml")
+    code, out, _ = run(capsys, "report", "llama", *LLAMA, "--sweep", sweep, "--json")
+    points = json.loads(out)["points"]
+    assert [p["value"] for p in points] == ["8", "64", "256"]
+    device = [p["totals"]["device"] for p in points]
+    assert device == sorted(device) and device[0] < device[-1]
+
+
+def test_plot_needs_a_sweep(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    code, _, err = run(capsys, "report", "llama", *LLAMA, "--plot", "x.svg")
+    assert code == 1
+    assert "bufc report: --plot draws a sweep; give --sweep name=v1,v2,..." in err
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(REPO)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    code, _, err = run(
+        capsys, "report", "llama", *LLAMA, "--sweep", "max_batch_size=8,16", "--plot", "x.svg"
+    )
+    assert code == 1
+    assert "--plot needs matplotlib: pip install 'bufc[plot]'" in err
+
+
+# ------------------------------------------------------------------------- spec strictness
+def test_a_yaml_1_1_boolean_is_a_located_error():
+    flag = "  variant: {doc: Variant., values: [a, b]}"
+    text = BASE.replace(flag, flag + "\n  extras: {doc: Extras., type: bool, default: yes}")
+    assert diagnostics(text) == [
+        "buffers.yaml:4:47: 'yes' is a YAML 1.1 boolean; write true or false (or quote it for "
+        "the text)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "version: 1\nflags:\n  a: {doc: A.}\n b: 2\n",
+            "buffers.yaml:4:2: this line's indentation does not match the lines above it; indent "
+            "the keys of one mapping (and the items of one list) by the same number of spaces",
+        ),
+        (
+            "version: 1\nflags:\n\t- 1\n",
+            "buffers.yaml:3:1: a tab cannot indent YAML; indent with spaces",
+        ),
+        ('version: 1\nflags: "x\n', "buffers.yaml:2:8: this quoted string is never closed"),
+        (
+            "version: 1\nflags: a: b\n",
+            "buffers.yaml:2:9: a ':' here would start a mapping inside a value; quote the value, "
+            "or put the key on its own line",
+        ),
+    ],
+)
+def test_yaml_syntax_errors_are_plain_sentences(text, message):
+    assert diagnostics(text) == [message]
+
+
+def test_a_boolean_flag_compared_with_a_string_says_so():
+    flag = "  variant: {doc: Variant., values: [a, b]}"
+    fill = "    fill: {rule: token_ids}"
+    text = BASE.replace(flag, flag + "\n  extras: {doc: Extras., type: bool, default: false}").replace(
+        fill, fill + "\n    when: \"extras == 'yes'\""
+    )
+    assert diagnostics(text) == [
+        "buffers.yaml:22:12: 'extras' is a boolean, not a string: write 'extras' or "
+        "'not extras' instead of comparing it with a quoted value"
+    ]
