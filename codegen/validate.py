@@ -296,12 +296,12 @@ class Checker:
                     return None
                 return "bool"
             if {lt, rt} == {"bool", "str"}:
-                flag = next(
+                name = next(
                     (x.id for x in (e.left, e.right) if isinstance(x, E.Name)), "the condition"
                 )
                 self.errors.error(
                     f.at(col),
-                    f"'{flag}' is a boolean, not a string: write '{flag}' or 'not {flag}' "
+                    f"'{name}' is a boolean, not a string: write '{name}' or 'not {name}' "
                     "instead of comparing it with a quoted value",
                 )
                 return None

@@ -197,9 +197,9 @@ def test_yaml_syntax_errors_are_plain_sentences(text, message):
 def test_a_boolean_flag_compared_with_a_string_says_so():
     flag = "  variant: {doc: Variant., values: [a, b]}"
     fill = "    fill: {rule: token_ids}"
-    text = BASE.replace(flag, flag + "\n  extras: {doc: Extras., type: bool, default: false}").replace(
-        fill, fill + "\n    when: \"extras == 'yes'\""
-    )
+    text = BASE.replace(
+        flag, flag + "\n  extras: {doc: Extras., type: bool, default: false}"
+    ).replace(fill, fill + "\n    when: \"extras == 'yes'\"")
     assert diagnostics(text) == [
         "buffers.yaml:22:12: 'extras' is a boolean, not a string: write 'extras' or "
         "'not extras' instead of comparing it with a quoted value"
