@@ -145,6 +145,9 @@ FILL_RULES: dict[str, FillRule] = {
         ("3", "num_requests"),
         needs=("max_beam_width", "max_attention_window"),
     ),
+    "generation_beam_widths": FillRule(
+        "beam width of each generation request", _INT, ("num_generation_requests",)
+    ),
     "encoder_output_lengths": FillRule(
         "encoder output length of each sequence's request", _INT, ("num_sequences",)
     ),

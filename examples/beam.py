@@ -27,14 +27,11 @@ Engine contract (docs/spec.md, "Engine contract: beam search"):
   and generation requests in the same steps, prompts in chunks. A context request is one
   sequence and one logit row; its last chunk's row starts the request's beam search.
 
-A gap in the bound inputs: none says which generation sequence is beam k of request i when
-beam widths differ within a step. The reference's attention plugin takes one width per step,
-the second dimension of cache_indirection (``beam_width = dims(CACHE_INDIR).d[1]``), which is
-max_beam_width here as the tensor is bound at its capacity, so it would read generation
-sequence s at [s // max_beam_width, s % max_beam_width]: wrong as soon as a request of width
-2 precedes another. This engine takes the scheduled generation requests' widths as an argument
-(``BeamLlama.forward(step, cache, beam_widths)``); an input carrying them (one beam width per
-generation request) would close the gap.
+Which generation sequence is beam k of request i: cache_indirection is bound at its capacity,
+so its beam dimension is max_beam_width whatever the step's widths (the reference's plugin
+reads one width per step from that dimension, which would misplace a width-2 request ahead of
+another). The step's ``host_beam_widths`` input gives the width of each generation request;
+its sequences are consecutive rows.
 
 The decoder (``BeamSearch``) is transformers' ``GenerationMixin._beam_search`` (5.x) for one
 request: float32 log-softmax of the logits, the top 2W continuations, the W best unfinished ones
@@ -205,12 +202,11 @@ class BeamLlama(PackedLlama):
     """PackedLlama whose attention reads the past through ``cache_indirection``."""
 
     @torch.no_grad()
-    def forward(self, step, cache: PagedKVCache, beam_widths: Sequence[int] = ()) -> None:
-        """`beam_widths`: the beam width of each scheduled generation request, in order (the
-        bound inputs do not carry it; see the module docstring)."""
+    def forward(self, step, cache: PagedKVCache) -> None:
         if self.par.distributed:
             raise NotImplementedError("the beam-search engine runs in one process")
         inp = step.inputs
+        beam_widths = inp["host_beam_widths"].tolist()  # one per generation request
         positions = inp["position_ids"].long()
         types = inp["host_request_types"].tolist()
         lengths = inp["host_context_lengths"].tolist()
@@ -420,7 +416,7 @@ class BeamExecutor:
             if mutate is not None:
                 mutate(step_index, step, copies)
             self._copy_indirection(step, copies)
-            self.model.forward(step, self.cache, [a.job.beam_width for a in generation])
+            self.model.forward(step, self.cache)
             logits = step.outputs["logits"][:, : c.vocab_size]
             regions = self._decoder_copies[: 3 * step.sizes.num_requests].view(3, -1)
             sampled: list[_Active] = []  # the requests whose rows were sampled

@@ -228,15 +228,10 @@ class SpecLlama(PackedLlama):
     def _medusa(
         self, h: torch.Tensor, last: torch.Tensor, seqs: list[_Seq], out: torch.Tensor
     ) -> None:
-        """medusa_logits[head, request, j]: the heads on request's j-th logit row (requests in
-        step order, context first)."""
-        starts = torch.tensor([s.start for s in seqs], device=last.device)
-        request = torch.searchsorted(starts, last, right=True) - 1
-        first = torch.searchsorted(request, torch.arange(len(seqs), device=last.device))
-        j = torch.arange(len(last), device=last.device) - first[request]
+        """medusa_logits[head, row]: the heads on logit row `row`, rows packed as in logits."""
         assert self.heads is not None
         heads = self.heads(h)  # [heads, rows, vocab]
-        out[:, request, j, : heads.shape[-1]] = heads.to(out.dtype)
+        out[:, : heads.shape[1], : heads.shape[-1]] = heads.to(out.dtype)
 
 
 # --------------------------------------------------------------------------- draft sources
@@ -488,7 +483,7 @@ class SpeculativeExecutor:
         greedy = logits.argmax(dim=-1).tolist()
         heads = None
         if self.model.heads is not None:  # top-1 of each head at each logit row
-            heads = step.outputs["medusa_logits"][: self.k, :, :, :vocab].argmax(-1).tolist()
+            heads = step.outputs["medusa_logits"][: self.k, :, :vocab].argmax(-1).tolist()
         row = 0
         for r, a in enumerate([*context, *generation]):
             req, job = a.request, a.job
@@ -528,7 +523,7 @@ class SpeculativeExecutor:
             req.generated[0].extend(new)
             result.tokens[job.rid].extend(new)
             result.token_steps[job.rid].extend([step_index] * len(new))
-            bonus_heads = [h[r][accepted] for h in heads] if heads is not None else []
+            bonus_heads = [h[row + accepted] for h in heads] if heads is not None else []
             row += rows
             if len(req.generated[0]) >= job.max_new_tokens:
                 active.remove(a)

@@ -236,7 +236,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
-    # buffers.yaml:497: KV-cache length of each sequence after this step (generation excludes drafts).
+    # buffers.yaml:497: KV length per sequence as the reference sets it, a context chunk's tokens through this step, a generation sequence's before it (prompt + generated - 1, no drafts).
     rt.TensorDecl(
         'host_past_key_value_lengths',
         dtype=torch.int32,
@@ -416,7 +416,19 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:678: Attention window of each layer on this pipeline rank.
+    # buffers.yaml:678: Beam width of each generation request (its sequences are consecutive rows).
+    rt.TensorDecl(
+        'host_generation_beam_widths',
+        dtype=torch.int32,
+        memory=rt.HOST,
+        capacity=lambda c: (c.max_batch_size,),
+        shape=lambda c, s: (s.num_generation_requests,),
+        fill=fills.generation_beam_widths,
+        pad=0,
+        when=lambda c: c.max_beam_width > 1,
+        inputs=(rt.Bind('host_beam_widths'),),
+    ),
+    # buffers.yaml:691: Attention window of each layer on this pipeline rank.
     rt.TensorDecl(
         'host_max_attention_window_sizes',
         dtype=torch.int32,
@@ -426,7 +438,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.max_attention_window),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),
-    # buffers.yaml:698: Attention sink tokens.
+    # buffers.yaml:711: Attention sink tokens.
     rt.TensorDecl(
         'host_sink_token_length',
         dtype=torch.int32,
@@ -436,7 +448,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.sink_token_length),
         inputs=(rt.Bind('host_sink_token_length'),),
     ),
-    # buffers.yaml:708: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
+    # buffers.yaml:721: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
     rt.TensorDecl(
         'host_context_progress',
         dtype=torch.int64,
@@ -447,7 +459,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_progress'),),
     ),
-    # buffers.yaml:719: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
+    # buffers.yaml:732: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
     rt.TensorDecl(
         'host_runtime_perf_knobs',
         dtype=torch.int64,
@@ -458,7 +470,7 @@ TENSORS = (
         pad=-1,
         inputs=(rt.Bind('host_runtime_perf_knobs'),),
     ),
-    # buffers.yaml:730: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
+    # buffers.yaml:743: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
     rt.TensorDecl(
         'host_all_reduce_workspace',
         dtype=torch.int64,
@@ -469,7 +481,7 @@ TENSORS = (
         when=lambda c: c.tp_size > 1,
         inputs=(rt.Bind('all_reduce_workspace'),),
     ),
-    # buffers.yaml:740: Decoder slot of each request, context requests first.
+    # buffers.yaml:753: Decoder slot of each request, context requests first.
     rt.TensorDecl(
         'host_seq_slots',
         dtype=torch.int32,
@@ -479,7 +491,7 @@ TENSORS = (
         fill=fills.seq_slots,
         pad=0,
     ),
-    # buffers.yaml:749: Device copy of host_seq_slots, for decoder-side gathers.
+    # buffers.yaml:762: Device copy of host_seq_slots, for decoder-side gathers.
     rt.TensorDecl(
         'seq_slots',
         dtype=torch.int32,
@@ -489,7 +501,7 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
-    # buffers.yaml:1109: Speculative decoding on (1).
+    # buffers.yaml:1122: Speculative decoding on (1).
     rt.TensorDecl(
         'spec_decoding_use',
         dtype=torch.int32,
@@ -499,7 +511,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: 1),
         inputs=(rt.Bind('spec_decoding_use'),),
     ),
-    # buffers.yaml:1162: Packed attention mask of each generation request's decoding tokens (written by the drafter).
+    # buffers.yaml:1175: Packed attention mask of each generation request's decoding tokens (written by the drafter).
     rt.TensorDecl(
         'spec_packed_mask',
         dtype=torch.int32,
@@ -509,7 +521,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_packed_mask'),),
     ),
-    # buffers.yaml:1172: Tokens each generation request feeds (written by the drafter).
+    # buffers.yaml:1185: Tokens each generation request feeds (written by the drafter).
     rt.TensorDecl(
         'spec_generation_lengths',
         dtype=torch.int32,
@@ -519,7 +531,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_generation_lengths'),),
     ),
-    # buffers.yaml:1182: Position offset of each decoding token (written by the drafter).
+    # buffers.yaml:1195: Position offset of each decoding token (written by the drafter).
     rt.TensorDecl(
         'spec_position_offsets',
         dtype=torch.int32,
@@ -529,7 +541,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_position_offsets'),),
     ),
-    # buffers.yaml:1399: Static: 1 for greedy draft sampling (EagleConfig).
+    # buffers.yaml:1412: Static: 1 for greedy draft sampling (EagleConfig).
     rt.TensorDecl(
         'host_eagle_greedy_sampling',
         dtype=torch.int32,
@@ -540,7 +552,7 @@ TENSORS = (
         pad=1,
         inputs=(rt.Bind('greedy_sampling'),),
     ),
-    # buffers.yaml:1410: Sampling temperature of each request (written by the drafter).
+    # buffers.yaml:1423: Sampling temperature of each request (written by the drafter).
     rt.TensorDecl(
         'eagle_temperature',
         dtype=torch.float32,
@@ -551,7 +563,7 @@ TENSORS = (
         inputs=(rt.Bind('eagle_temperature'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1420: Posterior threshold of each request (its own or 0.09), staged on the host.
+    # buffers.yaml:1433: Posterior threshold of each request (its own or 0.09), staged on the host.
     rt.TensorDecl(
         'host_eagle_posterior_thresholds',
         dtype=torch.float32,
@@ -562,7 +574,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1429: Posterior threshold of each request.
+    # buffers.yaml:1442: Posterior threshold of each request.
     rt.TensorDecl(
         'posterior_threshold',
         dtype=torch.float32,
@@ -574,7 +586,7 @@ TENSORS = (
         inputs=(rt.Bind('posterior_threshold'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1435: Square root of each request's posterior threshold, staged on the host.
+    # buffers.yaml:1448: Square root of each request's posterior threshold, staged on the host.
     rt.TensorDecl(
         'host_eagle_posterior_alphas',
         dtype=torch.float32,
@@ -585,7 +597,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1444: Square root of each request's posterior threshold.
+    # buffers.yaml:1457: Square root of each request's posterior threshold.
     rt.TensorDecl(
         'posterior_alpha',
         dtype=torch.float32,
@@ -597,7 +609,7 @@ TENSORS = (
         inputs=(rt.Bind('posterior_alpha'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1450: Random number of each request for sampling (written by the drafter).
+    # buffers.yaml:1463: Random number of each request for sampling (written by the drafter).
     rt.TensorDecl(
         'eagle_rand_data_sample',
         dtype=torch.float32,
@@ -608,7 +620,7 @@ TENSORS = (
         inputs=(rt.Bind('rand_data_sample'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1460: Random numbers of each decoding token for validation (written by the drafter).
+    # buffers.yaml:1473: Random numbers of each decoding token for validation (written by the drafter).
     rt.TensorDecl(
         'eagle_rand_data_validation',
         dtype=torch.float32,
@@ -619,7 +631,7 @@ TENSORS = (
         inputs=(rt.Bind('rand_data_validation'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1470: Draft tokens of each request (-1 on a context request's last chunk; written by the drafter).
+    # buffers.yaml:1483: Draft tokens of each request (-1 on a context request's last chunk; written by the drafter).
     rt.TensorDecl(
         'eagle_draft_tokens',
         dtype=torch.int32,
@@ -630,7 +642,7 @@ TENSORS = (
         inputs=(rt.Bind('draft_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1480: Draft tokens of each request (written by the drafter).
+    # buffers.yaml:1493: Draft tokens of each request (written by the drafter).
     rt.TensorDecl(
         'eagle_draft_lens',
         dtype=torch.int32,
@@ -641,7 +653,7 @@ TENSORS = (
         inputs=(rt.Bind('draft_lens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1490: Draft tree paths of each request (written by the drafter).
+    # buffers.yaml:1503: Draft tree paths of each request (written by the drafter).
     rt.TensorDecl(
         'eagle_draft_paths',
         dtype=torch.int32,
@@ -652,7 +664,7 @@ TENSORS = (
         inputs=(rt.Bind('draft_paths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1500: EagleNet context-phase request type of each request (copied from the decoder state).
+    # buffers.yaml:1513: EagleNet context-phase request type of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_context_request_types',
         dtype=torch.int32,
@@ -663,7 +675,7 @@ TENSORS = (
         inputs=(rt.Bind('host_ctx_eagle_net_request_types'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1510: EagleNet context-phase context length of each request (copied from the decoder state).
+    # buffers.yaml:1523: EagleNet context-phase context length of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_context_lengths',
         dtype=torch.int32,
@@ -674,7 +686,7 @@ TENSORS = (
         inputs=(rt.Bind('host_ctx_eagle_net_context_lengths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1520: EagleNet context-phase past KV length of each request (copied from the decoder state).
+    # buffers.yaml:1533: EagleNet context-phase past KV length of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_context_past_kv_lengths',
         dtype=torch.int32,
@@ -685,7 +697,7 @@ TENSORS = (
         inputs=(rt.Bind('host_ctx_eagle_net_past_key_value_lengths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1530: EagleNet generation-phase request type of each request (copied from the decoder state).
+    # buffers.yaml:1543: EagleNet generation-phase request type of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_generation_request_types',
         dtype=torch.int32,
@@ -696,7 +708,7 @@ TENSORS = (
         inputs=(rt.Bind('host_gen_eagle_net_request_types'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1540: EagleNet generation-phase context length of each request (copied from the decoder state).
+    # buffers.yaml:1553: EagleNet generation-phase context length of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_generation_context_lengths',
         dtype=torch.int32,
@@ -707,7 +719,7 @@ TENSORS = (
         inputs=(rt.Bind('host_gen_eagle_net_context_lengths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1550: EagleNet generation-phase past KV length of each request (copied from the decoder state).
+    # buffers.yaml:1563: EagleNet generation-phase past KV length of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_generation_past_kv_lengths',
         dtype=torch.int32,
@@ -718,7 +730,7 @@ TENSORS = (
         inputs=(rt.Bind('host_gen_eagle_net_past_key_value_lengths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1560: Generation input tokens of the EagleNets (the reference shapes it but never writes it).
+    # buffers.yaml:1573: Generation input tokens of the EagleNets (the reference shapes it but never writes it).
     rt.TensorDecl(
         'host_eagle_input_generation_tokens',
         dtype=torch.int32,
@@ -729,7 +741,7 @@ TENSORS = (
         inputs=(rt.Bind('input_gen_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1570: The token after each context request's chunk (-1 on a last chunk and for generation).
+    # buffers.yaml:1583: The token after each context request's chunk (-1 on a last chunk and for generation).
     rt.TensorDecl(
         'host_chunked_context_next_tokens',
         dtype=torch.int32,
@@ -740,7 +752,7 @@ TENSORS = (
         pad=-1,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1579: Device copy of host_chunked_context_next_tokens.
+    # buffers.yaml:1592: Device copy of host_chunked_context_next_tokens.
     rt.TensorDecl(
         'chunked_context_next_tokens',
         dtype=torch.int32,
@@ -752,7 +764,7 @@ TENSORS = (
         inputs=(rt.Bind('chunked_context_next_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1585: Static: 1 for Eagle-2 dynamic trees.
+    # buffers.yaml:1598: Static: 1 for Eagle-2 dynamic trees.
     rt.TensorDecl(
         'host_eagle_use_dynamic_tree',
         dtype=torch.int32,
@@ -763,7 +775,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('use_dynamic_tree'),),
     ),
-    # buffers.yaml:1596: Static: top-k of each Eagle-2 dynamic tree layer, or -1.
+    # buffers.yaml:1609: Static: top-k of each Eagle-2 dynamic tree layer, or -1.
     rt.TensorDecl(
         'host_eagle_dynamic_tree_max_top_k',
         dtype=torch.int32,
@@ -774,7 +786,7 @@ TENSORS = (
         pad=-1,
         inputs=(rt.Bind('dynamic_tree_max_topK'),),
     ),
-    # buffers.yaml:1607: EagleNet scratch, scores of the previous layer (the engine writes it).
+    # buffers.yaml:1620: EagleNet scratch, scores of the previous layer (the engine writes it).
     rt.TensorDecl(
         'eagle_prev_scores',
         dtype=torch.float32,
@@ -785,7 +797,7 @@ TENSORS = (
         inputs=(rt.Bind('prev_scores'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1617: EagleNet scratch, expanded indices of the current layer (the engine writes it).
+    # buffers.yaml:1630: EagleNet scratch, expanded indices of the current layer (the engine writes it).
     rt.TensorDecl(
         'eagle_current_expand_indices',
         dtype=torch.int32,
@@ -796,7 +808,7 @@ TENSORS = (
         inputs=(rt.Bind('current_expand_indices'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1627: EagleNet scratch, scores of every layer (the engine writes it).
+    # buffers.yaml:1640: EagleNet scratch, scores of every layer (the engine writes it).
     rt.TensorDecl(
         'eagle_all_layers_scores',
         dtype=torch.float32,
@@ -807,7 +819,7 @@ TENSORS = (
         inputs=(rt.Bind('all_layers_scores'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1637: EagleNet scratch, draft tokens of every layer (the engine writes it).
+    # buffers.yaml:1650: EagleNet scratch, draft tokens of every layer (the engine writes it).
     rt.TensorDecl(
         'eagle_all_layers_draft_token_ids',
         dtype=torch.int32,
@@ -818,7 +830,7 @@ TENSORS = (
         inputs=(rt.Bind('all_layers_draft_token_ids'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1647: EagleNet scratch, predecessor of every layer's draft tokens (the engine writes it).
+    # buffers.yaml:1660: EagleNet scratch, predecessor of every layer's draft tokens (the engine writes it).
     rt.TensorDecl(
         'eagle_all_layers_draft_token_ids_predecessor',
         dtype=torch.int32,
@@ -829,7 +841,7 @@ TENSORS = (
         inputs=(rt.Bind('all_layers_draft_token_ids_predecessor'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1657: Next draft tokens of each path (engine output).
+    # buffers.yaml:1670: Next draft tokens of each path (engine output).
     rt.TensorDecl(
         'eagle_next_draft_tokens',
         dtype=torch.int32,
@@ -839,7 +851,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('next_draft_tokens'),),
     ),
-    # buffers.yaml:1667: Next draft tokens of each request (engine output).
+    # buffers.yaml:1680: Next draft tokens of each request (engine output).
     rt.TensorDecl(
         'eagle_next_draft_lens',
         dtype=torch.int32,
@@ -849,7 +861,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('next_draft_lens'),),
     ),
-    # buffers.yaml:1677: Next draft tree paths (engine output).
+    # buffers.yaml:1690: Next draft tree paths (engine output).
     rt.TensorDecl(
         'eagle_next_draft_paths',
         dtype=torch.int32,
@@ -859,7 +871,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('next_draft_paths'),),
     ),
-    # buffers.yaml:1687: Accepted tokens of each request (engine output).
+    # buffers.yaml:1700: Accepted tokens of each request (engine output).
     rt.TensorDecl(
         'eagle_accepted_tokens',
         dtype=torch.int32,
@@ -869,7 +881,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('accepted_tokens'),),
     ),
-    # buffers.yaml:1697: Accepted token count of each request (engine output).
+    # buffers.yaml:1710: Accepted token count of each request (engine output).
     rt.TensorDecl(
         'eagle_num_accepted_tokens',
         dtype=torch.int32,
@@ -879,7 +891,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('num_accepted_tokens'),),
     ),
-    # buffers.yaml:1707: Accepted path of each request (engine output).
+    # buffers.yaml:1720: Accepted path of each request (engine output).
     rt.TensorDecl(
         'eagle_accepted_paths',
         dtype=torch.int32,

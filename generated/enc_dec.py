@@ -245,7 +245,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
-    # buffers.yaml:497: KV-cache length of each sequence after this step (generation excludes drafts).
+    # buffers.yaml:497: KV length per sequence as the reference sets it, a context chunk's tokens through this step, a generation sequence's before it (prompt + generated - 1, no drafts).
     rt.TensorDecl(
         'host_past_key_value_lengths',
         dtype=torch.int32,
@@ -437,7 +437,19 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:678: Attention window of each layer on this pipeline rank.
+    # buffers.yaml:678: Beam width of each generation request (its sequences are consecutive rows).
+    rt.TensorDecl(
+        'host_generation_beam_widths',
+        dtype=torch.int32,
+        memory=rt.HOST,
+        capacity=lambda c: (c.max_batch_size,),
+        shape=lambda c, s: (s.num_generation_requests,),
+        fill=fills.generation_beam_widths,
+        pad=0,
+        when=lambda c: c.max_beam_width > 1,
+        inputs=(rt.Bind('host_beam_widths'),),
+    ),
+    # buffers.yaml:691: Attention window of each layer on this pipeline rank.
     rt.TensorDecl(
         'host_max_attention_window_sizes',
         dtype=torch.int32,
@@ -447,7 +459,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.max_attention_window),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),
-    # buffers.yaml:698: Attention sink tokens.
+    # buffers.yaml:711: Attention sink tokens.
     rt.TensorDecl(
         'host_sink_token_length',
         dtype=torch.int32,
@@ -457,7 +469,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.sink_token_length),
         inputs=(rt.Bind('host_sink_token_length'),),
     ),
-    # buffers.yaml:708: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
+    # buffers.yaml:721: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
     rt.TensorDecl(
         'host_context_progress',
         dtype=torch.int64,
@@ -468,7 +480,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_progress'),),
     ),
-    # buffers.yaml:719: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
+    # buffers.yaml:732: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
     rt.TensorDecl(
         'host_runtime_perf_knobs',
         dtype=torch.int64,
@@ -479,7 +491,7 @@ TENSORS = (
         pad=-1,
         inputs=(rt.Bind('host_runtime_perf_knobs'),),
     ),
-    # buffers.yaml:730: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
+    # buffers.yaml:743: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
     rt.TensorDecl(
         'host_all_reduce_workspace',
         dtype=torch.int64,
@@ -490,7 +502,7 @@ TENSORS = (
         when=lambda c: c.tp_size > 1,
         inputs=(rt.Bind('all_reduce_workspace'),),
     ),
-    # buffers.yaml:740: Decoder slot of each request, context requests first.
+    # buffers.yaml:753: Decoder slot of each request, context requests first.
     rt.TensorDecl(
         'host_seq_slots',
         dtype=torch.int32,
@@ -500,7 +512,7 @@ TENSORS = (
         fill=fills.seq_slots,
         pad=0,
     ),
-    # buffers.yaml:749: Device copy of host_seq_slots, for decoder-side gathers.
+    # buffers.yaml:762: Device copy of host_seq_slots, for decoder-side gathers.
     rt.TensorDecl(
         'seq_slots',
         dtype=torch.int32,
@@ -510,7 +522,7 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
-    # buffers.yaml:770: Encoder output length of each sequence's request, staged on the host.
+    # buffers.yaml:783: Encoder output length of each sequence's request, staged on the host.
     rt.TensorDecl(
         'host_encoder_input_lengths',
         dtype=torch.int32,
@@ -520,7 +532,7 @@ TENSORS = (
         fill=fills.encoder_output_lengths,
         pad=0,
     ),
-    # buffers.yaml:779: Encoder output length of each sequence's request.
+    # buffers.yaml:792: Encoder output length of each sequence's request.
     rt.TensorDecl(
         'encoder_input_lengths',
         dtype=torch.int32,
@@ -531,7 +543,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('encoder_input_lengths'),),
     ),
-    # buffers.yaml:785: Only its shape counts, the longest encoder input of the step (zeros).
+    # buffers.yaml:798: Only its shape counts, the longest encoder input of the step (zeros).
     rt.TensorDecl(
         'encoder_max_input_length',
         dtype=torch.int32,
@@ -542,7 +554,7 @@ TENSORS = (
         inputs=(rt.Bind('encoder_max_input_length'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:795: Encoder outputs of this step's context requests, concatenated.
+    # buffers.yaml:808: Encoder outputs of this step's context requests, concatenated.
     rt.TensorDecl(
         'encoder_output',
         dtype=lambda c: c.model_dtype,
@@ -552,7 +564,7 @@ TENSORS = (
         fill=fills.encoder_output,
         inputs=(rt.Bind('encoder_output'),),
     ),
-    # buffers.yaml:805: Bound for the engine's interface; the engine does not read it yet (always false).
+    # buffers.yaml:818: Bound for the engine's interface; the engine does not read it yet (always false).
     rt.TensorDecl(
         'cross_kv_cache_gen',
         dtype=torch.bool,
@@ -562,7 +574,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: 0),
         inputs=(rt.Bind('cross_kv_cache_gen'),),
     ),
-    # buffers.yaml:815: Cross-attention KV-cache block index of every block of each sequence, K then V.
+    # buffers.yaml:828: Cross-attention KV-cache block index of every block of each sequence, K then V.
     rt.TensorDecl(
         'host_cross_kv_cache_block_offsets',
         dtype=torch.int32,
@@ -573,7 +585,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_cross_kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:826: Device copy of host_cross_kv_cache_block_offsets.
+    # buffers.yaml:839: Device copy of host_cross_kv_cache_block_offsets.
     rt.TensorDecl(
         'cross_kv_cache_block_offsets',
         dtype=torch.int32,
@@ -584,7 +596,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('cross_kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:832: Static: (primary, secondary) address of each cross-attention KV pool.
+    # buffers.yaml:845: Static: (primary, secondary) address of each cross-attention KV pool.
     rt.TensorDecl(
         'host_cross_kv_cache_pool_pointers',
         dtype=torch.int64,
@@ -594,7 +606,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_cross_kv_cache_pool_pointers'),),
     ),
-    # buffers.yaml:842: Static: (pool, layer in pool) of each layer's cross KV.
+    # buffers.yaml:855: Static: (pool, layer in pool) of each layer's cross KV.
     rt.TensorDecl(
         'host_cross_kv_cache_pool_mapping',
         dtype=torch.int32,
@@ -604,7 +616,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_cross_kv_cache_pool_mapping'),),
     ),
-    # buffers.yaml:852: Which encoder positions each token attends to, staged on the host.
+    # buffers.yaml:865: Which encoder positions each token attends to, staged on the host.
     rt.TensorDecl(
         'host_cross_attention_mask',
         dtype=torch.bool,
@@ -615,7 +627,7 @@ TENSORS = (
         pad=1,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:861: Which encoder positions each token attends to.
+    # buffers.yaml:874: Which encoder positions each token attends to.
     rt.TensorDecl(
         'cross_attention_mask',
         dtype=torch.bool,
@@ -627,7 +639,7 @@ TENSORS = (
         inputs=(rt.Bind('cross_attention_mask'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:867: Bit-packed cross-attention mask of the context requests, built by the FMHA mask kernel.
+    # buffers.yaml:880: Bit-packed cross-attention mask of the context requests, built by the FMHA mask kernel.
     rt.TensorDecl(
         'cross_attention_packed_mask',
         dtype=torch.int32,
@@ -638,7 +650,7 @@ TENSORS = (
         inputs=(rt.Bind('cross_attention_packed_mask'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:877: Whether every scheduled request skips the cross-attention blocks.
+    # buffers.yaml:890: Whether every scheduled request skips the cross-attention blocks.
     rt.TensorDecl(
         'host_skip_cross_attn_blocks',
         dtype=torch.bool,

@@ -276,7 +276,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:730: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
+    # buffers.yaml:743: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
     rt.TensorDecl(
         'host_all_reduce_workspace',
         dtype=torch.int64,
@@ -287,7 +287,7 @@ TENSORS = (
         when=lambda c: c.tp_size > 1,
         inputs=(rt.Bind('all_reduce_workspace'),),
     ),
-    # buffers.yaml:740: Decoder slot of each request, context requests first.
+    # buffers.yaml:753: Decoder slot of each request, context requests first.
     rt.TensorDecl(
         'host_seq_slots',
         dtype=torch.int32,
@@ -297,7 +297,7 @@ TENSORS = (
         fill=fills.seq_slots,
         pad=0,
     ),
-    # buffers.yaml:749: Device copy of host_seq_slots, for decoder-side gathers.
+    # buffers.yaml:762: Device copy of host_seq_slots, for decoder-side gathers.
     rt.TensorDecl(
         'seq_slots',
         dtype=torch.int32,
@@ -307,7 +307,7 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
-    # buffers.yaml:1022: State slot of each sequence (its request's seq_slot), staged on the host.
+    # buffers.yaml:1035: State slot of each sequence (its request's seq_slot), staged on the host.
     rt.TensorDecl(
         'host_slot_mapping',
         dtype=torch.int32,
@@ -318,7 +318,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1031: State slot of each sequence.
+    # buffers.yaml:1044: State slot of each sequence.
     rt.TensorDecl(
         'slot_mapping',
         dtype=torch.int32,
@@ -330,7 +330,7 @@ TENSORS = (
         inputs=(rt.Bind('slot_mapping'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1037: Static: address of each recurrent layer's paged convolution state.
+    # buffers.yaml:1050: Static: address of each recurrent layer's paged convolution state.
     rt.TensorDecl(
         'host_conv_state_pointers',
         dtype=torch.int64,
@@ -340,7 +340,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('conv_state_ptr_{local_rnn_layer}', each=(SET_LOCAL_RNN_LAYER,)),),
     ),
-    # buffers.yaml:1048: Static: address of each recurrent layer's paged recurrent state.
+    # buffers.yaml:1061: Static: address of each recurrent layer's paged recurrent state.
     rt.TensorDecl(
         'host_rnn_state_pointers',
         dtype=torch.int64,

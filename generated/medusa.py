@@ -233,7 +233,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
-    # buffers.yaml:497: KV-cache length of each sequence after this step (generation excludes drafts).
+    # buffers.yaml:497: KV length per sequence as the reference sets it, a context chunk's tokens through this step, a generation sequence's before it (prompt + generated - 1, no drafts).
     rt.TensorDecl(
         'host_past_key_value_lengths',
         dtype=torch.int32,
@@ -413,7 +413,19 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:678: Attention window of each layer on this pipeline rank.
+    # buffers.yaml:678: Beam width of each generation request (its sequences are consecutive rows).
+    rt.TensorDecl(
+        'host_generation_beam_widths',
+        dtype=torch.int32,
+        memory=rt.HOST,
+        capacity=lambda c: (c.max_batch_size,),
+        shape=lambda c, s: (s.num_generation_requests,),
+        fill=fills.generation_beam_widths,
+        pad=0,
+        when=lambda c: c.max_beam_width > 1,
+        inputs=(rt.Bind('host_beam_widths'),),
+    ),
+    # buffers.yaml:691: Attention window of each layer on this pipeline rank.
     rt.TensorDecl(
         'host_max_attention_window_sizes',
         dtype=torch.int32,
@@ -423,7 +435,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.max_attention_window),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),
-    # buffers.yaml:698: Attention sink tokens.
+    # buffers.yaml:711: Attention sink tokens.
     rt.TensorDecl(
         'host_sink_token_length',
         dtype=torch.int32,
@@ -433,7 +445,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.sink_token_length),
         inputs=(rt.Bind('host_sink_token_length'),),
     ),
-    # buffers.yaml:708: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
+    # buffers.yaml:721: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
     rt.TensorDecl(
         'host_context_progress',
         dtype=torch.int64,
@@ -444,7 +456,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_progress'),),
     ),
-    # buffers.yaml:719: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
+    # buffers.yaml:732: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
     rt.TensorDecl(
         'host_runtime_perf_knobs',
         dtype=torch.int64,
@@ -455,7 +467,7 @@ TENSORS = (
         pad=-1,
         inputs=(rt.Bind('host_runtime_perf_knobs'),),
     ),
-    # buffers.yaml:730: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
+    # buffers.yaml:743: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
     rt.TensorDecl(
         'host_all_reduce_workspace',
         dtype=torch.int64,
@@ -466,7 +478,7 @@ TENSORS = (
         when=lambda c: c.tp_size > 1,
         inputs=(rt.Bind('all_reduce_workspace'),),
     ),
-    # buffers.yaml:740: Decoder slot of each request, context requests first.
+    # buffers.yaml:753: Decoder slot of each request, context requests first.
     rt.TensorDecl(
         'host_seq_slots',
         dtype=torch.int32,
@@ -476,7 +488,7 @@ TENSORS = (
         fill=fills.seq_slots,
         pad=0,
     ),
-    # buffers.yaml:749: Device copy of host_seq_slots, for decoder-side gathers.
+    # buffers.yaml:762: Device copy of host_seq_slots, for decoder-side gathers.
     rt.TensorDecl(
         'seq_slots',
         dtype=torch.int32,
@@ -486,7 +498,7 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
-    # buffers.yaml:1109: Speculative decoding on (1).
+    # buffers.yaml:1122: Speculative decoding on (1).
     rt.TensorDecl(
         'spec_decoding_use',
         dtype=torch.int32,
@@ -496,18 +508,18 @@ TENSORS = (
         fill=rt.Constant(lambda c: 1),
         inputs=(rt.Bind('spec_decoding_use'),),
     ),
-    # buffers.yaml:1120: Logits of every Medusa head for every decoding token (last pipeline rank).
+    # buffers.yaml:1133: Logits of every Medusa head at every logit row, rows packed as in logits (last pipeline rank).
     rt.TensorDecl(
         'medusa_logits',
         dtype=lambda c: c.logits_dtype,
         memory=rt.DEVICE,
-        capacity=lambda c: (c.num_medusa_heads, c.max_batch_size, c.max_decoding_tokens, c.vocab_size_padded),
-        shape=lambda c, s: (c.num_medusa_heads, c.max_batch_size, c.max_decoding_tokens, c.vocab_size_padded),
+        capacity=lambda c: (c.num_medusa_heads, c.max_num_logits, c.vocab_size_padded),
+        shape=lambda c, s: (c.num_medusa_heads, s.num_logits, c.vocab_size_padded),
         fill=rt.ENGINE,
         when=lambda c: c.pp_rank == c.pp_size - 1,
         outputs=(rt.Bind('medusa_logits'),),
     ),
-    # buffers.yaml:1130: Static: packed attention mask of the choice tree, the same for every request.
+    # buffers.yaml:1143: Static: packed attention mask of the choice tree, the same for every request.
     rt.TensorDecl(
         'medusa_packed_mask',
         dtype=torch.int32,
@@ -517,7 +529,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('spec_decoding_packed_mask'),),
     ),
-    # buffers.yaml:1140: Static: tokens each request feeds (the choice tree's size).
+    # buffers.yaml:1153: Static: tokens each request feeds (the choice tree's size).
     rt.TensorDecl(
         'medusa_generation_lengths',
         dtype=torch.int32,
@@ -527,7 +539,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('spec_decoding_generation_lengths'),),
     ),
-    # buffers.yaml:1150: Static: position offset of each tree token from the request's position.
+    # buffers.yaml:1163: Static: position offset of each tree token from the request's position.
     rt.TensorDecl(
         'medusa_position_offsets',
         dtype=torch.int32,

@@ -241,7 +241,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
-    # buffers.yaml:497: KV-cache length of each sequence after this step (generation excludes drafts).
+    # buffers.yaml:497: KV length per sequence as the reference sets it, a context chunk's tokens through this step, a generation sequence's before it (prompt + generated - 1, no drafts).
     rt.TensorDecl(
         'host_past_key_value_lengths',
         dtype=torch.int32,
@@ -433,7 +433,19 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:678: Attention window of each layer on this pipeline rank.
+    # buffers.yaml:678: Beam width of each generation request (its sequences are consecutive rows).
+    rt.TensorDecl(
+        'host_generation_beam_widths',
+        dtype=torch.int32,
+        memory=rt.HOST,
+        capacity=lambda c: (c.max_batch_size,),
+        shape=lambda c, s: (s.num_generation_requests,),
+        fill=fills.generation_beam_widths,
+        pad=0,
+        when=lambda c: c.max_beam_width > 1,
+        inputs=(rt.Bind('host_beam_widths'),),
+    ),
+    # buffers.yaml:691: Attention window of each layer on this pipeline rank.
     rt.TensorDecl(
         'host_max_attention_window_sizes',
         dtype=torch.int32,
@@ -443,7 +455,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.max_attention_window),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),
-    # buffers.yaml:698: Attention sink tokens.
+    # buffers.yaml:711: Attention sink tokens.
     rt.TensorDecl(
         'host_sink_token_length',
         dtype=torch.int32,
@@ -453,7 +465,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.sink_token_length),
         inputs=(rt.Bind('host_sink_token_length'),),
     ),
-    # buffers.yaml:708: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
+    # buffers.yaml:721: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
     rt.TensorDecl(
         'host_context_progress',
         dtype=torch.int64,
@@ -464,7 +476,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_progress'),),
     ),
-    # buffers.yaml:719: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
+    # buffers.yaml:732: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
     rt.TensorDecl(
         'host_runtime_perf_knobs',
         dtype=torch.int64,
@@ -475,7 +487,7 @@ TENSORS = (
         pad=-1,
         inputs=(rt.Bind('host_runtime_perf_knobs'),),
     ),
-    # buffers.yaml:730: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
+    # buffers.yaml:743: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
     rt.TensorDecl(
         'host_all_reduce_workspace',
         dtype=torch.int64,
@@ -486,7 +498,7 @@ TENSORS = (
         when=lambda c: c.tp_size > 1,
         inputs=(rt.Bind('all_reduce_workspace'),),
     ),
-    # buffers.yaml:740: Decoder slot of each request, context requests first.
+    # buffers.yaml:753: Decoder slot of each request, context requests first.
     rt.TensorDecl(
         'host_seq_slots',
         dtype=torch.int32,
@@ -496,7 +508,7 @@ TENSORS = (
         fill=fills.seq_slots,
         pad=0,
     ),
-    # buffers.yaml:749: Device copy of host_seq_slots, for decoder-side gathers.
+    # buffers.yaml:762: Device copy of host_seq_slots, for decoder-side gathers.
     rt.TensorDecl(
         'seq_slots',
         dtype=torch.int32,
@@ -506,7 +518,7 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
-    # buffers.yaml:984: Prompt embedding rows of each request with a table, at rows [b * max_prompt_vocab_size, ...).
+    # buffers.yaml:997: Prompt embedding rows of each request with a table, at rows [b * max_prompt_vocab_size, ...).
     rt.TensorDecl(
         'prompt_embedding_table',
         dtype=lambda c: c.model_dtype,
@@ -516,7 +528,7 @@ TENSORS = (
         fill=fills.prompt_embedding_table,
         inputs=(rt.Bind('prompt_embedding_table'),),
     ),
-    # buffers.yaml:995: Prompt table (task) of every input token, staged on the host.
+    # buffers.yaml:1008: Prompt table (task) of every input token, staged on the host.
     rt.TensorDecl(
         'host_prompt_tasks',
         dtype=torch.int32,
@@ -526,7 +538,7 @@ TENSORS = (
         fill=fills.prompt_tasks,
         pad=0,
     ),
-    # buffers.yaml:1004: Prompt table (task) of every input token.
+    # buffers.yaml:1017: Prompt table (task) of every input token.
     rt.TensorDecl(
         'tasks',
         dtype=torch.int32,
@@ -537,7 +549,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('tasks'),),
     ),
-    # buffers.yaml:1010: Prompt-table rows of one request.
+    # buffers.yaml:1023: Prompt-table rows of one request.
     rt.TensorDecl(
         'prompt_vocab_size',
         dtype=torch.int32,
@@ -547,7 +559,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.max_prompt_vocab_size),
         inputs=(rt.Bind('prompt_vocab_size'),),
     ),
-    # buffers.yaml:1061: Rotary cos/sin table of each context request's row (generation rows are not read).
+    # buffers.yaml:1074: Rotary cos/sin table of each context request's row (generation rows are not read).
     rt.TensorDecl(
         'mrope_rotary_cos_sin',
         dtype=torch.float32,
@@ -557,7 +569,7 @@ TENSORS = (
         fill=fills.mrope_rotary_cos_sin,
         inputs=(rt.Bind('mrope_rotary_cos_sin'),),
     ),
-    # buffers.yaml:1072: M-RoPE position delta of each generation sequence (context rows 0), staged on the host.
+    # buffers.yaml:1085: M-RoPE position delta of each generation sequence (context rows 0), staged on the host.
     rt.TensorDecl(
         'host_mrope_position_deltas',
         dtype=torch.int32,
@@ -567,7 +579,7 @@ TENSORS = (
         fill=fills.mrope_position_deltas,
         pad=0,
     ),
-    # buffers.yaml:1081: M-RoPE position delta of each sequence.
+    # buffers.yaml:1094: M-RoPE position delta of each sequence.
     rt.TensorDecl(
         'mrope_position_deltas',
         dtype=torch.int32,

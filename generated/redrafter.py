@@ -237,7 +237,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
-    # buffers.yaml:497: KV-cache length of each sequence after this step (generation excludes drafts).
+    # buffers.yaml:497: KV length per sequence as the reference sets it, a context chunk's tokens through this step, a generation sequence's before it (prompt + generated - 1, no drafts).
     rt.TensorDecl(
         'host_past_key_value_lengths',
         dtype=torch.int32,
@@ -417,7 +417,19 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:678: Attention window of each layer on this pipeline rank.
+    # buffers.yaml:678: Beam width of each generation request (its sequences are consecutive rows).
+    rt.TensorDecl(
+        'host_generation_beam_widths',
+        dtype=torch.int32,
+        memory=rt.HOST,
+        capacity=lambda c: (c.max_batch_size,),
+        shape=lambda c, s: (s.num_generation_requests,),
+        fill=fills.generation_beam_widths,
+        pad=0,
+        when=lambda c: c.max_beam_width > 1,
+        inputs=(rt.Bind('host_beam_widths'),),
+    ),
+    # buffers.yaml:691: Attention window of each layer on this pipeline rank.
     rt.TensorDecl(
         'host_max_attention_window_sizes',
         dtype=torch.int32,
@@ -427,7 +439,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.max_attention_window),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),
-    # buffers.yaml:698: Attention sink tokens.
+    # buffers.yaml:711: Attention sink tokens.
     rt.TensorDecl(
         'host_sink_token_length',
         dtype=torch.int32,
@@ -437,7 +449,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.sink_token_length),
         inputs=(rt.Bind('host_sink_token_length'),),
     ),
-    # buffers.yaml:708: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
+    # buffers.yaml:721: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
     rt.TensorDecl(
         'host_context_progress',
         dtype=torch.int64,
@@ -448,7 +460,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_progress'),),
     ),
-    # buffers.yaml:719: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
+    # buffers.yaml:732: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
     rt.TensorDecl(
         'host_runtime_perf_knobs',
         dtype=torch.int64,
@@ -459,7 +471,7 @@ TENSORS = (
         pad=-1,
         inputs=(rt.Bind('host_runtime_perf_knobs'),),
     ),
-    # buffers.yaml:730: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
+    # buffers.yaml:743: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
     rt.TensorDecl(
         'host_all_reduce_workspace',
         dtype=torch.int64,
@@ -470,7 +482,7 @@ TENSORS = (
         when=lambda c: c.tp_size > 1,
         inputs=(rt.Bind('all_reduce_workspace'),),
     ),
-    # buffers.yaml:740: Decoder slot of each request, context requests first.
+    # buffers.yaml:753: Decoder slot of each request, context requests first.
     rt.TensorDecl(
         'host_seq_slots',
         dtype=torch.int32,
@@ -480,7 +492,7 @@ TENSORS = (
         fill=fills.seq_slots,
         pad=0,
     ),
-    # buffers.yaml:749: Device copy of host_seq_slots, for decoder-side gathers.
+    # buffers.yaml:762: Device copy of host_seq_slots, for decoder-side gathers.
     rt.TensorDecl(
         'seq_slots',
         dtype=torch.int32,
@@ -490,7 +502,7 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
-    # buffers.yaml:1109: Speculative decoding on (1).
+    # buffers.yaml:1122: Speculative decoding on (1).
     rt.TensorDecl(
         'spec_decoding_use',
         dtype=torch.int32,
@@ -500,7 +512,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: 1),
         inputs=(rt.Bind('spec_decoding_use'),),
     ),
-    # buffers.yaml:1162: Packed attention mask of each generation request's decoding tokens (written by the drafter).
+    # buffers.yaml:1175: Packed attention mask of each generation request's decoding tokens (written by the drafter).
     rt.TensorDecl(
         'spec_packed_mask',
         dtype=torch.int32,
@@ -510,7 +522,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_packed_mask'),),
     ),
-    # buffers.yaml:1172: Tokens each generation request feeds (written by the drafter).
+    # buffers.yaml:1185: Tokens each generation request feeds (written by the drafter).
     rt.TensorDecl(
         'spec_generation_lengths',
         dtype=torch.int32,
@@ -520,7 +532,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_generation_lengths'),),
     ),
-    # buffers.yaml:1182: Position offset of each decoding token (written by the drafter).
+    # buffers.yaml:1195: Position offset of each decoding token (written by the drafter).
     rt.TensorDecl(
         'spec_position_offsets',
         dtype=torch.int32,
@@ -530,7 +542,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_position_offsets'),),
     ),
-    # buffers.yaml:1193: Inverse sampling temperature of each request (written by the drafter).
+    # buffers.yaml:1206: Inverse sampling temperature of each request (written by the drafter).
     rt.TensorDecl(
         'redrafter_inverted_temperature',
         dtype=lambda c: c.model_dtype,
@@ -541,7 +553,7 @@ TENSORS = (
         inputs=(rt.Bind('redrafter_inverted_temperature'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1203: Device copy of host_request_types.
+    # buffers.yaml:1216: Device copy of host_request_types.
     rt.TensorDecl(
         'device_request_types',
         dtype=torch.int32,
@@ -553,7 +565,7 @@ TENSORS = (
         inputs=(rt.Bind('device_request_types'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1209: Kind of each sequence (0 context, 1 generation), staged for the device copy.
+    # buffers.yaml:1222: Kind of each sequence (0 context, 1 generation), staged for the device copy.
     rt.TensorDecl(
         'host_device_request_types',
         dtype=torch.int32,
@@ -564,7 +576,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1218: Draft tokens of each path of each generation request (written by the drafter).
+    # buffers.yaml:1231: Draft tokens of each path of each generation request (written by the drafter).
     rt.TensorDecl(
         'redrafter_draft_tokens',
         dtype=torch.int32,
@@ -574,7 +586,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('draft_tokens'),),
     ),
-    # buffers.yaml:1228: Index of each draft token in the flattened tree (written by the drafter).
+    # buffers.yaml:1241: Index of each draft token in the flattened tree (written by the drafter).
     rt.TensorDecl(
         'redrafter_draft_indices',
         dtype=torch.int32,
@@ -584,7 +596,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('draft_indices'),),
     ),
-    # buffers.yaml:1238: Draft probabilities of each draft token (written by the drafter).
+    # buffers.yaml:1251: Draft probabilities of each draft token (written by the drafter).
     rt.TensorDecl(
         'redrafter_draft_probs',
         dtype=lambda c: c.model_dtype,
@@ -594,7 +606,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('draft_probs'),),
     ),
-    # buffers.yaml:1248: Random number of each request for sampling (written by the drafter).
+    # buffers.yaml:1261: Random number of each request for sampling (written by the drafter).
     rt.TensorDecl(
         'redrafter_rand_data_sample',
         dtype=lambda c: c.model_dtype,
@@ -605,7 +617,7 @@ TENSORS = (
         inputs=(rt.Bind('rand_data_sample'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1258: Random numbers of each draft token for validation (written by the drafter).
+    # buffers.yaml:1271: Random numbers of each draft token for validation (written by the drafter).
     rt.TensorDecl(
         'redrafter_rand_data_validation',
         dtype=lambda c: c.model_dtype,
@@ -615,7 +627,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('rand_data_validation'),),
     ),
-    # buffers.yaml:1268: Position of each request's first decoding token (written by the drafter).
+    # buffers.yaml:1281: Position of each request's first decoding token (written by the drafter).
     rt.TensorDecl(
         'redrafter_position_ids_base',
         dtype=torch.int32,
@@ -626,7 +638,7 @@ TENSORS = (
         inputs=(rt.Bind('position_ids_base'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1278: Tokens each request feeds next step (engine output).
+    # buffers.yaml:1291: Tokens each request feeds next step (engine output).
     rt.TensorDecl(
         'redrafter_next_generation_lengths',
         dtype=torch.int32,
@@ -637,7 +649,7 @@ TENSORS = (
         outputs=(rt.Bind('next_spec_decoding_generation_lengths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1288: Position offsets of the next step's decoding tokens (engine output).
+    # buffers.yaml:1301: Position offsets of the next step's decoding tokens (engine output).
     rt.TensorDecl(
         'redrafter_next_position_offsets',
         dtype=torch.int32,
@@ -648,7 +660,7 @@ TENSORS = (
         outputs=(rt.Bind('next_spec_decoding_position_offsets'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1298: Attention mask of the next step's decoding tokens (engine output).
+    # buffers.yaml:1311: Attention mask of the next step's decoding tokens (engine output).
     rt.TensorDecl(
         'redrafter_masks',
         dtype=torch.bool,
@@ -659,7 +671,7 @@ TENSORS = (
         outputs=(rt.Bind('spec_decoding_mask'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1308: Next draft tokens of each path (engine output).
+    # buffers.yaml:1321: Next draft tokens of each path (engine output).
     rt.TensorDecl(
         'redrafter_next_draft_tokens',
         dtype=torch.int32,
@@ -670,7 +682,7 @@ TENSORS = (
         outputs=(rt.Bind('next_draft_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1318: Next draft token indices of each path (engine output).
+    # buffers.yaml:1331: Next draft token indices of each path (engine output).
     rt.TensorDecl(
         'redrafter_next_draft_indices',
         dtype=torch.int32,
@@ -681,7 +693,7 @@ TENSORS = (
         outputs=(rt.Bind('next_draft_indices'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1328: Next draft probabilities (engine output).
+    # buffers.yaml:1341: Next draft probabilities (engine output).
     rt.TensorDecl(
         'redrafter_next_draft_probs',
         dtype=lambda c: c.model_dtype,
@@ -692,7 +704,7 @@ TENSORS = (
         outputs=(rt.Bind('next_draft_probs'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1338: Next step's input tokens, flattened (engine output).
+    # buffers.yaml:1351: Next step's input tokens, flattened (engine output).
     rt.TensorDecl(
         'redrafter_next_flat_tokens',
         dtype=torch.int32,
@@ -703,7 +715,7 @@ TENSORS = (
         outputs=(rt.Bind('next_flat_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1348: Accepted tokens of each request (engine output).
+    # buffers.yaml:1361: Accepted tokens of each request (engine output).
     rt.TensorDecl(
         'redrafter_num_accepted_tokens',
         dtype=torch.int32,
@@ -714,7 +726,7 @@ TENSORS = (
         outputs=(rt.Bind('num_accepted_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1358: Accepted path of each request (engine output).
+    # buffers.yaml:1371: Accepted path of each request (engine output).
     rt.TensorDecl(
         'redrafter_accepted_beam_index',
         dtype=torch.int32,
@@ -725,7 +737,7 @@ TENSORS = (
         outputs=(rt.Bind('accepted_beam_index'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1368: Most tokens any request feeds next step (engine output).
+    # buffers.yaml:1381: Most tokens any request feeds next step (engine output).
     rt.TensorDecl(
         'redrafter_max_gen_token',
         dtype=torch.int32,
@@ -735,7 +747,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('max_gen_token'),),
     ),
-    # buffers.yaml:1378: Tokens all requests feed next step (engine output).
+    # buffers.yaml:1391: Tokens all requests feed next step (engine output).
     rt.TensorDecl(
         'redrafter_total_gen_token',
         dtype=torch.int32,
@@ -745,7 +757,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('total_gen_token'),),
     ),
-    # buffers.yaml:1388: Positions of the next step's tokens, packed (engine output).
+    # buffers.yaml:1401: Positions of the next step's tokens, packed (engine output).
     rt.TensorDecl(
         'redrafter_packed_position_ids',
         dtype=torch.int32,

@@ -521,7 +521,13 @@ class RuntimeBuffers:
                 )
 
         def view(n: str, f: Any, index: tuple[int, ...]) -> torch.Tensor:
-            v = self._view(n, f(c, sizes))
+            shape = tuple(f(c, sizes))
+            if math.prod(shape) > self._numel[n]:
+                raise ValueError(
+                    f"views(): {n!r} would be {list(shape)} at these sizes, beyond its "
+                    f"capacity {list(self._capacity_shape[n])}"
+                )
+            v = self._view(n, shape)
             return v[index] if index else v
 
         inputs = {e: view(n, f, i) for e, n, f, i in self._inputs}

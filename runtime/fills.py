@@ -264,6 +264,12 @@ def _last_token_ids(out: np.ndarray, b: Batch, config: Any = None) -> int:
     return b.sizes.num_logits
 
 
+def _generation_beam_widths(out: np.ndarray, b: Batch, config: Any = None) -> int:
+    n = b.sizes.num_generation_requests
+    out[:n] = b.gen_beam_width
+    return n
+
+
 def _seq_slots(out: np.ndarray, b: Batch, config: Any = None) -> int:
     n = b.sizes.num_requests
     out[:n] = b.seq_slot
@@ -436,6 +442,11 @@ last_token_ids = Rule(
     "last_token_ids", _last_token_ids, advance=_advance_same(lambda b: b.sizes.num_logits)
 )
 seq_slots = Rule("seq_slots", _seq_slots, advance=_advance_same(lambda b: b.sizes.num_requests))
+generation_beam_widths = Rule(
+    "generation_beam_widths",
+    _generation_beam_widths,
+    advance=_advance_same(lambda b: b.sizes.num_generation_requests),
+)
 kv_cache_block_offsets = Rule(
     "kv_cache_block_offsets", _kv_cache_block_offsets, _kv_check, _advance_kv, _advance_kv_check
 )
@@ -546,6 +557,7 @@ RULES = {
         request_types,
         last_token_ids,
         seq_slots,
+        generation_beam_widths,
         kv_cache_block_offsets,
     )
 }

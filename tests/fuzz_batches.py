@@ -1552,7 +1552,10 @@ class Fuzzer:
         s = self.ref_step and self.ref_step.sizes
         if not s or s.num_context_requests or s.num_tokens != s.num_sequences:
             return
-        rows = self.rng.randint(s.num_sequences, self.config.max_num_sequences)
+        # a bucket counts requests of one sequence each, at most max_batch_size
+        if s.num_sequences > self.config.max_batch_size:
+            return
+        rows = self.rng.randint(s.num_sequences, self.config.max_batch_size)
         bucket = s.generation_bucket(rows)
         self.counts.bucket_checks += 1
         if self.name == "gpt_lora" and rows != s.num_sequences:  # [.., sequences]: refused

@@ -264,6 +264,10 @@ def test_bound_names_equal_the_references(name, overrides, inputs, outputs, stat
     mod = family(name)
     b = mod.RuntimeBuffers(config_for(name, overrides))
     got_in, got_out = b.views(one_of_each())
+    if "cache_indirection" in inputs and getattr(b.config, "max_beam_width", 1) > 1:
+        # bufc's one addition: cache_indirection is bound at capacity, so the engine reads the
+        # beam width of each generation request from host_beam_widths
+        inputs = inputs | {"host_beam_widths"}
     assert set(got_in) == inputs
     assert set(got_out) == outputs
     assert set(b.static_inputs) == statics
@@ -341,7 +345,7 @@ def capacities(c, flags) -> dict:
         if E
         else None,
         "skip_cross_attn_blocks": (1,),
-        "medusa_logits": (g("num_medusa_heads"), B, K, V),
+        "medusa_logits": (g("num_medusa_heads"), B * K, V),  # [heads, num_logits, V], packed
         "spec_decoding_packed_mask": (B * K, words),
         "spec_decoding_generation_lengths": (B,),
         "spec_decoding_position_offsets": (B, K),
