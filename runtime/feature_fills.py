@@ -375,6 +375,34 @@ def _prompt_check(b: Batch, config: Any) -> None:
             raise BatchError(
                 f"{_where(b, i)}: prompt_table is {t.dtype}, the model dtype is {config.model_dtype}"
             )
+    # a token id v >= vocab_size reads row v - vocab_size of its own request's table: the row
+    # must exist (a request without a table would read another request's rows)
+    vocab = config.vocab_size
+    for i, largest in enumerate(_largest_input_tokens(b)):
+        if largest < vocab:
+            continue
+        t = getattr(_requests(b)[i], "prompt_table", None)
+        rows = 0 if t is None else t.shape[0]
+        if largest - vocab >= rows:
+            have = "the request has no prompt_table" if t is None else f"its table has {rows} rows"
+            raise BatchError(
+                f"{_where(b, i)}: token {largest} reads prompt-table row {largest - vocab}, but "
+                f"{have}"
+            )
+
+
+def _largest_input_tokens(b: Batch) -> list[int]:
+    """The largest token id each request feeds this step (its chunk and drafts, or its beams'
+    last tokens and drafts)."""
+    out = []
+    for i, (r, begin, chunk) in enumerate(zip(b.context, b.ctx_begin, b.ctx_chunk)):
+        drafts = r.draft_tokens if b.ctx_drafts[i] else ()
+        out.append(max([int(b.prompt_array(i)[begin : begin + chunk].max()), *drafts]))
+    last = b.seq_last_token
+    for j, r in enumerate(b.generation):
+        first, width = int(b.seq_first[j]), int(b.gen_beam_width[j])
+        out.append(max([int(last[first : first + width].max()), *(r.draft_tokens or ())]))
+    return out
 
 
 def prompt_embedding_table(out: torch.Tensor, b: Batch, config: Any) -> int:

@@ -337,6 +337,23 @@ def kv(**kw):
             "prompt_table is torch.float32, the model dtype is torch.float16",
         ),
         (
+            "gpt_prompt_tuning",
+            PROMPT,
+            Request(
+                seq_slot=0,
+                prompt=[1, 1002],
+                **kv(prompt_table=torch.zeros(2, 4, dtype=torch.float16)),
+            ),
+            "context request 0 (seq_slot 0): token 1002 reads prompt-table row 2, but its "
+            "table has 2 rows",
+        ),
+        (
+            "gpt_prompt_tuning",
+            PROMPT,
+            Request(seq_slot=0, prompt=[1000], **kv()),
+            "token 1000 reads prompt-table row 0, but the request has no prompt_table",
+        ),
+        (
             "qwen2_vl",
             MROPE,
             Request(seq_slot=0, prompt=[1], **kv(mrope_rotary_cos_sin=torch.zeros(5))),
