@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from importlib import resources
 from pathlib import Path
@@ -46,7 +47,11 @@ def _check(args: argparse.Namespace) -> int:
     diffs = files.diff(Path(args.out), emit.render_all(spec, Path(args.spec).name))
     if diffs:
         sys.stdout.write("".join(diffs))
-        print(f"{args.out}/ is out of date with {args.spec}; run 'make generate'", file=sys.stderr)
+        print(
+            f"{args.out}/ is out of date with {args.spec}; run "
+            f"'bufc generate --spec {shlex.quote(args.spec)} --out {shlex.quote(args.out)}'",
+            file=sys.stderr,
+        )
         return 1
     print(f"{args.spec} is valid and {args.out}/ is up to date")
     return 0

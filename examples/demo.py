@@ -69,18 +69,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.tokens_per_block} tokens/block, {where}"
     )
     print(f"{'step':>5} {'in flight':>9} {'ctx':>4} {'gen':>4} {'tokens':>6} {'prepare_step':>13}")
-    # on a terminal the bar redraws in place; otherwise tqdm writes a line at most every
-    # 5 seconds (mininterval), so captured output stays short
-    tty = sys.stderr.isatty()
-    bar = tqdm(total=len(jobs), unit="req", desc="requests", mininterval=0.1 if tty else 5.0)
+    # on a terminal a progress bar (requests finished, rate, ETA) redraws in place on stderr
+    # under the step lines; captured output gets the step lines and the summary alone
+    bar = tqdm(total=len(jobs), unit="req", desc="requests", disable=not sys.stderr.isatty())
 
     def on_step(s: StepStats) -> None:
         if s.step % args.every == 0:
-            bar.write(
+            line = (
                 f"{s.step:5d} {s.in_flight:9d} {s.context_requests:4d} {s.generation_requests:4d} "
-                f"{s.tokens:6d} {s.prepare_s * 1e6:10.0f} us",
-                file=sys.stdout,
+                f"{s.tokens:6d} {s.prepare_s * 1e6:10.0f} us"
             )
+            bar.write(line, file=sys.stdout)  # tqdm.write: printed above the bar
         bar.update(s.finished - bar.n)
 
     if world > 1:

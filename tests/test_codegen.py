@@ -102,7 +102,10 @@ def test_check_fails_on_stale_orphan_or_missing_files_and_names_the_fix(workdir,
     before = {p.name: p.read_bytes() for p in gen.iterdir()}
     r = run_cli("check", cwd=workdir)
     assert r.returncode == 1
-    assert "generated/ is out of date with buffers.yaml; run 'make generate'" in r.stderr
+    assert (
+        "generated/ is out of date with buffers.yaml; run "
+        "'bufc generate --spec buffers.yaml --out generated'" in r.stderr
+    )
     assert {
         "edit": "-        pad=1,",
         "orphan": "generated/bloom.py: orphan file",
