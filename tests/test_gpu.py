@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import test_features as F  # imported here: a @given applied inside a running @given is "nested"
 import torch
 from conftest import batch, make_buffers
 from hypothesis import HealthCheck, given, settings
@@ -105,8 +106,6 @@ def test_a_captured_graph_reads_each_new_step_through_the_same_buffers():
 
 def feature_families():
     """family -> (batch strategy of test_features, its config there)."""
-    import test_features as F
-
     return {
         "enc_dec": (F.enc_dec_batch, F.ENC),
         "gpt_lora": (F.lora_batch, {"lora_modules": F.MODULES}),
