@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any, NoReturn
 
 import numpy as np
@@ -23,6 +23,9 @@ import numpy as np
 from .batch import Batch
 from .errors import BatchError
 from .values import INT32_MAX, in_range, int_array, is_int, show
+
+
+_FIRST = itemgetter(0)
 
 
 def id_limit(config: Any) -> tuple[int, str]:
@@ -68,16 +71,16 @@ def _block_lists(b: Batch, field: str) -> list | None:
     try:
         ctx_ids = list(map(get, b.context))
         gen_ids = list(map(get, b.generation))
-        if not all(map(len, ctx_ids)) or not all(map(len, gen_ids)):
+        counts = list(map(len, gen_ids))
+        if not all(map(len, ctx_ids)) or not all(counts):
             return None
     except (AttributeError, TypeError):
         return None
     if any(len(ids) not in (1, r.beam_width) for ids, r in zip(ctx_ids, b.context)):
         return None
-    lists = [ids[0] for ids in ctx_ids]
-    counts = list(map(len, gen_ids))
+    lists = list(map(_FIRST, ctx_ids))
     if b.sizes.num_generation_sequences == len(counts) == counts.count(1):
-        lists += [ids[0] for ids in gen_ids]  # one beam, one list each: the common case
+        lists += map(_FIRST, gen_ids)  # one beam, one list each: the common case
     else:
         for ids, beams in zip(gen_ids, b.gen_beam_width):
             if len(ids) not in (1, beams):

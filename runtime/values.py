@@ -58,8 +58,12 @@ def int_array(values: Any) -> np.ndarray | None:
 
 
 def in_range(a: np.ndarray, low: int, high: int) -> bool:
-    """low <= every value of `a` < high (vacuously true for an empty array)."""
-    return not a.size or (int(a.min()) >= low and int(a.max()) < high)
+    """low <= every value of the int64 array `a` < high (vacuously true for an empty array)."""
+    if not a.size:
+        return True
+    if low == 0:  # one reduction: negative values are >= 2**63 read as unsigned
+        return int(a.view(np.uint64).max()) < high
+    return int(a.min()) >= low and int(a.max()) < high
 
 
 def check_int(value: Any, what: str, where: str, low: int, high: int, limit: str = "") -> int:
