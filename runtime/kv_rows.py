@@ -24,7 +24,6 @@ from .batch import Batch
 from .errors import BatchError
 from .values import INT32_MAX, in_range, int_array, is_int, show
 
-
 _FIRST = itemgetter(0)
 
 
