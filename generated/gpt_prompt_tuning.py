@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
-from bufc import runtime as rt
+from bufc import runtime as rt  # first: without torch it says how to install it
 from bufc.runtime import fills
+
+import torch
 
 rt.check_format_version(1)
 

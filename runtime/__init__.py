@@ -6,6 +6,14 @@ fill, the host-to-device copy and the engine IO views are implemented once, here
 
 from __future__ import annotations
 
+try:
+    import torch  # noqa: F401
+except ModuleNotFoundError as exc:  # pragma: no cover - exercised in a subprocess
+    raise ModuleNotFoundError(
+        "bufc.runtime and the generated buffer modules need torch: pip install 'bufc[runtime]'",
+        name="torch",
+    ) from exc
+
 from .batch import ENCODER_SIZES, STEP_SIZES, Batch, StepSizes
 from .buffers import KV_CACHE_LENGTH_ROUND, RuntimeBuffers, Step
 from .config import ConfigBase, cdiv, check_bool, check_dtype, check_int, check_names, require

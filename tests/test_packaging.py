@@ -81,3 +81,37 @@ def test_installed_copy_validates_a_spec_outside_the_repository(installed, tmp_p
     r = run_installed(installed, tmp_path, code)
     assert r.returncode == 0, r.stderr
     assert r.stdout == "buffers.yaml: ok\n"
+
+
+def test_installed_copy_reports_from_its_generated_modules_without_a_spec(installed, tmp_path):
+    """No buffers.yaml at hand: report (table, JSON, plot) reads bufc.generated.gpt."""
+    args = (
+        "'report', 'gpt', '--set', 'max_batch_size=4', '--set', 'max_num_tokens=64', "
+        "'--set', 'vocab_size=50', '--set', 'num_layers=2', '--set', 'max_attention_window=64'"
+    )
+    code = f"from bufc.codegen.cli import main; raise SystemExit(main([{args}, '--json']))"
+    r = run_installed(installed, tmp_path, code)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    data = json.loads(r.stdout)
+    assert data["family"] == "gpt" and data["totals"]["all"] > 0
+    pytest.importorskip("matplotlib")
+    plot = f"[{args}, '--sweep', 'max_batch_size=4,8', '--plot', 'mem.svg']"
+    code = f"from bufc.codegen.cli import main; raise SystemExit(main({plot}))"
+    r = run_installed(installed, tmp_path, code)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "mem.svg").stat().st_size > 1000
+
+
+def test_without_torch_the_runtime_and_report_say_how_to_install_it(installed, tmp_path):
+    block = "import sys; sys.modules['torch'] = None\n"  # as if torch were not installed
+    r = run_installed(installed, tmp_path, block + "from bufc.generated import gpt")
+    assert r.returncode == 1
+    assert "need torch: pip install 'bufc[runtime]'" in r.stderr
+    report = "from bufc.codegen.cli import main; raise SystemExit(main(['report', 'gpt']))"
+    r = run_installed(installed, tmp_path, block + report)
+    assert r.returncode == 1
+    assert "bufc report: reading a generated module needs torch: pip install 'bufc[runtime]'" in (
+        r.stderr
+    )

@@ -441,3 +441,9 @@ def test_bucket_views_past_the_batch_hold_pad_values_on_the_device_side():
         assert inputs[name][:3].tolist() == step.inputs[name].tolist(), name
     assert inputs["kv_cache_block_offsets"][0, 3:].abs().sum() == 0
     assert inputs["input_ids"].data_ptr() == step.inputs["input_ids"].data_ptr()
+
+
+def test_a_capacity_the_machine_cannot_hold_is_a_config_error_with_the_bytes():
+    config = make_config("gpt", max_num_tokens=2**40)  # a valid Config, an absurd capacity
+    with pytest.raises(ConfigError, match=r"these buffers need [\d,]+ bytes of host memory, more"):
+        family("gpt").RuntimeBuffers(config)
