@@ -52,7 +52,7 @@ from bufc.generated import llama
 from bufc.runtime import Request
 
 from .compare import Mismatch
-from .executor import Job, StepStats
+from .executor import Job, StepStats, grow_blocks
 from .llama import PackedLlama
 from .paged_cache import BlockAllocator, PagedKVCache
 
@@ -537,9 +537,7 @@ class BeamExecutor:
         return context, generation
 
     def _grow(self, blocks: list[int], tokens: int) -> None:
-        need = -(-tokens // self.config.tokens_per_block) - len(blocks)
-        if need > 0:
-            blocks.extend(self.allocator.allocate(need))
+        grow_blocks(blocks, tokens, self.config.tokens_per_block, self.allocator)
 
     def _grow_beams(self, a: _Active, tokens: int) -> None:
         """Every beam's list covers `tokens`: the prompt's full blocks shared with beam 0 (the

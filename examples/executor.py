@@ -247,28 +247,43 @@ class Executor:
         graph.replay()
 
     def _schedule(self, active: list[_Active]) -> tuple[list[_Active], list[_Active]]:
-        budget = self.token_budget
-        generation = []
-        for a in active:
-            req = a.request
-            if req.context_position == len(req.prompt) and budget > 0:
-                self._grow(a, len(req.prompt) + len(req.generated[0]))
-                generation.append(a)
-                budget -= 1
-        context = []
-        for a in active:
-            req = a.request
-            remaining = len(req.prompt) - req.context_position
-            if remaining == 0 or budget == 0:
-                continue
-            chunk = min(remaining, self.chunk_size, budget)
-            self._grow(a, req.context_position + chunk)
-            req.context_chunk_size = chunk
-            context.append(a)
-            budget -= chunk
-        return context, generation
+        return schedule(active, self.token_budget, self.chunk_size, self._grow)
 
     def _grow(self, a: _Active, tokens: int) -> None:
-        need = -(-tokens // self.config.tokens_per_block) - len(a.blocks)
-        if need > 0:
-            a.blocks.extend(self.allocator.allocate(need))
+        grow_blocks(a.blocks, tokens, self.config.tokens_per_block, self.allocator)
+
+
+def schedule(
+    active: list, token_budget: int, chunk_size: int, grow: Callable[[object, int], None]
+) -> tuple[list, list]:
+    """This step's context and generation requests among `active` (objects with a `request`):
+    every generation request one token, then the pending prompts in order, each a chunk of at
+    most `chunk_size`, while the token budget lasts. `grow(a, tokens)` makes a's KV blocks cover
+    `tokens` tokens."""
+    budget = token_budget
+    generation = []
+    for a in active:
+        req = a.request
+        if req.context_position == len(req.prompt) and budget > 0:
+            grow(a, len(req.prompt) + len(req.generated[0]))
+            generation.append(a)
+            budget -= 1
+    context = []
+    for a in active:
+        req = a.request
+        remaining = len(req.prompt) - req.context_position
+        if remaining == 0 or budget == 0:
+            continue
+        chunk = min(remaining, chunk_size, budget)
+        grow(a, req.context_position + chunk)
+        req.context_chunk_size = chunk
+        context.append(a)
+        budget -= chunk
+    return context, generation
+
+
+def grow_blocks(blocks: list[int], tokens: int, tokens_per_block: int, allocator) -> None:
+    """Extend `blocks` (in place) from `allocator` until they cover `tokens` tokens."""
+    need = -(-tokens // tokens_per_block) - len(blocks)
+    if need > 0:
+        blocks.extend(allocator.allocate(need))

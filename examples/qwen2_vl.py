@@ -54,6 +54,7 @@ import torch
 from bufc.generated import qwen2_vl
 from bufc.runtime import Request
 
+from .executor import grow_blocks, schedule
 from .paged_cache import BlockAllocator, PagedKVCache
 
 SPATIAL_MERGE = 2  # Qwen2-VL merges 2 x 2 vision patches into one LLM token
@@ -574,31 +575,10 @@ class VLExecutor:
         return result
 
     def _schedule(self, active: list[_Active]) -> tuple[list[_Active], list[_Active]]:
-        budget = self.token_budget
-        generation = []
-        for a in active:
-            req = a.request
-            if req.context_position == len(req.prompt) and budget > 0:
-                self._grow(a, len(req.prompt) + len(req.generated[0]))
-                generation.append(a)
-                budget -= 1
-        context = []
-        for a in active:
-            req = a.request
-            remaining = len(req.prompt) - req.context_position
-            if remaining == 0 or budget == 0:
-                continue
-            chunk = min(remaining, self.chunk_size, budget)
-            self._grow(a, req.context_position + chunk)
-            req.context_chunk_size = chunk
-            context.append(a)
-            budget -= chunk
-        return context, generation
+        return schedule(active, self.token_budget, self.chunk_size, self._grow)
 
     def _grow(self, a: _Active, tokens: int) -> None:
-        need = -(-tokens // self.config.tokens_per_block) - len(a.blocks)
-        if need > 0:
-            a.blocks.extend(self.allocator.allocate(need))
+        grow_blocks(a.blocks, tokens, self.config.tokens_per_block, self.allocator)
 
 
 # ---------------------------------------------------------------------- the ground truth

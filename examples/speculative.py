@@ -47,7 +47,7 @@ import torch
 from bufc.generated import medusa
 from bufc.runtime import Request
 
-from .executor import Job
+from .executor import Job, grow_blocks
 from .llama import PackedLlama
 from .paged_cache import BlockAllocator, PagedKVCache
 
@@ -564,9 +564,7 @@ class SpeculativeExecutor:
         return context, generation
 
     def _grow(self, a: _Active, tokens: int) -> None:
-        need = -(-tokens // self.config.tokens_per_block) - len(a.blocks)
-        if need > 0:
-            a.blocks.extend(self.allocator.allocate(need))
+        grow_blocks(a.blocks, tokens, self.config.tokens_per_block, self.allocator)
 
 
 # --------------------------------------------------------------------------- checks
