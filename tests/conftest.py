@@ -62,6 +62,18 @@ def make_buffers(name: str, device: str = "cpu", static_inputs=None, **overrides
     )
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models: one intra-op thread is as fast, and on a shared 2-core machine far faster
+    (the real-model test modules use it: pytestmark = usefixtures("one_torch_thread"))."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=FAMILIES)
 def family_name(request):
     return request.param

@@ -11,7 +11,6 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import torch  # noqa: E402
 
 from bufc.examples.beam import (  # noqa: E402
     BeamExecutor,
@@ -33,13 +32,7 @@ SETUP = dict(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one thread is faster, and on a shared machine far faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -23,15 +23,7 @@ TOL = 1e-9
 DRIVER = dict(max_batch_size=4, max_num_tokens=64)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread is as fast, and spins no idle cores on a shared box."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -31,15 +31,7 @@ from bufc.runtime import BatchError, Request  # noqa: E402
 TOL = 1e-9
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A tiny model: torch's intra-op threads only cost here (on a busy machine, a lot)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
