@@ -352,17 +352,16 @@ def _build(
             or len(np.unique(slot_array)) != len(slot_array)
         ):
             fail()
-    if reuse is not None:
-        reuse["generation"] = _Reused(
-            generation, g_plen, g_bw, g_explicit, bw_list, slot_array[n_ctx:], g_explicit_at
-        )
-
     c_drafts = np.where(c_begin + c_chunk == c_plen, c_ndraft, 0)  # drafts ride on a last chunk
     c_input = c_chunk + c_drafts
     if explicit and not _explicit_positions_ok(
         context, generation, explicit, c_drafts, g_max, checked=reused
     ):
         fail()
+    if reuse is not None:  # only once every check of the build has passed
+        reuse["generation"] = _Reused(
+            generation, g_plen, g_bw, g_explicit, bw_list, slot_array[n_ctx:], g_explicit_at
+        )
     n_gen = len(generation)
     n_gen_seq = len(flat)
     ctx_tokens = int(c_input.sum())
@@ -507,7 +506,8 @@ def _explicit_positions_ok(
         r = context[i] if i < n_ctx else generation[i - n_ctx]
         after = int(c_drafts[i]) if i < n_ctx else int(g_max[i - n_ctx])
         if i >= n_ctx and checked:
-            if not is_int(r.position_ids[-1]) or r.position_ids[-1] + after > INT32_MAX:
+            last = r.position_ids[-1]
+            if not is_int(last) or not 0 <= last <= INT32_MAX - after:
                 return False
             continue
         a = int_array(r.position_ids)

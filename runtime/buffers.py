@@ -27,7 +27,7 @@ from .batch import ENCODER_SIZES, STEP_SIZES, Batch, Limits, StepSizes
 from .decl import DEVICE, PINNED, STATIC, Constant, Mirror, SizeBound, TensorDecl
 from .errors import BatchError, ConfigError
 from .fills import Decode, Rule, past_key_value_lengths
-from .values import in_range, int_array
+from .values import INT32_MAX, check_int, in_range, int_array
 
 ALIGN = 256  # bytes; every arena member starts on this boundary
 KV_CACHE_LENGTH_ROUND = 256  # the reference's CUDA-graph key rounding
@@ -277,20 +277,23 @@ class RuntimeBuffers:
 
     def set_static(self, name: str, values: Any) -> None:
         """Write a static tensor (broadcast to its capacity shape), e.g. the KV pool pointers
-        once the pools exist. Its engine bindings are in ``static_inputs``."""
+        once the pools exist. Its engine bindings are in ``static_inputs``. Raises ConfigError
+        (nothing written) for an unknown name, values that do not broadcast to the shape, or
+        values the dtype cannot hold exactly (a float or out-of-range value for an integer
+        tensor)."""
         d = self.decls.get(name)
         if d is None or d.fill is not STATIC:
             statics = ", ".join(n for n, x in self.decls.items() if x.fill is STATIC) or "none"
-            raise ValueError(f"{name!r} is not a static tensor of this family (static: {statics})")
+            raise ConfigError(f"{name!r} is not a static tensor of this family (static: {statics})")
         target = self._flat[0][name].view(self._capacity_shape[name])
+        source = _static_values(name, values, target.dtype)
         try:
-            source = torch.as_tensor(values, dtype=target.dtype)
             target.copy_(source.expand_as(target))
-        except RuntimeError as exc:
-            raise ValueError(
-                f"{name}: values of shape {tuple(torch.as_tensor(values).shape)} do not fit "
-                f"its shape {self._capacity_shape[name]}"
-            ) from exc
+        except RuntimeError:
+            raise ConfigError(
+                f"{name}: values of shape {list(source.shape)} do not broadcast to its shape "
+                f"{list(self._capacity_shape[name])}"
+            ) from None
 
     @property
     def static_inputs(self) -> dict[str, torch.Tensor]:
@@ -337,8 +340,15 @@ class RuntimeBuffers:
                 raise BatchError(
                     f"tensor {name!r} needs shape {list(shape)}, beyond its capacity of {capacity} elements"
                 )
-        for check in self._checks:
-            check(batch, c)
+        try:
+            for check in self._checks:
+                check(batch, c)
+        except BatchError:
+            raise
+        except Exception as exc:  # a value a check could not even read (an odd type)
+            raise BatchError(
+                f"a request value could not be checked ({type(exc).__name__}: {exc})"
+            ) from exc
 
         h = self._half ^ 1
         self._wait_for_half(h)
@@ -357,7 +367,9 @@ class RuntimeBuffers:
             self._abandon_half(h)
             raise BatchError(
                 f"a fill failed after the checks passed ({type(exc).__name__}: {exc}); the "
-                "buffers are as they were after the last step. Please report this batch."
+                "step was abandoned and the last step stays current (host buffers as they were; "
+                "a device tensor a fill copies request tensors into may be partly written). "
+                "Please report this batch."
             ) from exc
         self._half = h
         self._copy(h, last_used)
@@ -393,14 +405,21 @@ class RuntimeBuffers:
             raise BatchError(
                 "advance() follows a generation-only step without draft tokens; use prepare_step"
             )
-        new = self._checked_tokens(tokens, len(d.tokens))
         prev = self._half
         h = prev ^ 1
-        step_decode = Decode(
-            d.batch, new, d.seq_tokens + 1, self._half_run[h] == self._run, d.kv_new
-        )
-        for check in self._advance_checks:
-            check(step_decode, self.config)
+        try:
+            new = self._checked_tokens(tokens, len(d.tokens))
+            step_decode = Decode(
+                d.batch, new, d.seq_tokens + 1, self._half_run[h] == self._run, d.kv_new
+            )
+            for check in self._advance_checks:
+                check(step_decode, self.config)
+        except BatchError:
+            raise
+        except Exception as exc:  # e.g. a request's block list replaced by something odd
+            raise BatchError(
+                f"advance(): a value could not be checked ({type(exc).__name__}: {exc})"
+            ) from exc
         self._wait_for_half(h)
         high = self._high_water[h]
         last_used = 0
@@ -431,6 +450,8 @@ class RuntimeBuffers:
     def _checked_tokens(self, tokens: Any, count: int) -> np.ndarray:
         """advance()'s tokens as an int64 array: `count` integers in the vocabulary."""
         if isinstance(tokens, torch.Tensor):
+            if tokens.is_floating_point() or tokens.is_complex() or tokens.layout != torch.strided:
+                raise BatchError(f"advance() needs integer tokens, got a {tokens.dtype} tensor")
             tokens = tokens.detach().cpu().numpy()
         a = int_array(np.ravel(tokens) if isinstance(tokens, np.ndarray) else tokens)
         if a is None:
@@ -501,6 +522,10 @@ class RuntimeBuffers:
         step): the same storage as the step's views, with the rows past the step holding their
         pad values."""
         c = self.config
+        if not isinstance(sizes, StepSizes):
+            raise ValueError(f"views() takes StepSizes, got {type(sizes).__name__}")
+        if any(v < 0 for v in dataclasses.astuple(sizes)):
+            raise ValueError(f"views(): step sizes cannot be negative: {sizes}")
         last = self._last
         if last is not None and sizes != last:
             # a bucket: only a tensor whose step rows lead its shape keeps them in place
@@ -546,6 +571,9 @@ class RuntimeBuffers:
         """Before capturing the last (generation-only) step as a CUDA graph: raise its
         past-KV lengths to min(max_sequence_length - 1, the rounded max KV length), so the
         captured attention grid covers the next steps, as the reference does."""
+        check_int(
+            max_sequence_length, "max_sequence_length", "prepare_for_cuda_graph", 1, INT32_MAX + 1
+        )
         s = self._last
         if s is None:
             raise BatchError("prepare_for_cuda_graph needs a prepared step")
@@ -567,3 +595,32 @@ def _prefix_layout(small: tuple[int, ...], large: tuple[int, ...]) -> bool:
     `large`: the shapes differ at most in one dimension, and only 1s come before it."""
     k = next((i for i, (a, b) in enumerate(zip(small, large)) if a != b), None)
     return k is None or (math.prod(small[:k]) == 1 and small[k + 1 :] == large[k + 1 :])
+
+
+def _static_values(name: str, values: Any, dtype: torch.dtype) -> torch.Tensor:
+    """`values` as a tensor of `dtype`, refusing what the dtype would not hold exactly."""
+    try:
+        a = (
+            values.detach().cpu().numpy()
+            if isinstance(values, torch.Tensor)
+            else np.asarray(values)
+        )
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise ConfigError(f"{name}: cannot read {type(values).__name__} values ({exc})") from None
+    if dtype.is_floating_point:
+        if a.dtype.kind not in "biuf":
+            raise ConfigError(f"{name}: needs numbers, got {a.dtype}")
+        return torch.as_tensor(a.astype(np.float64), dtype=dtype)
+    if dtype == torch.bool:
+        if a.dtype.kind != "b":
+            raise ConfigError(f"{name}: needs booleans, got {a.dtype}")
+        return torch.as_tensor(a)
+    info = torch.iinfo(dtype)
+    flat = int_array(a.reshape(-1)) if a.dtype.kind in "iu" else None
+    if flat is None or not (not flat.size or (flat.min() >= info.min and flat.max() <= info.max)):
+        raise ConfigError(
+            f"{name}: needs integers in {info.min}..{info.max} ({dtype}), got "
+            f"{a.dtype} values"
+            + (f" from {flat.min()} to {flat.max()}" if flat is not None else "")
+        )
+    return torch.as_tensor(flat.reshape(a.shape), dtype=dtype)

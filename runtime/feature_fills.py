@@ -25,6 +25,12 @@ from .kv_rows import check_block_lists, id_limit, required_blocks, write_kv_rows
 from .values import INT32_MAX, INT64_MAX, check_int, checked_ints, show
 
 DEFAULT_POSTERIOR_THRESHOLD = 0.09  # Eagle's default (EagleConfig)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _plain_tensor(t: Any) -> bool:
+    """A dense tensor with data (a sparse or meta tensor would fail the device copy)."""
+    return isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -59,8 +65,9 @@ def _tokens_per_request(b: Batch) -> np.ndarray:
 def _field(b: Batch, name: str, what: str) -> list[Any]:
     """Every request's `name`, raising a BatchError that names the first request without it."""
     values = [getattr(r, name, None) for r in _requests(b)]
-    if None in values:
-        i = values.index(None)
+    missing = [i for i, v in enumerate(values) if v is None]
+    if missing:
+        i = missing[0]
         raise BatchError(f"{_where(b, i)}: {what} needs the request's {name}")
     return values
 
@@ -110,10 +117,10 @@ def _encoder_output_check(b: Batch, config: Any) -> None:
         want = (encoder_output_length(r), config.encoder_hidden_size)
         if t is None:
             raise BatchError(f"{_where(b, i)}: a context request needs its encoder_output")
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        if not _plain_tensor(t) or not t.is_floating_point():
             raise BatchError(
-                f"{_where(b, i)}: encoder_output must be a floating-point torch.Tensor, got "
-                f"{type(t).__name__}"
+                f"{_where(b, i)}: encoder_output must be a dense floating-point torch.Tensor, "
+                f"got {type(t).__name__}"
             )
         if tuple(t.shape) != want:
             raise BatchError(
@@ -357,9 +364,9 @@ def _prompt_check(b: Batch, config: Any) -> None:
         t = getattr(r, "prompt_table", None)
         if t is None:
             continue
-        if not isinstance(t, torch.Tensor):
+        if not _plain_tensor(t):
             raise BatchError(
-                f"{_where(b, i)}: prompt_table must be a torch.Tensor, got {type(t).__name__}"
+                f"{_where(b, i)}: prompt_table must be a dense torch.Tensor, got {type(t).__name__}"
             )
         if t.dim() != 2 or t.shape[1] != config.hidden_size:
             raise BatchError(
@@ -396,12 +403,13 @@ def _largest_input_tokens(b: Batch) -> list[int]:
     last tokens and drafts)."""
     out = []
     for i, (r, begin, chunk) in enumerate(zip(b.context, b.ctx_begin, b.ctx_chunk)):
-        drafts = r.draft_tokens if b.ctx_drafts[i] else ()
+        drafts = list(r.draft_tokens) if b.ctx_drafts[i] else []
         out.append(max([int(b.prompt_array(i)[begin : begin + chunk].max()), *drafts]))
     last = b.seq_last_token
     for j, r in enumerate(b.generation):
         first, width = int(b.seq_first[j]), int(b.gen_beam_width[j])
-        out.append(max([int(last[first : first + width].max()), *(r.draft_tokens or ())]))
+        drafts = [] if r.draft_tokens is None else list(r.draft_tokens)
+        out.append(max([int(last[first : first + width].max()), *drafts]))
     return out
 
 
@@ -466,9 +474,9 @@ def _mrope_check(b: Batch, config: Any) -> None:
     width = config.max_position_embeddings * config.rotary_embedding_dim
     for i, r in enumerate(b.context):
         t = getattr(r, "mrope_rotary_cos_sin", None)
-        if t is not None and not isinstance(t, torch.Tensor):
+        if t is not None and not _plain_tensor(t):
             raise BatchError(
-                f"{_where(b, i)}: mrope_rotary_cos_sin must be a torch.Tensor, got "
+                f"{_where(b, i)}: mrope_rotary_cos_sin must be a dense torch.Tensor, got "
                 f"{type(t).__name__}"
             )
         if t is None or t.numel() != width:
@@ -548,12 +556,17 @@ def _thresholds(b: Batch) -> np.ndarray:
 def _threshold_check(b: Batch, config: Any) -> None:
     for i, r in enumerate(_requests(b)):
         v = getattr(r, "eagle_posterior_threshold", None)
-        if v is not None and (
-            not isinstance(v, numbers.Real)
-            or isinstance(v, bool)
-            or not (float(v) >= 0 and math.isfinite(v))
-        ):
-            raise BatchError(f"{_where(b, i)}: eagle_posterior_threshold {v} must be >= 0")
+        if v is None:
+            continue
+        try:
+            f = float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else math.nan
+        except OverflowError:
+            f = math.inf
+        if not 0 <= f <= _FLOAT32_MAX:  # NaN fails too; the buffers are float32
+            raise BatchError(
+                f"{_where(b, i)}: eagle_posterior_threshold {show(v)} must be a number >= 0 "
+                "(and finite in float32)"
+            )
 
 
 def posterior_thresholds(out: np.ndarray, b: Batch, config: Any = None) -> int:

@@ -428,8 +428,23 @@ def _advance_position_check(d: Decode, config: Any = None) -> None:
 position_ids = Rule(
     "position_ids", _position_ids, advance=_advance_plus_one, advance_check=_advance_position_check
 )
+
+
+def _chatglm_check(b: Batch, config: Any = None) -> None:
+    _two_row_check(b, config)
+    short = np.flatnonzero(np.concatenate((b.ctx_prompt_len, b.gen_prompt_len)) < 2)
+    if short.size:  # its row-1 position is the prompt length - 2
+        i = int(short[0])
+        kind, j = ("context", i) if i < len(b.context) else ("generation", i - len(b.context))
+        r = (b.context + b.generation)[i]
+        raise BatchError(
+            f"{kind} request {j} (seq_slot {r.seq_slot}): a ChatGLM prompt ends with its "
+            "[gMASK] and <sop> tokens, so it has at least 2 tokens"
+        )
+
+
 chatglm_position_ids = Rule(
-    "chatglm_position_ids", _chatglm_position_ids, _two_row_check, _advance_two_rows
+    "chatglm_position_ids", _chatglm_position_ids, _chatglm_check, _advance_two_rows
 )
 glm_position_ids = Rule("glm_position_ids", _glm_position_ids, _glm_check, _advance_two_rows)
 context_lengths = Rule("context_lengths", _context_lengths, advance=_sequences)

@@ -80,6 +80,8 @@ def check_int(value: Any, what: str, where: str, low: int, high: int, limit: str
 def check_ints(values: Any, what: str, where: str, low: int, high: int, limit: str = "") -> None:
     """Raise a BatchError naming the first value of `values` that is not an integer in
     [low, high); `limit` says where `high` comes from (e.g. 'vocab_size=1000')."""
+    if isinstance(values, (str, bytes, set, frozenset, dict)) or not hasattr(values, "__len__"):
+        raise BatchError(f"{where}: {what} must be a list of integers, got {show(values)}")
     try:
         items = list(values)
     except TypeError:
@@ -100,6 +102,6 @@ def checked_ints(
     """`values` as an int64 array, checked as ``check_ints`` does (fast when they are good)."""
     a = int_array(values)
     if a is None or not in_range(a, low, high):
-        check_ints(values, what, where, low, high, limit)
-        raise AssertionError("unreachable")  # pragma: no cover - check_ints raised
+        check_ints(values, what, where, low, high, limit)  # names the culprit
+        raise BatchError(f"{where}: {what} must be a list of integers, got {show(values)}")
     return a

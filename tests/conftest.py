@@ -90,7 +90,8 @@ def tokens_of(variant: str):
 @st.composite
 def context_request(draw, variant: str, slot: int, max_beam: int = 3, max_drafts: int = 3):
     tokens = tokens_of(variant)
-    prompt = draw(st.lists(tokens, min_size=1, max_size=40))
+    # a ChatGLM prompt ends with [gMASK] <sop>: at least 2 tokens
+    prompt = draw(st.lists(tokens, min_size=2 if variant == "chatglm" else 1, max_size=40))
     if variant in ("chatglm", "glm"):  # the two-row layouts take a prompt in one step
         begin, chunk = 0, None
     else:
@@ -116,7 +117,7 @@ def context_request(draw, variant: str, slot: int, max_beam: int = 3, max_drafts
 @st.composite
 def generation_request(draw, variant: str, slot: int, max_beam: int = 3, max_drafts: int = 3):
     tokens = tokens_of(variant)
-    prompt = draw(st.lists(tokens, min_size=1, max_size=30))
+    prompt = draw(st.lists(tokens, min_size=2 if variant == "chatglm" else 1, max_size=30))
     drafts = draw(st.lists(tokens, max_size=max_drafts))
     beam = 1 if drafts else draw(st.integers(1, max_beam))
     n = draw(st.integers(1, 12))  # beams are of equal length

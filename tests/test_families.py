@@ -444,7 +444,7 @@ def test_static_inputs_are_bound_once_and_set_at_construction():
     assert b.tensors["host_rnn_state_pointers"].tolist() == [[0]] * 4
     with pytest.raises(ValueError, match="'logits' is not a static tensor of this family"):
         b.set_static("logits", 1)
-    with pytest.raises(ValueError, match="do not fit its shape"):
+    with pytest.raises(ValueError, match="do not broadcast to its shape"):
         b.set_static("host_conv_state_pointers", [1, 2, 3])
     fresh = family("llama").RuntimeBuffers(config_for("llama", {}))
     assert fresh.static_inputs["host_runtime_perf_knobs"].tolist() == [-1] * 16  # the pad value

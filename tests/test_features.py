@@ -407,7 +407,7 @@ def kv(**kw):
             "eagle",
             {"max_beam_width": 1, "num_draft_paths": 2, "max_draft_path_len": 3},
             Request(seq_slot=0, prompt=[1], **kv(eagle_posterior_threshold=-1.0)),
-            "eagle_posterior_threshold -1.0 must be >= 0",
+            "eagle_posterior_threshold -1.0 must be a number >= 0 (and finite in float32)",
         ),
     ],
 )

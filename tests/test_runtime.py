@@ -447,3 +447,107 @@ def test_a_capacity_the_machine_cannot_hold_is_a_config_error_with_the_bytes():
     config = make_config("gpt", max_num_tokens=2**40)  # a valid Config, an absurd capacity
     with pytest.raises(ConfigError, match=r"these buffers need [\d,]+ bytes of host memory, more"):
         family("gpt").RuntimeBuffers(config)
+
+
+# ------------------------------------------------- adversarial review: each case once failed
+def test_a_rejected_batch_stays_rejected_when_retried():
+    b = make_buffers("llama")
+    bad = Request(
+        seq_slot=1, prompt=[1, 2, 3], generated=[[5]], kv_block_ids=[[1]], position_ids=[0, 1, -9]
+    )
+    for _ in range(2):  # the columns of a rejected batch are not kept for reuse
+        with pytest.raises(BatchError, match=r"position_ids\[2\] = -9 is outside"):
+            b.prepare_step([], [bad])
+
+
+def test_odd_values_are_batch_errors_before_anything_is_written():
+    import numpy as np
+
+    pt = make_buffers("gpt_prompt_tuning", max_prompt_embedding_table_size=40, hidden_size=4)
+    lang = make_buffers("gpt_language_adapter", num_languages=4)
+    eagle = make_buffers("eagle", max_beam_width=1, num_draft_paths=2, max_draft_path_len=3)
+    enc = make_buffers("encoder", max_input_length=16, max_encoder_length=16, encoder_hidden_size=8)
+    table = torch.ones(2, 4, dtype=torch.float16)
+    cases = [
+        (
+            pt,
+            [Request(seq_slot=0, prompt=[1], kv_block_ids=[[1]], prompt_table=table.to_sparse())],
+            [],
+        ),
+        (
+            lang,
+            [
+                Request(
+                    seq_slot=0,
+                    prompt=[1],
+                    kv_block_ids=[[1]],
+                    language_adapter_uid=np.array([1, 2]),
+                )
+            ],
+            [],
+        ),
+        (
+            eagle,
+            [
+                Request(
+                    seq_slot=0, prompt=[1], kv_block_ids=[[1]], eagle_posterior_threshold=10**400
+                )
+            ],
+            [],
+        ),
+        (
+            eagle,
+            [Request(seq_slot=0, prompt=[1], kv_block_ids=[[1]], eagle_posterior_threshold=1e300)],
+            [],
+        ),
+        (enc, [Request(seq_slot=0, prompt=[1], encoder_input_ids={1, 2})], []),
+        (make_buffers("chatglm"), [Request(seq_slot=0, prompt=[7])], []),
+    ]
+    for b, context, generation in cases:
+        before = snapshot(b)
+        with pytest.raises(BatchError):
+            b.prepare_step(context, generation)
+        assert_unchanged(before, b)
+    # numpy drafts are integers like any other (the prompt-table check once raised on them)
+    drafts = Request(
+        seq_slot=1, prompt=[1], generated=[[3]], draft_tokens=np.array([5, 6]), kv_block_ids=[[1]]
+    )
+    assert pt.prepare_step([], [drafts]).inputs["input_ids"].tolist() == [3, 5, 6]
+
+
+def test_advance_turns_odd_inputs_into_batch_errors():
+    b = make_buffers("llama", tokens_per_block=4)
+    g = Request(seq_slot=0, prompt=[1, 2, 3], generated=[[5]], kv_block_ids=[[1]])
+    b.prepare_step([], [g])
+    with pytest.raises(BatchError, match="integer tokens"):
+        b.advance(torch.tensor([7], dtype=torch.bfloat16))
+    g.kv_block_ids = None  # the next token enters a new block, read from the request
+    with pytest.raises(BatchError, match="could not be checked"):
+        b.advance([7])
+
+
+def test_static_values_the_dtype_cannot_hold_are_config_errors():
+    import numpy as np
+
+    b = make_buffers("recurrentgemma", max_beam_width=1)
+    for bad in ([[1.5]] * 4, np.array([[2**63]] * 4, np.uint64), "abc", None):
+        with pytest.raises(ConfigError):
+            b.set_static("host_conv_state_pointers", bad)
+    with pytest.raises(ConfigError, match="needs integers in -2147483648..2147483647"):
+        b.set_static("host_hybrid_kv_cache_pool_mapping", np.array([2**32 + 1, 2**32]))
+    with pytest.raises(ConfigError, match="is not a static tensor"):
+        make_buffers("gpt", static_inputs={"bogus": 1})
+
+
+def test_cuda_graph_preparation_and_views_check_their_arguments():
+    b = make_buffers("llama")
+    step = b.prepare_step(
+        [], [Request(seq_slot=0, prompt=[1, 2], generated=[[5]], kv_block_ids=[[1]])]
+    )
+    for bad in (0, -5, 10.5, "100"):
+        with pytest.raises(BatchError, match="max_sequence_length"):
+            b.prepare_for_cuda_graph(bad)
+    with pytest.raises(ValueError, match="cannot be negative"):
+        b.views(dataclasses.replace(step.sizes, num_tokens=-1))
+    with pytest.raises(ValueError, match="takes StepSizes"):
+        b.views({"num_tokens": 1})
