@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from importlib import resources
 from pathlib import Path
@@ -18,13 +17,11 @@ from bufc import __version__
 from . import emit, files
 from .errors import SpecError
 from .pipeline import compile_file
-from .report import Report, ReportError, plot, report
+from .report import PLOT_FORMATS, Report, ReportError, plot, report
 
 
 def _spec(path: str):  # noqa: ANN202 - returns Spec
-    return compile_file(
-        path, display_name=Path(path).name if not Path(path).is_absolute() else path
-    )
+    return compile_file(path, display_name=path)  # diagnostics name the path as given
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -44,40 +41,79 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     spec = _spec(args.spec)
+    command = emit.regenerate_command(args.spec, args.out)
     diffs = files.diff(Path(args.out), emit.render_all(spec, Path(args.spec).name))
     if diffs:
         sys.stdout.write("".join(diffs))
-        print(
-            f"{args.out}/ is out of date with {args.spec}; run "
-            f"'bufc generate --spec {shlex.quote(args.spec)} --out {shlex.quote(args.out)}'",
-            file=sys.stderr,
-        )
+        print(f"{args.out}/ is out of date with {args.spec}; run '{command}'", file=sys.stderr)
         return 1
     print(f"{args.spec} is valid and {args.out}/ is up to date")
     return 0
 
 
 def _validate(args: argparse.Namespace) -> int:
+    """Every file is checked, each with all its errors."""
+    failed = 0
     for path in args.files:
-        _spec(path)
-        print(f"{path}: ok")
-    return 0
+        try:
+            _spec(path)
+        except SpecError as exc:
+            _print_diagnostics(exc)
+            failed += 1
+        except OSError as exc:
+            print(_os_error(exc), file=sys.stderr)
+            failed += 1
+        else:
+            print(f"{path}: ok")
+    return 1 if failed else 0
+
+
+class UsageError(Exception):
+    """A command line that cannot mean anything (exit status 2, as argparse's own errors)."""
 
 
 def _settings(items: list[str] | None) -> dict[str, str]:
     settings = {}
     for item in items or ():
         key, sep, value = item.partition("=")
-        if not sep:
-            raise ReportError(f"--set expects name=value, got '{item}'")
+        if not sep or not key.strip():
+            raise UsageError(f"--set expects name=value, got '{item}'")
         settings[key.strip()] = value.strip()
     return settings
 
 
+def _sweep(items: list[str] | None) -> tuple[str, list[str]] | None:
+    if not items:
+        return None
+    if len(items) > 1:
+        raise UsageError("--sweep takes one parameter; give it once")
+    name, sep, values = items[0].partition("=")
+    parts = [v.strip() for v in values.split(",")]
+    if not sep or not name.strip() or not any(parts):
+        raise UsageError(f"--sweep expects name=v1,v2,..., got '{items[0]}'")
+    if not all(parts):
+        raise UsageError(f"--sweep has an empty value: '{items[0]}'")
+    return name.strip(), parts
+
+
 def _report(args: argparse.Namespace) -> int:
     settings = _settings(args.set)
+    sweep = _sweep(args.sweep)
+    if args.plot and sweep is None:
+        raise UsageError("--plot draws a sweep; give --sweep name=v1,v2,...")
+    if args.plot and Path(args.plot).suffix.lower().lstrip(".") not in PLOT_FORMATS:
+        raise UsageError(
+            f"--plot {args.plot}: name a file ending in one of "
+            f"{', '.join('.' + f for f in PLOT_FORMATS)}"
+        )
     if args.spec is None and not Path("buffers.yaml").is_file():
         from .report_module import report_module  # needs torch: the generated module
+
+        print(
+            f"bufc report: no --spec and no ./buffers.yaml: reading the installed module "
+            f"bufc.generated.{args.family}",
+            file=sys.stderr,
+        )
 
         def build(s: dict[str, str]) -> Report:
             return report_module(args.family, s)
@@ -87,31 +123,44 @@ def _report(args: argparse.Namespace) -> int:
         def build(s: dict[str, str]) -> Report:
             return report(spec, args.family, s)
 
-    if args.sweep:
-        name, sep, values = args.sweep.partition("=")
-        if not sep or not values.strip(","):
-            raise ReportError(f"--sweep expects name=v1,v2,..., got '{args.sweep}'")
-        points = [(v, build({**settings, name: v})) for v in values.split(",") if v]
+    if sweep is not None:
+        name, values = sweep
+        points = [(v, build({**settings, name: v})) for v in values]
     else:
         points = [("", build(settings))]
     if args.plot:
-        if not args.sweep:
-            raise ReportError("--plot draws a sweep; give --sweep name=v1,v2,...")
         plot(points, name, args.plot)
-        print(f"{args.plot}: memory of family {args.family} over {name} ({len(points)} points)")
+        print(  # a note, not the result: stdout stays the table or the JSON
+            f"{args.plot}: memory of family {args.family} over {name} ({len(points)} points)",
+            file=sys.stderr,
+        )
     if args.json:
         data = (
             points[0][1].json()
-            if not args.sweep
+            if sweep is None
             else {"sweep": name, "points": [{"value": v, **r.json()} for v, r in points]}
         )
         print(json.dumps(data, indent=2))
     elif not args.plot:
         for value, r in points:
-            if args.sweep:
+            if sweep is not None:
                 print(f"== {name}={value}")
             sys.stdout.write(r.text())
     return 0
+
+
+def _print_diagnostics(exc: SpecError) -> None:
+    for d in exc.diagnostics:
+        print(d, file=sys.stderr)
+    print(f"{len(exc.diagnostics)} error(s)", file=sys.stderr)
+
+
+def _os_error(exc: OSError) -> str:
+    name = exc.filename
+    where = f"{ascii(str(name))[1:-1]}: " if name not in (None, "") else ""
+    if name == "":
+        where = "'': "
+    return f"bufc: {where}{exc.strerror or exc}"
 
 
 def _schema(args: argparse.Namespace) -> int:
@@ -149,14 +198,32 @@ def parser() -> argparse.ArgumentParser:
                 "--out", default="generated", help="the output folder (default: generated)"
             )
 
-    g = sub.add_parser("generate", help="write generated/ from the spec")
+    g = sub.add_parser(
+        "generate",
+        help="write generated/ from the spec",
+        description="Write one module per family of the spec into the output folder, only the "
+        "files that changed. Files bufc did not write (no '# @generated by bufc.codegen' "
+        "first line) are never overwritten or deleted; generated files the spec no longer "
+        "produces are deleted, and named.",
+    )
     with_spec(g)
     g.set_defaults(run=_generate)
-    c = sub.add_parser("check", help="validate the spec and fail if generated/ is stale")
+    c = sub.add_parser(
+        "check",
+        help="validate the spec and fail if generated/ is stale",
+        description="Validate the spec and compare the output folder with what generate would "
+        "write: exit 1, with a diff on stdout and the command that regenerates on stderr, "
+        "when it differs.",
+    )
     with_spec(c)
     c.set_defaults(run=_check)
-    v = sub.add_parser("validate", help="validate spec files")
-    v.add_argument("files", nargs="+")
+    v = sub.add_parser(
+        "validate",
+        help="validate spec files",
+        description="Check each spec file and report every error of each as FILE:LINE:COL: "
+        "message; exit 1 if any file has one.",
+    )
+    v.add_argument("files", nargs="+", metavar="FILE", help="a buffers.yaml to check")
     v.set_defaults(run=_validate)
     r = sub.add_parser(
         "report",
@@ -175,13 +242,16 @@ def parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--json", action="store_true", help="print the report as JSON")
     r.add_argument(
-        "--sweep", metavar="NAME=V1,V2,...", help="report once per value of one parameter"
+        "--sweep",
+        action="append",
+        metavar="NAME=V1,V2,...",
+        help="report once per value of one parameter",
     )
     r.add_argument(
         "--plot",
         metavar="FILE",
-        help="draw memory per tensor and memory kind over --sweep into FILE (.svg, .png; "
-        "needs matplotlib: pip install 'bufc[plot]')",
+        help="draw memory per tensor and memory kind over --sweep into FILE (.svg, .png or "
+        ".pdf; needs matplotlib: pip install 'bufc[plot]')",
     )
     r.set_defaults(run=_report)
     s = sub.add_parser(
@@ -211,16 +281,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.run(args))
     except SpecError as exc:
-        for d in exc.diagnostics:
-            print(d, file=sys.stderr)
-        print(f"{len(exc.diagnostics)} error(s)", file=sys.stderr)
+        _print_diagnostics(exc)
         return 1
     except ReportError as exc:
         print(f"bufc report: {exc}", file=sys.stderr)
         return 1
-    except files.NotGeneratedError as exc:
-        print(f"bufc generate: {exc}", file=sys.stderr)
+    except UsageError as exc:
+        print(f"bufc {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except files.OutputError as exc:
+        print(f"bufc {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # the reader went away (bufc schema --print | head)
+        sys.stderr.close()
         return 1
     except OSError as exc:
-        print(f"bufc: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        print(_os_error(exc), file=sys.stderr)
         return 1

@@ -9,6 +9,7 @@ is parsed with ``ast`` before it is returned.
 from __future__ import annotations
 
 import ast
+import shlex
 from importlib import resources
 from typing import Any
 
@@ -21,6 +22,9 @@ from .plan import FamilyPlan, PlannedIndexSet, PlannedTensor, lower_family
 
 FORMAT_VERSION = 1  # the runtime API the generated modules are written against
 MARKER = "@" + "generated"  # split so that grep finds only outputs
+# the headers name no path, so the output does not depend on how --spec and --out were spelled;
+# `bufc check` prints the exact command
+REGENERATE = "# Regenerate with: bufc generate --spec SPEC --out FOLDER (bufc check prints the exact command)"
 
 
 def _template() -> jinja2.Template:
@@ -178,6 +182,7 @@ def render_family(plan: FamilyPlan, file: str) -> str:
     context = {
         "marker": MARKER,
         "file": file,
+        "regenerate": REGENERATE,
         "family": plan.family.name,
         "family_doc": _comment(plan.family.doc),
         "flags": flags,
@@ -227,7 +232,7 @@ def render_init(spec: Spec, file: str) -> str:
     names = [f.name for f in spec.families]
     lines = [
         f"# {MARKER} by bufc.codegen from {file}. DO NOT EDIT.",
-        "# Regenerate with: make generate",
+        REGENERATE,
         '"""Pregenerated buffer modules, one per model family of buffers.yaml."""',
         "",
         f"FAMILIES = {tuple(names)!r}",
@@ -244,3 +249,8 @@ def render_all(spec: Spec, file: str = "buffers.yaml") -> dict[str, str]:
     for family in spec.families:
         out[f"{family.name}.py"] = render_family(lower_family(spec, family), file)
     return out
+
+
+def regenerate_command(spec: str, out: str) -> str:
+    """The command that rewrites `out` from `spec`, as a user types it."""
+    return f"bufc generate --spec {shlex.quote(spec)} --out {shlex.quote(out)}"

@@ -15,7 +15,8 @@ class Location:
     col: int
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}:{self.col}"
+        file = self.file if self.file.isprintable() else ascii(self.file)[1:-1]  # one line
+        return f"{file}:{self.line}:{self.col}"
 
     def shifted(self, cols: int) -> Location:
         """The position `cols` characters further on the same line (inside a formula)."""

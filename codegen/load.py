@@ -86,20 +86,38 @@ _PLAIN = (
     (
         "mapping values are not allowed here",
         "",
-        "a ':' here would start a mapping inside a value; quote the value, or put the key on "
-        "its own line",
+        "a ':' here cannot start a key: check this line's indentation, or quote a value that "
+        "contains ': '",
     ),
     (
         "expected <block end>",
         "",
-        "this line's indentation does not match the lines above it; indent the keys of one "
-        "mapping (and the items of one list) by the same number of spaces",
+        "this line does not fit the mapping or list above it: check its indentation (the keys "
+        "of one mapping and the items of one list start at the same column), or remove text "
+        "after a quoted value",
     ),
     ("found character '\\t'", "", "a tab cannot indent YAML; indent with spaces"),
     ("found unexpected end of stream", "quoted scalar", "this quoted string is never closed"),
-    ("expected ',' or ']'", "", "this list ('[') is never closed with ']'"),
-    ("expected ',' or '}'", "", "this mapping ('{') is never closed with '}'"),
+    ("but got '<stream end>'", "flow sequence", "this list ('[') is never closed with ']'"),
+    ("but got '<stream end>'", "flow mapping", "this mapping ('{') is never closed with '}'"),
+    ("found '<stream end>'", "flow node", "a list ('[') or mapping ('{') is never closed"),
+    (
+        "expected ',' or '}'",
+        "",
+        "unexpected text inside '{...}': quote a value that contains ': ', and separate the "
+        "entries with ','",
+    ),
+    (
+        "expected ',' or ']'",
+        "",
+        "unexpected text inside '[...]': quote a value that contains ': ' or ', '",
+    ),
     ("could not find expected ':'", "", "a key on this line has no ':' after it"),
+    (
+        "that cannot start any token",
+        "",
+        "this character cannot start a plain value; quote the value",
+    ),
 )
 
 
@@ -208,10 +226,14 @@ def load_text(text: str, file: str) -> Document:
                     or key_node.tag != "tag:yaml.org,2002:str"
                 ):
                     shown = key_node.value if isinstance(key_node, yaml.ScalarNode) else "..."
+                    why = (
+                        " (YAML 1.1 reads on/off/yes/no as booleans)"
+                        if key_node.tag == "tag:yaml.org,2002:bool"
+                        else ""
+                    )
                     errors.error(
                         _mark(file, key_node.start_mark),
-                        f"key {shown!r} is not a string; quote it (YAML 1.1 reads on/off/yes/no "
-                        "as booleans)",
+                        f"key {shown!r} is not a string; quote it{why}",
                     )
                     continue
                 key = key_node.value
@@ -227,6 +249,12 @@ def load_text(text: str, file: str) -> Document:
             return out
         if isinstance(node, yaml.SequenceNode):
             return [walk(item, (*path, i)) for i, item in enumerate(node.value)]
+        if node.tag == "tag:yaml.org,2002:timestamp":
+            errors.error(
+                _mark(file, node.start_mark),
+                f"'{node.value}' reads as a date and time; quote it for the text",
+            )
+            return None
         if node.tag == "tag:yaml.org,2002:bool" and node.value.lower() not in ("true", "false"):
             errors.error(
                 _mark(file, node.start_mark),

@@ -21,6 +21,7 @@ class ReportError(Exception):
 
 
 MEMORY_KINDS = ("device", "pinned", "host")
+PLOT_FORMATS = ("svg", "png", "pdf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,8 +207,11 @@ def report(spec: Spec, family_name: str, settings: dict[str, str]) -> Report:
             )
         kind = known[key].kind
         if kind == "dtype":
-            if raw not in vocab.DTYPES:
-                raise ReportError(f"{key}: '{raw}' is not a dtype{did_you_mean(raw, vocab.DTYPES)}")
+            allowed = known[key].values or tuple(vocab.DTYPES)
+            if raw not in allowed:
+                raise ReportError(
+                    f"{key}: '{raw}' is not one of {', '.join(allowed)}{did_you_mean(raw, allowed)}"
+                )
             dtypes[key] = raw
         elif kind == "bool":
             if raw.lower() not in ("true", "false"):

@@ -13,8 +13,18 @@ import statistics
 import sys
 import time
 
-from .compare import Mismatch, assert_same_tokens, reference_tokens, tiny_llama, workload
-from .executor import Executor, StepStats
+
+def _at_least(low: int):  # noqa: ANN202 - an argparse type
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        return value
+
+    return parse
 
 
 def parser() -> argparse.ArgumentParser:
@@ -22,19 +32,29 @@ def parser() -> argparse.ArgumentParser:
         prog="bufc demo",
         description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", "'"),
     )
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--max-prompt", type=int, default=400, help="longest prompt, in tokens")
-    p.add_argument("--token-budget", type=int, default=128, help="tokens per step")
-    p.add_argument("--chunk-size", type=int, default=48, help="largest prefill chunk")
-    p.add_argument("--tokens-per-block", type=int, default=16)
-    p.add_argument("--max-batch-size", type=int, default=12)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--every", type=int, default=10, help="print figures every N steps")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel processes")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel processes")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu or cuda")
     p.add_argument(
-        "--backend", default="gloo", help="torch.distributed backend: gloo (CPU) or nccl (GPUs)"
+        "--requests", type=_at_least(4), default=32, help="requests in the workload (at least 4)"
+    )
+    p.add_argument("--max-prompt", type=_at_least(1), default=400, help="longest prompt, in tokens")
+    p.add_argument("--token-budget", type=_at_least(1), default=128, help="tokens per step")
+    p.add_argument("--chunk-size", type=_at_least(1), default=48, help="largest prefill chunk")
+    p.add_argument(
+        "--tokens-per-block", type=_at_least(1), default=16, help="tokens per KV-cache block"
+    )
+    p.add_argument(
+        "--max-batch-size", type=_at_least(1), default=12, help="most requests in flight"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the workload")
+    p.add_argument("--every", type=_at_least(1), default=10, help="print figures every N steps")
+    # the demo model has 2 layers and 4 heads (2 KV heads): 1 or 2 ranks either way
+    p.add_argument("--pp", type=int, default=1, choices=(1, 2), help="pipeline-parallel processes")
+    p.add_argument("--tp", type=int, default=1, choices=(1, 2), help="tensor-parallel processes")
+    p.add_argument(
+        "--backend",
+        default="gloo",
+        choices=("gloo", "nccl"),
+        help="torch.distributed backend: gloo (CPU) or nccl (GPUs)",
     )
     return p
 
@@ -44,8 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import transformers  # noqa: F401
         from tqdm import tqdm  # transformers depends on it
-    except ImportError:
-        print("bufc demo needs transformers: pip install transformers", file=sys.stderr)
+
+        from .compare import Mismatch, assert_same_tokens, reference_tokens, tiny_llama, workload
+        from .executor import Executor, StepStats
+    except ImportError as exc:
+        print(
+            f"bufc demo needs torch and transformers ({exc}): pip install 'bufc[runtime]' "
+            "transformers",
+            file=sys.stderr,
+        )
         return 1
     model = tiny_llama(args.seed).to(args.device)
     jobs_args = dict(n=args.requests, seed=args.seed + 1, max_prompt=args.max_prompt)

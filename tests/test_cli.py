@@ -134,10 +134,13 @@ def test_report_sweep_and_plot(capsys, monkeypatch, tmp_path):
     sweep = "max_batch_size=8,64,256"
     code, out, err = run(capsys, "report", "llama", *LLAMA, "--sweep", sweep, "--plot", str(svg))
     assert code == 0, err
-    assert f"{svg}: memory of family llama over max_batch_size (3 points)" in out
+    assert out == ""  # the note goes to stderr: with --json, stdout is the JSON alone
+    assert f"{svg}: memory of family llama over max_batch_size (3 points)" in err
     assert svg.stat().st_size > 1000 and svg.read_text().lstrip().startswith("<?xml")
-    code, out, _ = run(capsys, "report", "llama", *LLAMA, "--sweep", sweep, "--json")
-    points = json.loads(out)["points"]
+    code, out, _ = run(
+        capsys, "report", "llama", *LLAMA, "--sweep", "max_batch_size=8, 64,256", "--json"
+    )
+    points = json.loads(out)["points"]  # values stripped
     assert [p["value"] for p in points] == ["8", "64", "256"]
     device = [p["totals"]["device"] for p in points]
     assert device == sorted(device) and device[0] < device[-1]
@@ -146,8 +149,54 @@ def test_report_sweep_and_plot(capsys, monkeypatch, tmp_path):
 def test_plot_needs_a_sweep(capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     code, _, err = run(capsys, "report", "llama", *LLAMA, "--plot", "x.svg")
-    assert code == 1
+    assert code == 2
     assert "bufc report: --plot draws a sweep; give --sweep name=v1,v2,..." in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--sweep", "max_batch_size=8,,16"], "--sweep has an empty value"),
+        (["--sweep", "max_batch_size="], "--sweep expects name=v1,v2,..."),
+        (["--sweep", "max_batch_size=8", "--sweep", "vocab_size=9"], "--sweep takes one parameter"),
+        (
+            ["--sweep", "max_batch_size=8,16", "--plot", "memory"],
+            "name a file ending in one of .svg",
+        ),
+    ],
+)
+def test_malformed_report_options_are_usage_errors(capsys, monkeypatch, argv, message):
+    monkeypatch.chdir(REPO)
+    code, out, err = run(capsys, "report", "llama", *LLAMA, *argv)
+    assert code == 2 and out == "" and message in err
+
+
+def test_report_from_the_spec_refuses_a_dtype_the_spec_does_not_allow(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    code, _, err = run(capsys, "report", "llama", *LLAMA, "--set", "logits_dtype=int8")
+    assert code == 1
+    assert "logits_dtype: 'int8' is not one of float16, bfloat16, float32, float64" in err
+
+
+def test_report_says_when_it_reads_the_installed_module(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "report", "llama", *LLAMA)
+    assert code == 0
+    assert (
+        "no --spec and no ./buffers.yaml: reading the installed module bufc.generated.llama" in err
+    )
+
+
+def test_validate_reports_every_file_under_the_path_given(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "a" / "buffers.yaml").write_text("version: 1\nflags: {a: 1\n")
+    (tmp_path / "b" / "buffers.yaml").write_text("version: 1\nflags: [1, 2\n")
+    code, _, err = run(capsys, "validate", "a/buffers.yaml", "b/buffers.yaml")
+    assert code == 1
+    assert "a/buffers.yaml:2:8: this mapping ('{') is never closed with '}'" in err
+    assert "b/buffers.yaml:2:8: this list ('[') is never closed with ']'" in err
 
 
 def test_plot_without_matplotlib_says_how_to_install_it(capsys, monkeypatch, tmp_path):
@@ -175,8 +224,23 @@ def test_a_yaml_1_1_boolean_is_a_located_error():
     [
         (
             "version: 1\nflags:\n  a: {doc: A.}\n b: 2\n",
-            "buffers.yaml:4:2: this line's indentation does not match the lines above it; indent "
-            "the keys of one mapping (and the items of one list) by the same number of spaces",
+            "buffers.yaml:4:2: this line does not fit the mapping or list above it: check its "
+            "indentation (the keys of one mapping and the items of one list start at the same "
+            "column), or remove text after a quoted value",
+        ),
+        (
+            "version: 1\nflags: {doc: x: y}\n",
+            "buffers.yaml:2:8: unexpected text inside '{...}': quote a value that contains ': ', "
+            "and separate the entries with ','",
+        ),
+        (
+            "version: 1\nflags: %x\n",
+            "buffers.yaml:2:8: this character cannot start a plain value; quote the value",
+        ),
+        (
+            "version: 1\nflags: {a: {doc: 2001-12-14t21:59:43.10-05:00}}\n",
+            "buffers.yaml:2:18: '2001-12-14t21:59:43.10-05:00' reads as a date and time; quote "
+            "it for the text",
         ),
         (
             "version: 1\nflags:\n\t- 1\n",
@@ -185,8 +249,8 @@ def test_a_yaml_1_1_boolean_is_a_located_error():
         ('version: 1\nflags: "x\n', "buffers.yaml:2:8: this quoted string is never closed"),
         (
             "version: 1\nflags: a: b\n",
-            "buffers.yaml:2:9: a ':' here would start a mapping inside a value; quote the value, "
-            "or put the key on its own line",
+            "buffers.yaml:2:9: a ':' here cannot start a key: check this line's indentation, or "
+            "quote a value that contains ': '",
         ),
     ],
 )
