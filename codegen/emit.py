@@ -93,7 +93,7 @@ def _file_label(file: str) -> str:
     return "".join(ch if " " <= ch <= "~" else "?" for ch in label)
 
 
-def _tensor_context(pt: PlannedTensor, sizes: set[str], file: str) -> dict[str, Any]:
+def _tensor_context(pt: PlannedTensor, sizes: set[str]) -> dict[str, Any]:
     dtype = f"lambda c: c.{pt.dtype}" if pt.dtype_is_param else f"torch.{vocab.DTYPES[pt.dtype]}"
     if pt.fill_kind == "rule":
         fill = f"fills.{pt.fill_target}"
@@ -118,7 +118,6 @@ def _tensor_context(pt: PlannedTensor, sizes: set[str], file: str) -> dict[str, 
     return {
         "name": pt.name,
         "doc": _comment(pt.doc),
-        "where": f"{file}:{pt.loc.line}",
         "dtype": dtype,
         "memory": f"rt.{vocab.MEMORY_KINDS[pt.memory]}",
         "capacity": f"lambda c: {_tuple([_construct(e) for e in pt.capacity])}",
@@ -208,7 +207,8 @@ def render_family(plan: FamilyPlan, file: str) -> str:
                     name=lambda n: f"self.{n}",
                     call=lambda f: f"rt.{f}" if f == "cdiv" else f,
                 ),
-                "message": f"{_comment(c.message)} ({file}:{c.loc.line})",
+                # named by its condition, not its line: moving the spec's lines changes nothing
+                "message": f"{_comment(c.message)} ({file}: {_comment(c.require.text)})",
                 "text": _comment(c.require.text),
             }
             for c in plan.checks
@@ -218,7 +218,7 @@ def render_family(plan: FamilyPlan, file: str) -> str:
             for z in plan.sizes
             if z.bound is not None
         ],
-        "tensors": [_tensor_context(pt, sizes, file) for pt in plan.tensors],
+        "tensors": [_tensor_context(pt, sizes) for pt in plan.tensors],
         "index_sets": [_index_set(x) for x in plan.index_sets],
         "step_sizes": repr(tuple(z.name for z in plan.sizes)),
     }

@@ -113,12 +113,12 @@ class Config(rt.ConfigBase):
         rt.require(
             self,
             errors,
-            (lambda: self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml:226)'),
-            (lambda: self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:228)'),
-            (lambda: self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml:230)'),
-            (lambda: self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:232)'),
-            (lambda: self.max_beam_width == 1, 'speculative decoding needs max_beam_width 1 (buffers.yaml:235)'),
-            (lambda: self.max_draft_tokens >= 1, 'speculative decoding needs max_draft_tokens of at least 1 (buffers.yaml:244)'),
+            (lambda: self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml: pp_rank < pp_size)'),
+            (lambda: self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml: num_layers % pp_size == 0)'),
+            (lambda: self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml: sink_token_length <= max_attention_window)'),
+            (lambda: self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml: pp_size == 1)'),
+            (lambda: self.max_beam_width == 1, 'speculative decoding needs max_beam_width 1 (buffers.yaml: max_beam_width == 1)'),
+            (lambda: self.max_draft_tokens >= 1, 'speculative decoding needs max_draft_tokens of at least 1 (buffers.yaml: max_draft_tokens >= 1)'),
         )
 
 
@@ -136,7 +136,7 @@ SIZE_BOUNDS = (
 )
 
 TENSORS = (
-    # buffers.yaml:373: Token ids of the packed batch, staged on the host.
+    # Token ids of the packed batch, staged on the host.
     rt.TensorDecl(
         'host_input_ids',
         dtype=torch.int32,
@@ -147,7 +147,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.pp_rank == 0,
     ),
-    # buffers.yaml:382: Token ids of the packed batch; context chunks first, then each generation beam.
+    # Token ids of the packed batch; context chunks first, then each generation beam.
     rt.TensorDecl(
         'input_ids',
         dtype=torch.int32,
@@ -159,7 +159,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == 0,
         inputs=(rt.Bind('input_ids'),),
     ),
-    # buffers.yaml:390: Position of every input token (one per generation beam), staged on the host.
+    # Position of every input token (one per generation beam), staged on the host.
     rt.TensorDecl(
         'host_position_ids',
         dtype=torch.int32,
@@ -170,7 +170,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:428: Position ids of the packed batch.
+    # Position ids of the packed batch.
     rt.TensorDecl(
         'position_ids',
         dtype=torch.int32,
@@ -182,7 +182,7 @@ TENSORS = (
         inputs=(rt.Bind('position_ids'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:454: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+    # Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
     rt.TensorDecl(
         'host_context_lengths',
         dtype=torch.int32,
@@ -193,7 +193,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_lengths'),),
     ),
-    # buffers.yaml:465: Device copy of host_context_lengths.
+    # Device copy of host_context_lengths.
     rt.TensorDecl(
         'context_lengths',
         dtype=torch.int32,
@@ -204,7 +204,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('context_lengths'),),
     ),
-    # buffers.yaml:471: Tokens of each sequence once this step's inputs are appended, staged on the host.
+    # Tokens of each sequence once this step's inputs are appended, staged on the host.
     rt.TensorDecl(
         'host_sequence_lengths',
         dtype=torch.int32,
@@ -214,7 +214,7 @@ TENSORS = (
         fill=fills.sequence_lengths,
         pad=0,
     ),
-    # buffers.yaml:480: Tokens of each sequence once this step's inputs are appended.
+    # Tokens of each sequence once this step's inputs are appended.
     rt.TensorDecl(
         'sequence_length',
         dtype=torch.int32,
@@ -225,7 +225,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('sequence_length'),),
     ),
-    # buffers.yaml:486: Kind of each sequence, 0 for context and 1 for generation.
+    # Kind of each sequence, 0 for context and 1 for generation.
     rt.TensorDecl(
         'host_request_types',
         dtype=torch.int32,
@@ -236,7 +236,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
-    # buffers.yaml:497: KV length per sequence as the reference sets it, a context chunk's tokens through this step, a generation sequence's before it (prompt + generated - 1, no drafts).
+    # KV length per sequence as the reference sets it, a context chunk's tokens through this step, a generation sequence's before it (prompt + generated - 1, no drafts).
     rt.TensorDecl(
         'host_past_key_value_lengths',
         dtype=torch.int32,
@@ -247,7 +247,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_past_key_value_lengths'),),
     ),
-    # buffers.yaml:510: 1-based index in the packed tokens of the last token of each logit row.
+    # 1-based index in the packed tokens of the last token of each logit row.
     rt.TensorDecl(
         'host_last_token_ids',
         dtype=torch.int32,
@@ -257,7 +257,7 @@ TENSORS = (
         fill=fills.last_token_ids,
         pad=0,
     ),
-    # buffers.yaml:519: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
+    # Device copy of host_last_token_ids; the engine gathers logits at these tokens.
     rt.TensorDecl(
         'last_token_ids',
         dtype=torch.int32,
@@ -268,7 +268,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('last_token_ids'),),
     ),
-    # buffers.yaml:525: Logits of every logit row over the padded vocabulary (last pipeline rank).
+    # Logits of every logit row over the padded vocabulary (last pipeline rank).
     rt.TensorDecl(
         'logits',
         dtype=lambda c: c.logits_dtype,
@@ -279,7 +279,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and not c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:539: Logits of every token of the step (gather_context_logits), last pipeline rank.
+    # Logits of every token of the step (gather_context_logits), last pipeline rank.
     rt.TensorDecl(
         'context_logits',
         dtype=lambda c: c.logits_dtype,
@@ -290,7 +290,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:564: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
+    # Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
     rt.TensorDecl(
         'generation_logits_transposed',
         dtype=lambda c: c.logits_dtype,
@@ -300,7 +300,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:572: Device pointers of the logits fragments to merge.
+    # Device pointers of the logits fragments to merge.
     rt.TensorDecl(
         'generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -310,7 +310,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:580: Host pointer lists of the logits fragments, one row per merge.
+    # Host pointer lists of the logits fragments, one row per merge.
     rt.TensorDecl(
         'host_generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -320,7 +320,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:590: KV-cache block index of every block of each sequence, K row then V row.
+    # KV-cache block index of every block of each sequence, K row then V row.
     rt.TensorDecl(
         'host_kv_cache_block_offsets',
         dtype=torch.int32,
@@ -331,7 +331,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:601: Device copy of host_kv_cache_block_offsets.
+    # Device copy of host_kv_cache_block_offsets.
     rt.TensorDecl(
         'kv_cache_block_offsets',
         dtype=torch.int32,
@@ -342,7 +342,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('kv_cache_block_offsets'),),
     ),
-    # buffers.yaml:607: Static: (primary, secondary) address of each KV pool.
+    # Static: (primary, secondary) address of each KV pool.
     rt.TensorDecl(
         'host_kv_cache_pool_pointers',
         dtype=torch.int64,
@@ -352,7 +352,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_pointers'),),
     ),
-    # buffers.yaml:617: Static: (pool, layer in pool) of each layer of this rank.
+    # Static: (pool, layer in pool) of each layer of this rank.
     rt.TensorDecl(
         'host_kv_cache_pool_mapping',
         dtype=torch.int32,
@@ -362,7 +362,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_mapping'),),
     ),
-    # buffers.yaml:639: Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
+    # Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
     rt.TensorDecl(
         'cache_indirection',
         dtype=torch.int32,
@@ -372,7 +372,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('cache_indirection'),),
     ),
-    # buffers.yaml:650: Source, destination and size of the copy of each generation request's cache indirection.
+    # Source, destination and size of the copy of each generation request's cache indirection.
     rt.TensorDecl(
         'host_cache_indirection_copies',
         dtype=torch.int64,
@@ -383,7 +383,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:659: Device copy of host_cache_indirection_copies, read by the batched copy kernel.
+    # Device copy of host_cache_indirection_copies, read by the batched copy kernel.
     rt.TensorDecl(
         'cache_indirection_copies',
         dtype=torch.int64,
@@ -394,7 +394,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:663: Source, destination and size of each request's decoder output-to-input indirection copy.
+    # Source, destination and size of each request's decoder output-to-input indirection copy.
     rt.TensorDecl(
         'host_cache_indirection_decoder_copies',
         dtype=torch.int64,
@@ -405,7 +405,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:672: Device copy of host_cache_indirection_decoder_copies.
+    # Device copy of host_cache_indirection_decoder_copies.
     rt.TensorDecl(
         'cache_indirection_decoder_copies',
         dtype=torch.int64,
@@ -416,7 +416,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
-    # buffers.yaml:678: Beam width of each generation request (its sequences are consecutive rows).
+    # Beam width of each generation request (its sequences are consecutive rows).
     rt.TensorDecl(
         'host_generation_beam_widths',
         dtype=torch.int32,
@@ -428,7 +428,7 @@ TENSORS = (
         when=lambda c: c.max_beam_width > 1,
         inputs=(rt.Bind('host_beam_widths'),),
     ),
-    # buffers.yaml:691: Attention window of each layer on this pipeline rank.
+    # Attention window of each layer on this pipeline rank.
     rt.TensorDecl(
         'host_max_attention_window_sizes',
         dtype=torch.int32,
@@ -438,7 +438,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.max_attention_window),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),
-    # buffers.yaml:711: Attention sink tokens.
+    # Attention sink tokens.
     rt.TensorDecl(
         'host_sink_token_length',
         dtype=torch.int32,
@@ -448,7 +448,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: c.sink_token_length),
         inputs=(rt.Bind('host_sink_token_length'),),
     ),
-    # buffers.yaml:721: Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
+    # Address of the layer-wise KV-transfer progress record, or 0 (set by the executor).
     rt.TensorDecl(
         'host_context_progress',
         dtype=torch.int64,
@@ -459,7 +459,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_progress'),),
     ),
-    # buffers.yaml:732: Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
+    # Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1.
     rt.TensorDecl(
         'host_runtime_perf_knobs',
         dtype=torch.int64,
@@ -470,7 +470,7 @@ TENSORS = (
         pad=-1,
         inputs=(rt.Bind('host_runtime_perf_knobs'),),
     ),
-    # buffers.yaml:743: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
+    # Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
     rt.TensorDecl(
         'host_all_reduce_workspace',
         dtype=torch.int64,
@@ -481,7 +481,7 @@ TENSORS = (
         when=lambda c: c.tp_size > 1,
         inputs=(rt.Bind('all_reduce_workspace'),),
     ),
-    # buffers.yaml:753: Decoder slot of each request, context requests first.
+    # Decoder slot of each request, context requests first.
     rt.TensorDecl(
         'host_seq_slots',
         dtype=torch.int32,
@@ -491,7 +491,7 @@ TENSORS = (
         fill=fills.seq_slots,
         pad=0,
     ),
-    # buffers.yaml:762: Device copy of host_seq_slots, for decoder-side gathers.
+    # Device copy of host_seq_slots, for decoder-side gathers.
     rt.TensorDecl(
         'seq_slots',
         dtype=torch.int32,
@@ -501,7 +501,7 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
-    # buffers.yaml:1122: Speculative decoding on (1).
+    # Speculative decoding on (1).
     rt.TensorDecl(
         'spec_decoding_use',
         dtype=torch.int32,
@@ -511,7 +511,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: 1),
         inputs=(rt.Bind('spec_decoding_use'),),
     ),
-    # buffers.yaml:1175: Packed attention mask of each generation request's decoding tokens (written by the drafter).
+    # Packed attention mask of each generation request's decoding tokens (written by the drafter).
     rt.TensorDecl(
         'spec_packed_mask',
         dtype=torch.int32,
@@ -521,7 +521,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_packed_mask'),),
     ),
-    # buffers.yaml:1185: Tokens each generation request feeds (written by the drafter).
+    # Tokens each generation request feeds (written by the drafter).
     rt.TensorDecl(
         'spec_generation_lengths',
         dtype=torch.int32,
@@ -531,7 +531,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_generation_lengths'),),
     ),
-    # buffers.yaml:1195: Position offset of each decoding token (written by the drafter).
+    # Position offset of each decoding token (written by the drafter).
     rt.TensorDecl(
         'spec_position_offsets',
         dtype=torch.int32,
@@ -541,7 +541,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_position_offsets'),),
     ),
-    # buffers.yaml:1412: Static: 1 for greedy draft sampling (EagleConfig).
+    # Static: 1 for greedy draft sampling (EagleConfig).
     rt.TensorDecl(
         'host_eagle_greedy_sampling',
         dtype=torch.int32,
@@ -552,7 +552,7 @@ TENSORS = (
         pad=1,
         inputs=(rt.Bind('greedy_sampling'),),
     ),
-    # buffers.yaml:1423: Sampling temperature of each request (written by the drafter).
+    # Sampling temperature of each request (written by the drafter).
     rt.TensorDecl(
         'eagle_temperature',
         dtype=torch.float32,
@@ -563,7 +563,7 @@ TENSORS = (
         inputs=(rt.Bind('eagle_temperature'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1433: Posterior threshold of each request (its own or 0.09), staged on the host.
+    # Posterior threshold of each request (its own or 0.09), staged on the host.
     rt.TensorDecl(
         'host_eagle_posterior_thresholds',
         dtype=torch.float32,
@@ -574,7 +574,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1442: Posterior threshold of each request.
+    # Posterior threshold of each request.
     rt.TensorDecl(
         'posterior_threshold',
         dtype=torch.float32,
@@ -586,7 +586,7 @@ TENSORS = (
         inputs=(rt.Bind('posterior_threshold'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1448: Square root of each request's posterior threshold, staged on the host.
+    # Square root of each request's posterior threshold, staged on the host.
     rt.TensorDecl(
         'host_eagle_posterior_alphas',
         dtype=torch.float32,
@@ -597,7 +597,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1457: Square root of each request's posterior threshold.
+    # Square root of each request's posterior threshold.
     rt.TensorDecl(
         'posterior_alpha',
         dtype=torch.float32,
@@ -609,7 +609,7 @@ TENSORS = (
         inputs=(rt.Bind('posterior_alpha'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1463: Random number of each request for sampling (written by the drafter).
+    # Random number of each request for sampling (written by the drafter).
     rt.TensorDecl(
         'eagle_rand_data_sample',
         dtype=torch.float32,
@@ -620,7 +620,7 @@ TENSORS = (
         inputs=(rt.Bind('rand_data_sample'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1473: Random numbers of each decoding token for validation (written by the drafter).
+    # Random numbers of each decoding token for validation (written by the drafter).
     rt.TensorDecl(
         'eagle_rand_data_validation',
         dtype=torch.float32,
@@ -631,7 +631,7 @@ TENSORS = (
         inputs=(rt.Bind('rand_data_validation'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1483: Draft tokens of each request (-1 on a context request's last chunk; written by the drafter).
+    # Draft tokens of each request (-1 on a context request's last chunk; written by the drafter).
     rt.TensorDecl(
         'eagle_draft_tokens',
         dtype=torch.int32,
@@ -642,7 +642,7 @@ TENSORS = (
         inputs=(rt.Bind('draft_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1493: Draft tokens of each request (written by the drafter).
+    # Draft tokens of each request (written by the drafter).
     rt.TensorDecl(
         'eagle_draft_lens',
         dtype=torch.int32,
@@ -653,7 +653,7 @@ TENSORS = (
         inputs=(rt.Bind('draft_lens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1503: Draft tree paths of each request (written by the drafter).
+    # Draft tree paths of each request (written by the drafter).
     rt.TensorDecl(
         'eagle_draft_paths',
         dtype=torch.int32,
@@ -664,7 +664,7 @@ TENSORS = (
         inputs=(rt.Bind('draft_paths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1513: EagleNet context-phase request type of each request (copied from the decoder state).
+    # EagleNet context-phase request type of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_context_request_types',
         dtype=torch.int32,
@@ -675,7 +675,7 @@ TENSORS = (
         inputs=(rt.Bind('host_ctx_eagle_net_request_types'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1523: EagleNet context-phase context length of each request (copied from the decoder state).
+    # EagleNet context-phase context length of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_context_lengths',
         dtype=torch.int32,
@@ -686,7 +686,7 @@ TENSORS = (
         inputs=(rt.Bind('host_ctx_eagle_net_context_lengths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1533: EagleNet context-phase past KV length of each request (copied from the decoder state).
+    # EagleNet context-phase past KV length of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_context_past_kv_lengths',
         dtype=torch.int32,
@@ -697,7 +697,7 @@ TENSORS = (
         inputs=(rt.Bind('host_ctx_eagle_net_past_key_value_lengths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1543: EagleNet generation-phase request type of each request (copied from the decoder state).
+    # EagleNet generation-phase request type of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_generation_request_types',
         dtype=torch.int32,
@@ -708,7 +708,7 @@ TENSORS = (
         inputs=(rt.Bind('host_gen_eagle_net_request_types'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1553: EagleNet generation-phase context length of each request (copied from the decoder state).
+    # EagleNet generation-phase context length of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_generation_context_lengths',
         dtype=torch.int32,
@@ -719,7 +719,7 @@ TENSORS = (
         inputs=(rt.Bind('host_gen_eagle_net_context_lengths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1563: EagleNet generation-phase past KV length of each request (copied from the decoder state).
+    # EagleNet generation-phase past KV length of each request (copied from the decoder state).
     rt.TensorDecl(
         'host_eagle_net_generation_past_kv_lengths',
         dtype=torch.int32,
@@ -730,7 +730,7 @@ TENSORS = (
         inputs=(rt.Bind('host_gen_eagle_net_past_key_value_lengths'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1573: Generation input tokens of the EagleNets (the reference shapes it but never writes it).
+    # Generation input tokens of the EagleNets (the reference shapes it but never writes it).
     rt.TensorDecl(
         'host_eagle_input_generation_tokens',
         dtype=torch.int32,
@@ -741,7 +741,7 @@ TENSORS = (
         inputs=(rt.Bind('input_gen_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1583: The token after each context request's chunk (-1 on a last chunk and for generation).
+    # The token after each context request's chunk (-1 on a last chunk and for generation).
     rt.TensorDecl(
         'host_chunked_context_next_tokens',
         dtype=torch.int32,
@@ -752,7 +752,7 @@ TENSORS = (
         pad=-1,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1592: Device copy of host_chunked_context_next_tokens.
+    # Device copy of host_chunked_context_next_tokens.
     rt.TensorDecl(
         'chunked_context_next_tokens',
         dtype=torch.int32,
@@ -764,7 +764,7 @@ TENSORS = (
         inputs=(rt.Bind('chunked_context_next_tokens'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1598: Static: 1 for Eagle-2 dynamic trees.
+    # Static: 1 for Eagle-2 dynamic trees.
     rt.TensorDecl(
         'host_eagle_use_dynamic_tree',
         dtype=torch.int32,
@@ -775,7 +775,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('use_dynamic_tree'),),
     ),
-    # buffers.yaml:1609: Static: top-k of each Eagle-2 dynamic tree layer, or -1.
+    # Static: top-k of each Eagle-2 dynamic tree layer, or -1.
     rt.TensorDecl(
         'host_eagle_dynamic_tree_max_top_k',
         dtype=torch.int32,
@@ -786,7 +786,7 @@ TENSORS = (
         pad=-1,
         inputs=(rt.Bind('dynamic_tree_max_topK'),),
     ),
-    # buffers.yaml:1620: EagleNet scratch, scores of the previous layer (the engine writes it).
+    # EagleNet scratch, scores of the previous layer (the engine writes it).
     rt.TensorDecl(
         'eagle_prev_scores',
         dtype=torch.float32,
@@ -797,7 +797,7 @@ TENSORS = (
         inputs=(rt.Bind('prev_scores'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1630: EagleNet scratch, expanded indices of the current layer (the engine writes it).
+    # EagleNet scratch, expanded indices of the current layer (the engine writes it).
     rt.TensorDecl(
         'eagle_current_expand_indices',
         dtype=torch.int32,
@@ -808,7 +808,7 @@ TENSORS = (
         inputs=(rt.Bind('current_expand_indices'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1640: EagleNet scratch, scores of every layer (the engine writes it).
+    # EagleNet scratch, scores of every layer (the engine writes it).
     rt.TensorDecl(
         'eagle_all_layers_scores',
         dtype=torch.float32,
@@ -819,7 +819,7 @@ TENSORS = (
         inputs=(rt.Bind('all_layers_scores'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1650: EagleNet scratch, draft tokens of every layer (the engine writes it).
+    # EagleNet scratch, draft tokens of every layer (the engine writes it).
     rt.TensorDecl(
         'eagle_all_layers_draft_token_ids',
         dtype=torch.int32,
@@ -830,7 +830,7 @@ TENSORS = (
         inputs=(rt.Bind('all_layers_draft_token_ids'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1660: EagleNet scratch, predecessor of every layer's draft tokens (the engine writes it).
+    # EagleNet scratch, predecessor of every layer's draft tokens (the engine writes it).
     rt.TensorDecl(
         'eagle_all_layers_draft_token_ids_predecessor',
         dtype=torch.int32,
@@ -841,7 +841,7 @@ TENSORS = (
         inputs=(rt.Bind('all_layers_draft_token_ids_predecessor'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1670: Next draft tokens of each path (engine output).
+    # Next draft tokens of each path (engine output).
     rt.TensorDecl(
         'eagle_next_draft_tokens',
         dtype=torch.int32,
@@ -851,7 +851,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('next_draft_tokens'),),
     ),
-    # buffers.yaml:1680: Next draft tokens of each request (engine output).
+    # Next draft tokens of each request (engine output).
     rt.TensorDecl(
         'eagle_next_draft_lens',
         dtype=torch.int32,
@@ -861,7 +861,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('next_draft_lens'),),
     ),
-    # buffers.yaml:1690: Next draft tree paths (engine output).
+    # Next draft tree paths (engine output).
     rt.TensorDecl(
         'eagle_next_draft_paths',
         dtype=torch.int32,
@@ -871,7 +871,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('next_draft_paths'),),
     ),
-    # buffers.yaml:1700: Accepted tokens of each request (engine output).
+    # Accepted tokens of each request (engine output).
     rt.TensorDecl(
         'eagle_accepted_tokens',
         dtype=torch.int32,
@@ -881,7 +881,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('accepted_tokens'),),
     ),
-    # buffers.yaml:1710: Accepted token count of each request (engine output).
+    # Accepted token count of each request (engine output).
     rt.TensorDecl(
         'eagle_num_accepted_tokens',
         dtype=torch.int32,
@@ -891,7 +891,7 @@ TENSORS = (
         fill=rt.ENGINE,
         outputs=(rt.Bind('num_accepted_tokens'),),
     ),
-    # buffers.yaml:1720: Accepted path of each request (engine output).
+    # Accepted path of each request (engine output).
     rt.TensorDecl(
         'eagle_accepted_paths',
         dtype=torch.int32,

@@ -84,7 +84,7 @@ SIZE_BOUNDS = (
 )
 
 TENSORS = (
-    # buffers.yaml:743: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
+    # Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
     rt.TensorDecl(
         'host_all_reduce_workspace',
         dtype=torch.int64,
@@ -95,7 +95,7 @@ TENSORS = (
         when=lambda c: c.tp_size > 1,
         inputs=(rt.Bind('all_reduce_workspace'),),
     ),
-    # buffers.yaml:902: Encoder input tokens of each request, concatenated, staged on the host.
+    # Encoder input tokens of each request, concatenated, staged on the host.
     rt.TensorDecl(
         'host_encoder_input_ids',
         dtype=torch.int32,
@@ -105,7 +105,7 @@ TENSORS = (
         fill=fills.encoder_input_ids,
         pad=0,
     ),
-    # buffers.yaml:911: Encoder input tokens.
+    # Encoder input tokens.
     rt.TensorDecl(
         'encoder_input_ids',
         dtype=torch.int32,
@@ -116,7 +116,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('input_ids'),),
     ),
-    # buffers.yaml:917: Position of every encoder input token (0 .. length - 1 per request), staged on the host.
+    # Position of every encoder input token (0 .. length - 1 per request), staged on the host.
     rt.TensorDecl(
         'host_encoder_position_ids',
         dtype=torch.int32,
@@ -126,7 +126,7 @@ TENSORS = (
         fill=fills.encoder_position_ids,
         pad=0,
     ),
-    # buffers.yaml:926: Positions of the encoder input tokens.
+    # Positions of the encoder input tokens.
     rt.TensorDecl(
         'encoder_position_ids',
         dtype=torch.int32,
@@ -137,7 +137,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('position_ids'),),
     ),
-    # buffers.yaml:932: Encoder input length of each request, staged on the host.
+    # Encoder input length of each request, staged on the host.
     rt.TensorDecl(
         'host_encoder_request_input_lengths',
         dtype=torch.int32,
@@ -147,7 +147,7 @@ TENSORS = (
         fill=fills.encoder_input_lengths,
         pad=0,
     ),
-    # buffers.yaml:941: Encoder input length of each request.
+    # Encoder input length of each request.
     rt.TensorDecl(
         'encoder_request_input_lengths',
         dtype=torch.int32,
@@ -158,7 +158,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('input_lengths'),),
     ),
-    # buffers.yaml:947: Only its shape counts, the longest encoder input of the step (zeros).
+    # Only its shape counts, the longest encoder input of the step (zeros).
     rt.TensorDecl(
         'encoder_max_input_length_shape',
         dtype=torch.int32,
@@ -168,7 +168,7 @@ TENSORS = (
         fill=rt.Constant(lambda c: 0),
         inputs=(rt.Bind('max_input_length'),),
     ),
-    # buffers.yaml:957: The encoder's output rows of every request, concatenated.
+    # The encoder's output rows of every request, concatenated.
     rt.TensorDecl(
         'encoder_engine_output',
         dtype=lambda c: c.model_dtype,

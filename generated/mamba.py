@@ -89,11 +89,11 @@ class Config(rt.ConfigBase):
         rt.require(
             self,
             errors,
-            (lambda: self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml:226)'),
-            (lambda: self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml:228)'),
-            (lambda: self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml:232)'),
-            (lambda: self.max_beam_width == 1, 'recurrent state is kept per slot, so beam search is not supported (beam width 1) (buffers.yaml:238)'),
-            (lambda: self.max_draft_tokens == 0, 'recurrent state cannot roll back rejected draft tokens (max_draft_tokens 0) (buffers.yaml:241)'),
+            (lambda: self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml: pp_rank < pp_size)'),
+            (lambda: self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml: num_layers % pp_size == 0)'),
+            (lambda: self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml: pp_size == 1)'),
+            (lambda: self.max_beam_width == 1, 'recurrent state is kept per slot, so beam search is not supported (beam width 1) (buffers.yaml: max_beam_width == 1)'),
+            (lambda: self.max_draft_tokens == 0, 'recurrent state cannot roll back rejected draft tokens (max_draft_tokens 0) (buffers.yaml: max_draft_tokens == 0)'),
         )
 
 
@@ -114,7 +114,7 @@ SIZE_BOUNDS = (
 SET_LOCAL_RNN_LAYER = rt.IndexSet('local_rnn_layer', first=lambda c: c.first_local_layer, count=lambda c: c.num_local_layers)  # The recurrent layers of this pipeline rank, by global index.
 
 TENSORS = (
-    # buffers.yaml:373: Token ids of the packed batch, staged on the host.
+    # Token ids of the packed batch, staged on the host.
     rt.TensorDecl(
         'host_input_ids',
         dtype=torch.int32,
@@ -125,7 +125,7 @@ TENSORS = (
         pad=0,
         when=lambda c: c.pp_rank == 0,
     ),
-    # buffers.yaml:382: Token ids of the packed batch; context chunks first, then each generation beam.
+    # Token ids of the packed batch; context chunks first, then each generation beam.
     rt.TensorDecl(
         'input_ids',
         dtype=torch.int32,
@@ -137,7 +137,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == 0,
         inputs=(rt.Bind('input_ids'),),
     ),
-    # buffers.yaml:454: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+    # Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
     rt.TensorDecl(
         'host_context_lengths',
         dtype=torch.int32,
@@ -148,7 +148,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_context_lengths'),),
     ),
-    # buffers.yaml:465: Device copy of host_context_lengths.
+    # Device copy of host_context_lengths.
     rt.TensorDecl(
         'context_lengths',
         dtype=torch.int32,
@@ -159,7 +159,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('context_lengths'),),
     ),
-    # buffers.yaml:471: Tokens of each sequence once this step's inputs are appended, staged on the host.
+    # Tokens of each sequence once this step's inputs are appended, staged on the host.
     rt.TensorDecl(
         'host_sequence_lengths',
         dtype=torch.int32,
@@ -169,7 +169,7 @@ TENSORS = (
         fill=fills.sequence_lengths,
         pad=0,
     ),
-    # buffers.yaml:480: Tokens of each sequence once this step's inputs are appended.
+    # Tokens of each sequence once this step's inputs are appended.
     rt.TensorDecl(
         'sequence_length',
         dtype=torch.int32,
@@ -180,7 +180,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('sequence_length'),),
     ),
-    # buffers.yaml:486: Kind of each sequence, 0 for context and 1 for generation.
+    # Kind of each sequence, 0 for context and 1 for generation.
     rt.TensorDecl(
         'host_request_types',
         dtype=torch.int32,
@@ -191,7 +191,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
-    # buffers.yaml:510: 1-based index in the packed tokens of the last token of each logit row.
+    # 1-based index in the packed tokens of the last token of each logit row.
     rt.TensorDecl(
         'host_last_token_ids',
         dtype=torch.int32,
@@ -201,7 +201,7 @@ TENSORS = (
         fill=fills.last_token_ids,
         pad=0,
     ),
-    # buffers.yaml:519: Device copy of host_last_token_ids; the engine gathers logits at these tokens.
+    # Device copy of host_last_token_ids; the engine gathers logits at these tokens.
     rt.TensorDecl(
         'last_token_ids',
         dtype=torch.int32,
@@ -212,7 +212,7 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('last_token_ids'),),
     ),
-    # buffers.yaml:525: Logits of every logit row over the padded vocabulary (last pipeline rank).
+    # Logits of every logit row over the padded vocabulary (last pipeline rank).
     rt.TensorDecl(
         'logits',
         dtype=lambda c: c.logits_dtype,
@@ -223,7 +223,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and not c.gather_context_logits and not c.gather_generation_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:539: Logits of every token of the step (gather_context_logits), last pipeline rank.
+    # Logits of every token of the step (gather_context_logits), last pipeline rank.
     rt.TensorDecl(
         'context_logits',
         dtype=lambda c: c.logits_dtype,
@@ -234,7 +234,7 @@ TENSORS = (
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
     ),
-    # buffers.yaml:551: Ring of 8 step buffers of generation logits (gather_generation_logits), one bound per step.
+    # Ring of 8 step buffers of generation logits (gather_generation_logits), one bound per step.
     rt.TensorDecl(
         'generation_logits_cache',
         dtype=lambda c: c.logits_dtype,
@@ -246,7 +246,7 @@ TENSORS = (
         outputs=(rt.Bind('logits'),),
         ring=8,
     ),
-    # buffers.yaml:564: Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
+    # Merged logits fragments of one request before its copy to the host ([beam, 8, vocab]).
     rt.TensorDecl(
         'generation_logits_transposed',
         dtype=lambda c: c.logits_dtype,
@@ -256,7 +256,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:572: Device pointers of the logits fragments to merge.
+    # Device pointers of the logits fragments to merge.
     rt.TensorDecl(
         'generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -266,7 +266,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:580: Host pointer lists of the logits fragments, one row per merge.
+    # Host pointer lists of the logits fragments, one row per merge.
     rt.TensorDecl(
         'host_generation_logits_fragment_pointers',
         dtype=torch.int64,
@@ -276,7 +276,7 @@ TENSORS = (
         fill=rt.EXTERNAL,
         when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
     ),
-    # buffers.yaml:743: Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
+    # Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
     rt.TensorDecl(
         'host_all_reduce_workspace',
         dtype=torch.int64,
@@ -287,7 +287,7 @@ TENSORS = (
         when=lambda c: c.tp_size > 1,
         inputs=(rt.Bind('all_reduce_workspace'),),
     ),
-    # buffers.yaml:753: Decoder slot of each request, context requests first.
+    # Decoder slot of each request, context requests first.
     rt.TensorDecl(
         'host_seq_slots',
         dtype=torch.int32,
@@ -297,7 +297,7 @@ TENSORS = (
         fill=fills.seq_slots,
         pad=0,
     ),
-    # buffers.yaml:762: Device copy of host_seq_slots, for decoder-side gathers.
+    # Device copy of host_seq_slots, for decoder-side gathers.
     rt.TensorDecl(
         'seq_slots',
         dtype=torch.int32,
@@ -307,7 +307,7 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
-    # buffers.yaml:1035: State slot of each sequence (its request's seq_slot), staged on the host.
+    # State slot of each sequence (its request's seq_slot), staged on the host.
     rt.TensorDecl(
         'host_slot_mapping',
         dtype=torch.int32,
@@ -318,7 +318,7 @@ TENSORS = (
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1044: State slot of each sequence.
+    # State slot of each sequence.
     rt.TensorDecl(
         'slot_mapping',
         dtype=torch.int32,
@@ -330,7 +330,7 @@ TENSORS = (
         inputs=(rt.Bind('slot_mapping'),),
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
-    # buffers.yaml:1050: Static: address of each recurrent layer's paged convolution state.
+    # Static: address of each recurrent layer's paged convolution state.
     rt.TensorDecl(
         'host_conv_state_pointers',
         dtype=torch.int64,
@@ -340,7 +340,7 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('conv_state_ptr_{local_rnn_layer}', each=(SET_LOCAL_RNN_LAYER,)),),
     ),
-    # buffers.yaml:1061: Static: address of each recurrent layer's paged recurrent state.
+    # Static: address of each recurrent layer's paged recurrent state.
     rt.TensorDecl(
         'host_rnn_state_pointers',
         dtype=torch.int64,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from bufc.codegen import compile_file, emit, files
+from bufc.codegen import compile_file, compile_text, emit, files
 from bufc.codegen.cli import main
 
 MINI = REPO / "tests" / "cases" / "mini"
@@ -293,3 +293,26 @@ def test_generating_needs_no_torch(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         p.name for p in (REPO / "generated").glob("*.py")
     )
+
+
+def test_one_new_tensor_changes_only_its_family_s_module():
+    """Generated modules refer to tensors and checks by name, not by spec line: a tensor added
+    at the top of the list (every later line moves) changes the one family it belongs to."""
+    text = (REPO / "buffers.yaml").read_text()
+    added = text.replace(
+        "\ntensors:\n",
+        "\ntensors:\n"
+        "  - name: host_lora_scratch\n"
+        "    doc: A tensor only the LoRA family has.\n"
+        "    dtype: int32\n"
+        "    memory: host\n"
+        '    capacity: ["max_batch_size"]\n'
+        '    shape: ["max_batch_size"]\n'
+        "    fill: external\n"
+        "    when: lora\n",
+        1,
+    )
+    assert added != text
+    before = emit.render_all(compile_text(text, "buffers.yaml"))
+    after = emit.render_all(compile_text(added, "buffers.yaml"))
+    assert sorted(n for n in before if before[n] != after[n]) == ["gpt_lora.py"]

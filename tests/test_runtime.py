@@ -61,7 +61,10 @@ def test_config_is_frozen_and_has_exactly_the_family_parameters(family_name):
         ({"max_batch_size": 0}, "max_batch_size must be at least 1, got 0"),
         ({"max_batch_size": 2.0}, "max_batch_size must be an int, got 2.0"),
         ({"max_batch_size": True}, "max_batch_size must be an int, got True"),
-        ({"pp_size": 2, "pp_rank": 2}, "pp_rank must be below pp_size (buffers.yaml:"),
+        (
+            {"pp_size": 2, "pp_rank": 2},
+            "pp_rank must be below pp_size (buffers.yaml: pp_rank < pp_size)",
+        ),
         ({"num_layers": 3, "pp_size": 2}, "num_layers must split evenly over the pipeline ranks"),
         ({"logits_dtype": "float17"}, "logits_dtype must be a torch.dtype or one of"),
         ({"pp_size": 2}, "this family has no pipeline-parallel buffers; use its pipeline-parallel"),
