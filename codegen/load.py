@@ -208,11 +208,28 @@ def load_text(text: str, file: str) -> Document:
     key_locs: dict[Path, Location] = {}
     constructor = yaml.SafeLoader("")  # only used to resolve scalar values
 
+    def explicit_tag(node: yaml.Node) -> bool:
+        """True for a node whose tag was written (!!int "1", !!set {...}) rather than read
+        from its text: a spec's values mean what they say."""
+        if isinstance(node, yaml.MappingNode):
+            return node.tag != "tag:yaml.org,2002:map"
+        if isinstance(node, yaml.SequenceNode):
+            return node.tag != "tag:yaml.org,2002:seq"
+        plain = node.style is None
+        return node.tag != constructor.resolve(yaml.ScalarNode, node.value, (plain, not plain))
+
     def walk(node: yaml.Node, path: Path) -> Any:
         loc = _mark(file, node.start_mark)
         if isinstance(node, yaml.ScalarNode) and node.style in ("'", '"'):
             loc = loc.shifted(1)  # point at the text, so formula columns line up
         locs[path] = loc
+        if explicit_tag(node) and node.tag != "tag:yaml.org,2002:merge":
+            errors.error(
+                _mark(file, node.start_mark),
+                f"tag '{node.tag.removeprefix('tag:yaml.org,2002:')}' is not allowed in a buffer "
+                "spec; write the value without it",
+            )
+            return None
         if isinstance(node, yaml.MappingNode):
             out: dict[str, Any] = {}
             for key_node, value_node in node.value:

@@ -28,6 +28,11 @@ class Formula:
     def at(self, col: int) -> Location:
         return self.loc.shifted(col)
 
+    @property
+    def shown(self) -> str:
+        """The text for a message: a long formula is cut (its location names it)."""
+        return self.text if len(self.text) <= 80 else self.text[:77] + "..."
+
 
 @dataclasses.dataclass(frozen=True)
 class Flag:

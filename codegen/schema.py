@@ -123,7 +123,10 @@ def _diagnostics(doc: Document, err: ValidationError) -> list[Diagnostic]:
         ]
     if kind == "const":
         return [Diagnostic(loc, f"{where} must be {err.validator_value!r}")]
-    return [Diagnostic(loc, f"{where}: {err.message}")]
+    if kind == "maxLength":
+        return [Diagnostic(loc, f"{where} is longer than {err.validator_value} characters")]
+    message = err.message if len(err.message) <= 200 else err.message[:197] + "..."
+    return [Diagnostic(loc, f"{where}: {message}")]
 
 
 def check_document(doc: Document) -> list[Diagnostic]:

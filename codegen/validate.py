@@ -187,7 +187,7 @@ class Checker:
                 )
                 ok = False
         if ok and _divides_by_zero(f.expr):
-            self.errors.error(f.loc, f"'{f.text}' divides by zero")
+            self.errors.error(f.loc, f"'{f.shown}' divides by zero")
             ok = False
         if ok:
             got = self.infer(f, f.expr)
@@ -198,7 +198,7 @@ class Checker:
                     else "a condition (a comparison, a flag, and/or/not)"
                 )
                 self.errors.error(
-                    f.loc, f"{ctx.what} must be {want}, got {self.describe(got)}: '{f.text}'"
+                    f.loc, f"{ctx.what} must be {want}, got {self.describe(got)}: '{f.shown}'"
                 )
             elif got is not None:
                 self.divisors(f)
@@ -218,12 +218,12 @@ class Checker:
             advice = "make it provably non-zero (e.g. max(..., 1)) or raise the parameters' min"
             if status:
                 self.errors.error(
-                    f.at(col), f"'{f.text}' divides by zero {status}: '{text}' is 0; {advice}"
+                    f.at(col), f"'{f.shown}' divides by zero {status}: '{text}' is 0; {advice}"
                 )
             else:
                 self.errors.error(
                     f.at(col),
-                    f"'{f.text}' may divide by zero: '{text}' is not provably non-zero for "
+                    f"'{f.shown}' may divide by zero: '{text}' is not provably non-zero for "
                     f"the parameters' declared ranges; {advice}",
                 )
 
@@ -716,7 +716,7 @@ class Checker:
                 self.errors.error(
                     t.field_loc("shape"),
                     f"fill rule '{name}' writes shape [{', '.join(rule.shape)}], "
-                    f"but '{t.name}' declares [{', '.join(f.text for f in t.shape)}]",
+                    f"but '{t.name}' declares [{', '.join(f.shown for f in t.shape)}]",
                 )
 
     def capacity_fits(self, t: Tensor) -> None:
@@ -727,8 +727,8 @@ class Checker:
             if self.prover.at_least(step.expr, cap.expr, prove.ZERO, prove.VAR, plus=1):
                 self.errors.error(
                     step.loc,
-                    f"tensor '{t.name}': step shape dimension {i} '{step.text}' is always "
-                    f"larger than its capacity '{cap.text}'",
+                    f"tensor '{t.name}': step shape dimension {i} '{step.shown}' is always "
+                    f"larger than its capacity '{cap.shown}'",
                 )
 
     def engine_names(self, plans: list[FamilyPlan]) -> None:
@@ -788,7 +788,7 @@ class Checker:
                     point, value = found
                     self.errors.error(
                         f.loc,
-                        f"tensor '{name}': capacity dimension {i} '{f.text}' is negative "
+                        f"tensor '{name}': capacity dimension {i} '{f.shown}' is negative "
                         f"({value}) {self.prover.where(f.expr, point)}",
                     )
         for t in self.spec.tensors:
@@ -803,7 +803,7 @@ class Checker:
                 point, value = found
                 self.errors.error(
                     z.bound.loc,
-                    f"the max of step size '{z.name}', '{z.bound.text}', is negative ({value}) "
+                    f"the max of step size '{z.name}', '{z.bound.shown}', is negative ({value}) "
                     f"{self.prover.where(z.bound.expr, point)}: no step could be prepared",
                 )
 
@@ -835,7 +835,7 @@ class Checker:
             if hi < dlo or lo > dhi:
                 self.errors.error(
                     f.loc,
-                    f"tensor '{t.name}': constant fill '{f.text}' is always outside its dtype "
+                    f"tensor '{t.name}': constant fill '{f.shown}' is always outside its dtype "
                     f"({span})",
                 )
                 return
@@ -846,7 +846,7 @@ class Checker:
                 point, value = found
                 self.errors.error(
                     f.loc,
-                    f"tensor '{t.name}': constant fill '{f.text}' is {value} "
+                    f"tensor '{t.name}': constant fill '{f.shown}' is {value} "
                     f"{self.prover.where(f.expr, point)}, outside its dtype ({span})",
                 )
                 return
@@ -875,7 +875,7 @@ class Checker:
                 if t.when is not None and (src is None or src.name in present):
                     self.errors.error(
                         t.when.loc,
-                        f"tensor '{t.name}' exists in no family: its 'when' '{t.when.text}' "
+                        f"tensor '{t.name}' exists in no family: its 'when' '{t.when.shown}' "
                         "never holds (a contradiction, or flag values no family sets)",
                     )
                 continue
@@ -891,7 +891,7 @@ class Checker:
                     self.errors.error(
                         b.when.loc,
                         f"the binding of '{t.name}' to engine {b.direction} '{b.engine_name}' "
-                        f"never applies: its 'when' '{b.when.text}' never holds where "
+                        f"never applies: its 'when' '{b.when.shown}' never holds where "
                         f"'{t.name}' exists",
                     )
         reported: set[Location] = set()
@@ -904,7 +904,7 @@ class Checker:
                     reported.add(c.loc)
                     self.errors.error(
                         c.require.loc,
-                        f"check '{c.require.text}' can never hold for the parameters' declared "
+                        f"check '{c.require.shown}' can never hold for the parameters' declared "
                         "ranges: every Config would fail it",
                     )
                 elif c.loc not in reported and not self.prover.can_hold(_all([*before, c])):
@@ -918,7 +918,7 @@ class Checker:
                     reported.add(c.loc)
                     self.errors.error(
                         c.require.loc,
-                        f"check '{c.require.text}' contradicts the check(s) at line(s) {lines} "
+                        f"check '{c.require.shown}' contradicts the check(s) at line(s) {lines} "
                         f"in family '{plan.family.name}': every Config would fail one of them",
                     )
                 before.append(c)
@@ -928,8 +928,8 @@ class Checker:
                 if all(E.fold(c.when.expr, fl) == E.FALSE for fl in flags):
                     self.errors.error(
                         c.when.loc,
-                        f"the check '{c.require.text}' applies to no family: its 'when' "
-                        f"'{c.when.text}' is false in every family",
+                        f"the check '{c.require.shown}' applies to no family: its 'when' "
+                        f"'{c.when.shown}' is false in every family",
                     )
 
 

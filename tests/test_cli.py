@@ -238,6 +238,11 @@ def test_a_yaml_1_1_boolean_is_a_located_error():
             "buffers.yaml:2:8: this character cannot start a plain value; quote the value",
         ),
         (
+            'version: !!int "1"\n',
+            "buffers.yaml:1:10: tag 'int' is not allowed in a buffer spec; write the value "
+            "without it",
+        ),
+        (
             "version: 1\nflags: {a: {doc: 2001-12-14t21:59:43.10-05:00}}\n",
             "buffers.yaml:2:18: '2001-12-14t21:59:43.10-05:00' reads as a date and time; quote "
             "it for the text",
@@ -268,3 +273,13 @@ def test_a_boolean_flag_compared_with_a_string_says_so():
         "buffers.yaml:22:12: 'extras' is a boolean, not a string: write 'extras' or "
         "'not extras' instead of comparing it with a quoted value"
     ]
+
+
+def test_a_long_value_is_not_repeated_in_its_error(tmp_path, capsys):
+    spec = tmp_path / "buffers.yaml"
+    value = "+".join(["1"] * 5000)
+    spec.write_text(f'version: 1\nderived:\n  d: {{doc: D., value: "{value}"}}\n')
+    code, _, err = run(capsys, "validate", str(spec))
+    assert code == 1
+    assert f"{spec}:3:24: derived.d.value is longer than 256 characters" in err
+    assert max(map(len, err.splitlines())) < 400
