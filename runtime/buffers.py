@@ -93,6 +93,11 @@ class RuntimeBuffers:
             torch.empty(end, dtype=torch.uint8, pin_memory=pin) for _ in range(HALVES)
         ]
         self._device_arena = torch.empty(end, dtype=torch.uint8, device=self.device)
+        self._numpy_arenas = (
+            (self._device_arena.numpy(), [a.numpy() for a in self._host_arenas])
+            if self.device.type == "cpu"
+            else None
+        )
 
         # per half, the flat storage of every tensor (only mirror sources differ between halves)
         self._flat: list[dict[str, torch.Tensor]] = [{} for _ in range(HALVES)]
@@ -492,6 +497,12 @@ class RuntimeBuffers:
             span += used * self._copy_itemsize
         else:
             span = self._device_arena.numel()
+        if self._numpy_arenas is not None:
+            # a CPU "device": a plain memcpy on this thread (torch's copy_ would hand a large
+            # copy to its intra-op thread pool, which stalls on a loaded host)
+            device, hosts = self._numpy_arenas
+            np.copyto(device[:span], hosts[h][:span])
+            return
         self._device_arena[:span].copy_(self._host_arenas[h][:span], non_blocking=True)
         if self._copy_done is not None:
             self._copy_done[h].record()
