@@ -210,7 +210,8 @@ class Batch:  # not slotted: cached_property needs __dict__
 
     @functools.cached_property
     def past_key_value_lengths(self) -> np.ndarray:
-        """KV length of each sequence after this step (reference §2.3.7)."""
+        """Past KV length of each sequence as the reference sets it (§2.3.7): a context chunk's
+        tokens through this step, a generation sequence's before it (prompt + generated - 1)."""
         gen = self.per_sequence(self.gen_prompt_len + self.gen_max_generated - 1)
         if not self.context:
             return gen
