@@ -16,11 +16,11 @@ from bufc import __version__
 
 from . import emit, files
 from .errors import SpecError
-from .pipeline import compile_file
+from .pipeline import Compiled, compile_file
 from .report import PLOT_FORMATS, Report, ReportError, plot, report
 
 
-def _spec(path: str):  # noqa: ANN202 - returns Spec
+def _spec(path: str) -> Compiled:
     return compile_file(path, display_name=path)  # diagnostics name the path as given
 
 

@@ -9,24 +9,31 @@ is parsed with ``ast`` before it is returned.
 from __future__ import annotations
 
 import ast
+import functools
 import shlex
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 
 from . import expr as E
 from . import vocab
-from .model import Parameter, Spec
-from .plan import FamilyPlan, PlannedIndexSet, PlannedTensor, lower_family
+from .model import Impl, Parameter
+from .plan import FamilyPlan, PlannedFill, PlannedIndexSet, PlannedTensor, StepProgram
 
-FORMAT_VERSION = 1  # the runtime API the generated modules are written against
+if TYPE_CHECKING:
+    from .pipeline import Compiled
+
+FORMAT_VERSION = 2  # the runtime API the generated modules are written against
+# module-level names of a generated module that an implementation's module alias must not take
+_TAKEN = {"rt", "torch", "dataclasses", "typing", "batch", "decode", "Sequence", "StepSizes"}
 MARKER = "@" + "generated"  # split so that grep finds only outputs
 # the headers name no path, so the output does not depend on how --spec and --out were spelled;
 # `bufc check` prints the exact command
 REGENERATE = "# Regenerate with: bufc generate --spec SPEC --out FOLDER (bufc check prints the exact command)"
 
 
+@functools.lru_cache(maxsize=1)
 def _template() -> jinja2.Template:
     text = resources.files("bufc.codegen").joinpath("templates/family.py.j2").read_text("utf-8")
     env = jinja2.Environment(
@@ -96,7 +103,7 @@ def _file_label(file: str) -> str:
 def _tensor_context(pt: PlannedTensor, sizes: set[str]) -> dict[str, Any]:
     dtype = f"lambda c: c.{pt.dtype}" if pt.dtype_is_param else f"torch.{vocab.DTYPES[pt.dtype]}"
     if pt.fill_kind == "rule":
-        fill = f"fills.{pt.fill_target}"
+        fill = f"rt.Rule({pt.fill_target!r})"
     elif pt.fill_kind == "mirror":
         fill = f"rt.Mirror({pt.fill_target!r})"
     elif pt.fill_kind == "constant":
@@ -173,12 +180,220 @@ def _parameter(p: Parameter, dtype_values: dict[str, tuple[str, ...]]) -> dict[s
     }
 
 
+class _Aliases:
+    """The name each implementation module is imported as: its last component, or (taken)
+    its whole path joined with underscores."""
+
+    def __init__(self, impls: list[Impl]) -> None:
+        self.alias: dict[str, str] = {}
+        for module in dict.fromkeys(i.module for i in impls):
+            name = module.rsplit(".", 1)[-1]
+            if name in _TAKEN or name in self.alias.values():
+                name = module.replace(".", "_")
+            while name in _TAKEN or name in self.alias.values():
+                name += "_"
+            self.alias[module] = name
+
+    def __call__(self, impl: Impl) -> str:
+        return f"{self.alias[impl.module]}.{impl.name}"
+
+    def imports(self) -> list[str]:
+        lines = []
+        for module, name in sorted(self.alias.items()):
+            package, _, last = module.rpartition(".")
+            if last == name and package:
+                lines.append(f"from {package} import {last}")
+            elif last == name:
+                lines.append(f"import {module}")
+            else:
+                lines.append(f"import {module} as {name}")
+        return lines
+
+
+def _impls(program: StepProgram) -> list[Impl]:
+    out: list[Impl] = []
+    for chk in program.checks:
+        out.append(chk.impl)
+        if chk.state is not None:
+            out.append(chk.state)
+    for f in program.fills:
+        out.append(f.impl)
+        if isinstance(f.advance, Impl):
+            out.append(f.advance)
+        if f.advance_check is not None:
+            out.append(f.advance_check)
+    return out
+
+
+def _kwargs(reads: tuple[str, ...]) -> list[str]:
+    return [f"{n}=c.{n}" for n in reads]
+
+
+def _call(fn: str, args: list[str]) -> str:
+    return f"{fn}({', '.join(args)})"
+
+
+def _lines(fn: str, args: list[str], indent: int) -> list[str]:
+    """The call as one line, or with one argument a line where that would pass 100 columns."""
+    one = _call(fn, args)
+    if indent + len(one) <= 100:
+        return [one]
+    return [f"{fn}(", *(f"    {a}," for a in args), ")"]
+
+
+def _guarded(cond: E.Expr | None, fn: str, args: list[str], indent: int = 8) -> list[str]:
+    """The call, under the tensor's construct-time condition where it has one."""
+    if cond is None:
+        return _lines(fn, args, indent)
+    return [f"if {_construct(cond)}:", *(f"    {x}" for x in _lines(fn, args, indent + 4))]
+
+
+def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, Any]:
+    program = plan.program
+    assert program is not None
+    limits = [f"{k}=c.{v}" for k, v in program.limits] + [
+        f"encoder_only={program.encoder_only!r}",
+        f"fixed_drafts={program.fixed_drafts!r}",
+    ]
+    bounds = [
+        f"rt.check_size({z.name!r}, s.{z.name}, {_construct(z.bound.expr)})"
+        for z in plan.sizes
+        if z.bound is not None
+    ]
+    guards = [
+        line
+        for pt in plan.tensors
+        if pt.checked and pt.fill_kind != "mirror"
+        for line in _guarded(
+            pt.when,
+            "self.check_shape",
+            [repr(pt.name), _tuple([_step(e, sizes) for e in pt.shape])],
+        )
+    ]
+    checks = []
+    results = []
+    for chk in program.checks:
+        args = ["b", *([f"state.{chk.name}"] if chk.state else []), *_kwargs(chk.reads)]
+        if chk.result:
+            results.append(
+                {
+                    "name": chk.name,
+                    "lines": [
+                        f"# {_comment(chk.doc)}",
+                        *_value(chk.name, alias(chk.impl), args, chk.guard),
+                    ],
+                    "guarded": chk.guard is not None,
+                }
+            )
+        else:
+            checks.append(
+                {"doc": _comment(chk.doc), "lines": _guarded(chk.guard, alias(chk.impl), args)}
+            )
+    fills = []
+    for f in program.fills:
+        args = [alias(f.impl), "b", *([f"k.{f.check}"] if f.check else []), *_kwargs(f.reads)]
+        fills.append(
+            {
+                "doc": f"{f.tensor}: {_comment(f.doc)}",
+                "lines": _guarded(f.guard, f"t.{f.tensor}.fill", args),
+            }
+        )
+    advance = not program.no_advance
+    advance_checks, advance_results, advances = [], [], []
+    for f in program.fills if advance else ():
+        if f.advance_check is not None:
+            args = [
+                "d",
+                *([f"state.{f.advance_check_state}"] if f.advance_check_state else []),
+                *_kwargs(f.advance_check_reads),
+            ]
+            if f.advance_check_result:
+                advance_results.append(
+                    {
+                        "name": f.tensor,
+                        "lines": _value(f.tensor, alias(f.advance_check), args, f.guard),
+                        "guarded": f.guard is not None,
+                    }
+                )
+            else:
+                advance_checks.extend(_guarded(f.guard, alias(f.advance_check), args))
+        advances.append(
+            {"doc": f"{f.tensor}: {_comment(f.doc)}", "lines": _advance_lines(f, alias)}
+        )
+    return {
+        "limits": limits,
+        "encoder_sizes": program.encoder_sizes,
+        "bounds": bounds,
+        "guards": guards,
+        "request_checks": checks,
+        "results": results,
+        "checked_lines": _construction("Checked", "b", results),
+        "fills": fills,
+        "fill_returns": "decode.Decode | None",
+        "advance": advance,
+        "advance_checks": advance_checks,
+        "advance_results": advance_results,
+        "advancing_lines": _construction("Advancing", "d", advance_results),
+        "advances": advances,
+        "kv_lengths": program.kv_lengths,
+        "no_advance": program.no_advance,
+        "state": [
+            {"name": chk.name, "type": alias(chk.state)}
+            for chk in program.checks
+            if chk.state is not None
+        ],
+    }
+
+
+def _value(name: str, fn: str, args: list[str], guard: E.Expr | None) -> list[str]:
+    """`name=CALL,` (or `CALL if GUARD else None`) as lines of a constructor call."""
+    one = f"{name}={_call(fn, args)}"
+    if guard is not None:
+        one += f" if {_construct(guard)} else None"
+    if 12 + len(one) < 100:
+        return [one + ","]
+    head = [f"{name}={fn}(", *(f"    {a}," for a in args)]
+    return [*head, f"){' if ' + _construct(guard) + ' else None' if guard is not None else ''},"]
+
+
+def _construction(cls: str, first: str, results: list[dict[str, Any]]) -> list[str]:
+    """`return CLS(first, name=value, ...)`, one value a line when there are any."""
+    if not results:
+        return [f"return {cls}({first})"]
+    return [f"return {cls}(", f"    {first},", *(f"    {x}" for r in results for x in r["lines"]), ")"]
+
+
+def _advance_lines(f: PlannedFill, alias: _Aliases) -> list[str]:
+    if f.advance == "same":
+        return _guarded(f.guard, f"t.{f.tensor}.keep", [f"p.{f.tensor}", "d.holds_run"])
+    assert isinstance(f.advance, Impl)
+    args = [
+        alias(f.advance),
+        f"p.{f.tensor}.out",
+        "d",
+        *([f"a.{f.tensor}"] if f.advance_check is not None and f.advance_check_result else []),
+        *_kwargs(f.advance_reads),
+    ]
+    return _guarded(f.guard, f"t.{f.tensor}.fill", args)
+
+
 def render_family(plan: FamilyPlan, file: str) -> str:
     file = _file_label(file)
     sizes = {z.name for z in plan.sizes}
     flags = ", ".join(f"{k}={v!r}" for k, v in plan.flags)
     params = [_parameter(p, dict(plan.dtype_values)) for p in plan.parameters]
+    assert plan.program is not None
+    alias = _Aliases(_impls(plan.program))
     context = {
+        "imports": [
+            "import typing",
+            "from collections.abc import Sequence",
+            "",
+            "from bufc.rules import batch, decode",
+            *alias.imports(),
+            "from bufc.rules.sizes import StepSizes",
+        ],
+        **_program(plan, alias, sizes),
         "marker": MARKER,
         "file": file,
         "regenerate": REGENERATE,
@@ -213,23 +428,16 @@ def render_family(plan: FamilyPlan, file: str) -> str:
             }
             for c in plan.checks
         ],
-        "bounds": [
-            {"name": z.name, "bound": _construct(z.bound.expr)}
-            for z in plan.sizes
-            if z.bound is not None
-        ],
         "tensors": [_tensor_context(pt, sizes) for pt in plan.tensors],
         "index_sets": [_index_set(x) for x in plan.index_sets],
-        "step_sizes": repr(tuple(z.name for z in plan.sizes)),
     }
     source = _template().render(**context)
     ast.parse(source)  # defence in depth: never hand out something that is not Python
     return source
 
 
-def render_init(spec: Spec, file: str) -> str:
+def render_init(names: list[str], file: str) -> str:
     file = _file_label(file)
-    names = [f.name for f in spec.families]
     lines = [
         f"# {MARKER} by bufc.codegen from {file}. DO NOT EDIT.",
         REGENERATE,
@@ -243,11 +451,12 @@ def render_init(spec: Spec, file: str) -> str:
     return source
 
 
-def render_all(spec: Spec, file: str = "buffers.yaml") -> dict[str, str]:
-    """File name -> contents for everything under generated/."""
-    out = {"__init__.py": render_init(spec, file)}
-    for family in spec.families:
-        out[f"{family.name}.py"] = render_family(lower_family(spec, family), file)
+def render_all(compiled: Compiled, file: str = "buffers.yaml") -> dict[str, str]:
+    """File name -> contents for everything under generated/ (from the plans the compile
+    made: each family is lowered once)."""
+    out = {"__init__.py": render_init([p.family.name for p in compiled.plans], file)}
+    for plan in compiled.plans:
+        out[f"{plan.family.name}.py"] = render_family(plan, file)
     return out
 
 

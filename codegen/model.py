@@ -153,6 +153,81 @@ class Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
+class Impl:
+    """An implementation named by import path, MODULE:NAME (checked by the schema's pattern;
+    printed into generated code only as an import of identifiers)."""
+
+    module: str
+    name: str
+    loc: Location
+
+    @property
+    def text(self) -> str:
+        return f"{self.module}:{self.name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestCheck:
+    """A request check fill rules rely on: impl(batch, [state], **reads), before any write."""
+
+    name: str
+    doc: str
+    impl: Impl
+    reads: tuple[str, ...]
+    sizes: tuple[str, ...]
+    state: Impl | None
+    result: bool
+    loc: Location
+    builtin: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvanceCheck:
+    impl: Impl
+    reads: tuple[str, ...]
+    result: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One fill rule's whole contract, declared once (rules/builtin.yaml or a spec's `rules`)."""
+
+    name: str
+    doc: str
+    impl: Impl
+    dtypes: tuple[str, ...]
+    shape: tuple[Formula, ...]
+    reads: tuple[str, ...]
+    sizes: tuple[str, ...]
+    check: str | None
+    device: bool
+    advance: Impl | Literal["same"] | None
+    advance_reads: tuple[str, ...]
+    advance_check: AdvanceCheck | None
+    kv_lengths: bool
+    loc: Location
+    field_locs: tuple[tuple[str, Location], ...] = ()
+    builtin: bool = False
+
+    def field_loc(self, key: str) -> Location:
+        return dict(self.field_locs).get(key, self.loc)
+
+    @property
+    def all_reads(self) -> tuple[str, ...]:
+        """Every Config value the rule's fill and advance forms read."""
+        extra = self.advance_check.reads if self.advance_check else ()
+        return tuple(dict.fromkeys((*self.reads, *self.advance_reads, *extra)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Requests:
+    """How the batch builder reads requests: flag conditions (None: never)."""
+
+    encoder_only: Formula | None = None
+    fixed_drafts: Formula | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Spec:
     file: str
     version: int
@@ -164,14 +239,24 @@ class Spec:
     families: tuple[Family, ...]
     tensors: tuple[Tensor, ...]
     index_sets: tuple[IndexSet, ...] = ()
+    rules: tuple[Rule, ...] = ()
+    request_checks: tuple[RequestCheck, ...] = ()
+    requests: Requests = Requests()
 
     def tensor(self, name: str) -> Tensor:
         return next(t for t in self.tensors if t.name == name)
 
+    def rule(self, name: str) -> Rule | None:
+        return next((r for r in self.rules if r.name == name), None)
+
+    def request_check(self, name: str) -> RequestCheck | None:
+        return next((c for c in self.request_checks if c.name == name), None)
+
 
 class _Builder:
-    def __init__(self, doc: Document) -> None:
+    def __init__(self, doc: Document, builtin: bool = False) -> None:
         self.doc = doc
+        self.builtin = builtin
         self.errors = Collector()
 
     def formula(self, value: Any, path: Path) -> Formula:
@@ -274,6 +359,12 @@ class _Builder:
             for n, r in d.get("index_sets", {}).items()
         )
         tensors = tuple(self.tensor(r, ("tensors", i)) for i, r in enumerate(d.get("tensors", [])))
+        rules, request_checks = self.contracts()
+        req = d.get("requests", {})
+        requests = Requests(
+            self.opt_formula(req, "encoder_only", ("requests",)),
+            self.opt_formula(req, "fixed_drafts", ("requests",)),
+        )
         self.errors.raise_if_any()
         return Spec(
             self.doc.file,
@@ -286,7 +377,68 @@ class _Builder:
             families,
             tensors,
             index_sets,
+            rules,
+            request_checks,
+            requests,
         )
+
+    def impl(self, text: str, path: Path) -> Impl:
+        module, name = text.split(":")  # the schema's pattern holds exactly one ':'
+        return Impl(module, name, self.doc.loc(path))
+
+    def contracts(self) -> tuple[tuple[Rule, ...], tuple[RequestCheck, ...]]:
+        """The rules and request checks this document declares."""
+        d, kl, builtin = self.doc.data, self.doc.key_loc, self.builtin
+        checks = tuple(
+            RequestCheck(
+                n,
+                r["doc"],
+                self.impl(r["impl"], ("request_checks", n, "impl")),
+                tuple(r.get("reads", ())),
+                tuple(r.get("sizes", ())),
+                self.impl(r["state"], ("request_checks", n, "state")) if "state" in r else None,
+                bool(r.get("result", False)),
+                kl(("request_checks", n)),
+                builtin,
+            )
+            for n, r in d.get("request_checks", {}).items()
+        )
+        rules = []
+        for n, r in d.get("rules", {}).items():
+            path = ("rules", n)
+            adv = r.get("advance")
+            ac = r.get("advance_check")
+            rules.append(
+                Rule(
+                    n,
+                    r["doc"],
+                    self.impl(r["impl"], (*path, "impl")),
+                    tuple(r["dtypes"]),
+                    tuple(self.formula(x, (*path, "shape", j)) for j, x in enumerate(r["shape"])),
+                    tuple(r.get("reads", ())),
+                    tuple(r.get("sizes", ())),
+                    r.get("check"),
+                    bool(r.get("device", False)),
+                    "same"
+                    if adv == "same"
+                    else None
+                    if adv is None
+                    else self.impl(adv, (*path, "advance")),
+                    tuple(r.get("advance_reads", ())),
+                    AdvanceCheck(
+                        self.impl(ac["impl"], (*path, "advance_check", "impl")),
+                        tuple(ac.get("reads", ())),
+                        bool(ac.get("result", False)),
+                    )
+                    if ac
+                    else None,
+                    bool(r.get("kv_lengths", False)),
+                    kl(path),
+                    tuple((k, kl((*path, k))) for k in r),
+                    builtin,
+                )
+            )
+        return tuple(rules), checks
 
     def dims(self, raw: dict[str, Any], key: str, path: Path) -> tuple[Formula, ...] | None:
         if key not in raw:
@@ -334,6 +486,19 @@ class _Builder:
         )
 
 
-def build_spec(doc: Document) -> Spec:
-    """Turn a schema-valid document into the typed model (parse errors are located)."""
-    return _Builder(doc).build()
+def build_spec(doc: Document, builtin: Spec | None = None) -> Spec:
+    """Turn a schema-valid document into the typed model (parse errors are located). The
+    rules and request checks of `builtin` (bufc's own, rules/builtin.yaml) come first."""
+    spec = _Builder(doc).build()
+    if builtin is None:
+        return spec
+    return dataclasses.replace(
+        spec,
+        rules=builtin.rules + spec.rules,
+        request_checks=builtin.request_checks + spec.request_checks,
+    )
+
+
+def build_contracts(doc: Document) -> Spec:
+    """bufc's built-in rules file as a spec holding only its rules and request checks."""
+    return _Builder(doc, builtin=True).build()

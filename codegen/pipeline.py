@@ -1,24 +1,57 @@
-"""load -> schema -> model -> validate, as one call."""
+"""load -> schema -> model -> validate -> plan, as one call: the spec and every family's plan,
+each family lowered once and shared by validation, emit and report."""
 
 from __future__ import annotations
 
+import dataclasses
+from functools import lru_cache
+from importlib import resources
+
 from . import load, schema
 from .errors import SpecError
-from .model import Spec, build_spec
-from .validate import check_spec
+from .model import Spec, build_contracts, build_spec
+from .plan import FamilyPlan, lower_family
+from .validate import check_plans, check_spec
+
+BUILTIN_RULES = "rules/builtin.yaml"  # as diagnostics name it
 
 
-def compile_text(text: str, file: str = "buffers.yaml") -> Spec:
-    """Parse and check a spec; raise SpecError listing every problem."""
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """A checked spec (bufc's built-in rules and request checks first, then the spec's own)
+    and the plan of each of its families, in the spec's order."""
+
+    spec: Spec
+    plans: tuple[FamilyPlan, ...]
+
+    def plan(self, family: str) -> FamilyPlan:
+        return next(p for p in self.plans if p.family.name == family)
+
+
+@lru_cache(maxsize=1)
+def builtin_contracts() -> Spec:
+    """bufc's own rules and request checks (rules/builtin.yaml, shipped with the package)."""
+    text = resources.files("bufc.rules").joinpath("builtin.yaml").read_text("utf-8")
+    doc = load.load_text(text, BUILTIN_RULES)
+    problems = schema.check_document(doc, rules_only=True)
+    if problems:
+        raise SpecError(problems)
+    return build_contracts(doc)
+
+
+def compile_text(text: str, file: str = "buffers.yaml") -> Compiled:
+    """Parse, check and lower a spec; raise SpecError listing every problem."""
     doc = load.load_text(text, file)
     problems = schema.check_document(doc)
     if problems:
         raise SpecError(problems)
-    spec = build_spec(doc)
+    spec = build_spec(doc, builtin_contracts())
     check_spec(spec)
-    return spec
+    plans = tuple(lower_family(spec, family) for family in spec.families)
+    check_plans(spec, plans)
+    return Compiled(spec, plans)
 
 
-def compile_file(path: str, display_name: str | None = None) -> Spec:
+def compile_file(path: str, display_name: str | None = None) -> Compiled:
     file = display_name or path
     return compile_text(load.read(path, file), file)

@@ -2,19 +2,36 @@
 
 Flags are folded into every condition: tensors and bindings whose condition folds to false
 disappear, true conditions vanish, and what remains is a residual condition over construct-time
-parameters, evaluated once in the generated constructor. The plan also records which
-parameters and derived values the family actually uses, and which capacities are proven to
-hold every step shape (the rest get a run-time guard).
+parameters, evaluated once in the generated constructor. The family's own checks fold further
+(a family that requires `pp_size == 1` has `pp_rank == 0`). The plan also records which
+parameters and derived values the family actually uses, which capacities are proven to hold
+every step shape (the rest get a run-time guard), and the family's step program: its request
+limits, its request checks in order with the values they hand on, one fill per rule tensor with
+explicit arguments, the advance form of each (or the rules that rule advance() out), and the
+facts the runtime reads (the past-KV-length tensor, whether encoder sizes are computed).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from ..rules.sizes import ENCODER_SIZES
 from . import expr as E
 from . import prove, vocab
 from .errors import Location
-from .model import Check, Derived, Family, Parameter, Spec, StepSize, Tensor
+from .model import Check, Derived, Family, Impl, Parameter, Spec, StepSize, Tensor
+
+# The Config values the batch builder bounds requests by (bufc.rules.batch.limits), passed
+# where the family has them.
+LIMIT_VALUES = (
+    "max_batch_size",
+    "max_beam_width",
+    "max_draft_tokens",
+    "vocab_size",
+    "max_prompt_vocab_size",
+    "max_input_length",
+    "max_encoder_length",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +74,53 @@ class PlannedTensor:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlannedCheck:
+    """A request check of the step, run once before any write (where `guard` holds: the
+    tensors that rely on it exist)."""
+
+    name: str
+    doc: str
+    impl: Impl
+    reads: tuple[str, ...]
+    state: Impl | None
+    result: bool
+    guard: E.Expr | None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedFill:
+    """One rule tensor's fill and advance calls."""
+
+    tensor: str
+    doc: str
+    rule: str
+    impl: Impl
+    check: str | None  # the request check whose result the fill receives
+    reads: tuple[str, ...]
+    guard: E.Expr | None  # the tensor's residual condition
+    advance: Impl | str | None  # "same", an implementation, or None (no advance form)
+    advance_reads: tuple[str, ...] = ()
+    advance_check: Impl | None = None
+    advance_check_reads: tuple[str, ...] = ()
+    advance_check_state: str | None = None  # the request check whose state it receives
+    advance_check_result: bool = False  # the advance form receives what it returns
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProgram:
+    """What a family's generated step runs, decided at generate time."""
+
+    limits: tuple[tuple[str, str], ...]  # batch.limits keyword -> Config name
+    encoder_only: bool
+    fixed_drafts: bool
+    encoder_sizes: bool
+    checks: tuple[PlannedCheck, ...]
+    fills: tuple[PlannedFill, ...]
+    no_advance: tuple[str, ...]  # rules without an advance form: advance() names them
+    kv_lengths: str | None  # the host tensor of each sequence's past KV length
+
+
+@dataclasses.dataclass(frozen=True)
 class FamilyPlan:
     family: Family
     flags: tuple[tuple[str, str | bool], ...]
@@ -67,6 +131,7 @@ class FamilyPlan:
     tensors: tuple[PlannedTensor, ...]
     index_sets: tuple[PlannedIndexSet, ...] = ()
     dtype_values: tuple[tuple[str, tuple[str, ...]], ...] = ()  # each dtype parameter's choices
+    program: StepProgram | None = None
 
 
 def _conj(a: E.Expr | None, b: E.Expr | None) -> E.Expr | None:
@@ -154,8 +219,6 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
             used.update(n.id for n in E.names(e))
 
     for pt in tensors:
-        if pt.fill_kind == "rule":
-            used.update(vocab.FILL_RULES[pt.fill_target or ""].needs)
         use(pt.when)
         for e in (*pt.capacity, *pt.shape, pt.constant):
             use(e)
@@ -164,7 +227,13 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
         if pt.dtype_is_param:
             used.add(pt.dtype)
     read = {n.id for pt in tensors for e in pt.shape for n in E.names(e)}
-    sizes = tuple(z for z in spec.sizes if z.name not in vocab.ENCODER_SIZES or z.name in read)
+    for pt in tensors:  # and the step sizes its rules and their checks read
+        rule = spec.rule(pt.fill_target or "") if pt.fill_kind == "rule" else None
+        if rule is not None:
+            read.update(rule.sizes)
+            check = spec.request_check(rule.check) if rule.check else None
+            read.update(check.sizes if check else ())
+    sizes = tuple(z for z in spec.sizes if z.name not in ENCODER_SIZES or z.name in read)
     for z in sizes:
         use(z.bound.expr if z.bound else None)
     for x in index_sets:
@@ -187,6 +256,14 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
                         todo.append(n.id)
         return out
 
+    for pt in tensors:  # a rule's request check reads Config values too
+        if pt.fill_kind == "rule":
+            rule = spec.rule(pt.fill_target or "")
+            assert rule is not None  # validated
+            used.update(rule.all_reads)
+            check = spec.request_check(rule.check) if rule.check else None
+            if check is not None:
+                used.update(check.reads)
     used = close(used)
     checks = []
     for c in spec.checks:
@@ -198,11 +275,29 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
             checks.append(c)
             used |= needs
     parameters = tuple(p for p in spec.parameters if p.name in used)
+    derived = tuple(_topo(d for d in spec.derived if d.name in used))
+    # the family's own checks fold its residual conditions further (`pp_size == 1` and
+    # `pp_rank < pp_size` make `pp_rank == 0` true)
+    facts = check_facts(checks, parameters, flags)
+    tensors = [
+        dataclasses.replace(
+            pt,
+            when=_fold(pt.when, facts),
+            bindings=tuple(
+                dataclasses.replace(b, when=_fold(b.when, facts))
+                for b in pt.bindings
+                if _fold(b.when, facts) != E.FALSE
+            ),
+        )
+        for pt in tensors
+        if _fold(pt.when, facts) != E.FALSE
+    ]
+    names = {p.name for p in parameters} | {d.name for d in derived}
     return FamilyPlan(
         family=family,
         flags=tuple(flags.items()),
         parameters=parameters,
-        derived=tuple(_topo(d for d in spec.derived if d.name in used)),
+        derived=derived,
         checks=tuple(checks),
         sizes=sizes,
         tensors=tuple(tensors),
@@ -210,7 +305,112 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
         dtype_values=tuple(
             (p.name, dtype_values(spec, p)) for p in parameters if p.kind == "dtype"
         ),
+        program=_program(spec, flags, tensors, sizes, names),
     )
+
+
+def check_facts(
+    checks: list[Check], parameters: tuple[Parameter, ...], flags: dict[str, str | bool]
+) -> dict[str, int]:
+    """Parameter values a family's checks pin down: `NAME == N`, or `NAME < N` (`<= N`) where
+    N - 1 (N) is the parameter's minimum, repeated until nothing more follows."""
+    minimum = {p.name: p.minimum for p in parameters if p.kind == "int"}
+    facts: dict[str, int] = {}
+    known: dict[str, int | bool | str] = dict(flags)
+    changed = True
+    while changed:
+        changed = False
+        for c in checks:
+            e = E.fold(c.require.expr, known)
+            if not (isinstance(e, E.Compare) and isinstance(e.right, E.Int)):
+                continue
+            if not isinstance(e.left, E.Name) or e.left.id not in minimum:
+                continue
+            name, n, low = e.left.id, e.right.value, minimum[e.left.id]
+            value = (
+                n
+                if e.op == "=="
+                else low
+                if (e.op == "<" and low == n - 1) or (e.op == "<=" and low == n)
+                else None
+            )
+            if value is not None and name not in facts:
+                facts[name] = value
+                known[name] = value
+                changed = True
+    return facts
+
+
+def _program(
+    spec: Spec,
+    flags: dict[str, str | bool],
+    tensors: list[PlannedTensor],
+    sizes: tuple[StepSize, ...],
+    names: set[str],
+) -> StepProgram:
+    """The family's step: its request checks (each once, in the order the tensors first need
+    them), one fill per rule tensor, and their advance forms."""
+    fills: list[PlannedFill] = []
+    guards: dict[str, list[E.Expr | None]] = {}
+    for pt in tensors:
+        if pt.fill_kind != "rule":
+            continue
+        rule = spec.rule(pt.fill_target or "")
+        assert rule is not None  # validated
+        check = spec.request_check(rule.check) if rule.check else None
+        if check is not None:
+            guards.setdefault(check.name, []).append(pt.when)
+        advance: Impl | str | None = rule.advance
+        fills.append(
+            PlannedFill(
+                tensor=pt.name,
+                doc=pt.doc,
+                rule=rule.name,
+                impl=rule.impl,
+                check=check.name if check is not None and check.result else None,
+                reads=rule.reads,
+                guard=pt.when,
+                advance=advance,
+                advance_reads=rule.advance_reads,
+                advance_check=rule.advance_check.impl if rule.advance_check else None,
+                advance_check_reads=rule.advance_check.reads if rule.advance_check else (),
+                advance_check_state=check.name
+                if check is not None and check.state is not None and rule.advance_check
+                else None,
+                advance_check_result=bool(rule.advance_check and rule.advance_check.result),
+            )
+        )
+    checks = []
+    for name, whens in guards.items():
+        c = spec.request_check(name)
+        assert c is not None
+        guard = None if any(w is None for w in whens) else _disj(whens)
+        checks.append(PlannedCheck(c.name, c.doc, c.impl, c.reads, c.state, c.result, guard))
+    kv = [
+        pt.name
+        for pt in tensors
+        if pt.fill_kind == "rule" and getattr(spec.rule(pt.fill_target or ""), "kv_lengths", False)
+    ]
+    requests = spec.requests
+    return StepProgram(
+        limits=tuple((n, n) for n in LIMIT_VALUES if n in names),
+        encoder_only=_holds(requests.encoder_only, flags),
+        fixed_drafts=_holds(requests.fixed_drafts, flags),
+        encoder_sizes=any(z.name in ENCODER_SIZES for z in sizes),
+        checks=tuple(checks),
+        fills=tuple(fills),
+        no_advance=tuple(dict.fromkeys(f.rule for f in fills if f.advance is None)),
+        kv_lengths=kv[0] if kv else None,
+    )
+
+
+def _holds(cond: object, flags: dict[str, str | bool]) -> bool:
+    return cond is not None and E.fold(cond.expr, flags) == E.TRUE  # type: ignore[attr-defined]
+
+
+def _disj(conds: list[E.Expr | None]) -> E.Expr | None:
+    kept = list(dict.fromkeys(c for c in conds if c is not None))
+    return kept[0] if len(kept) == 1 else E.BoolOp("or", tuple(kept))
 
 
 def dtype_values(spec: Spec, param: Parameter) -> tuple[str, ...]:
@@ -221,7 +421,7 @@ def dtype_values(spec: Spec, param: Parameter) -> tuple[str, ...]:
     allowed = tuple(vocab.DTYPES)
     for t in spec.tensors:
         if t.dtype == param.name and t.fill.kind == "rule":
-            rule = vocab.FILL_RULES.get(t.fill.target or "")
+            rule = spec.rule(t.fill.target or "")
             if rule is not None:
                 allowed = tuple(d for d in allowed if d in rule.dtypes)
     return allowed

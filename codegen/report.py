@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 from . import expr as E
 from . import vocab
 from .errors import did_you_mean
-from .model import Spec
-from .plan import lower_family
+
+if TYPE_CHECKING:
+    from .pipeline import Compiled
 
 
 class ReportError(Exception):
@@ -187,16 +189,16 @@ def _evaluate(e: E.Expr, env: dict[str, int | bool | str], what: str) -> int | b
         raise ReportError(f"cannot evaluate {what}: {exc}") from None
 
 
-def report(spec: Spec, family_name: str, settings: dict[str, str]) -> Report:
+def report(compiled: Compiled, family_name: str, settings: dict[str, str]) -> Report:
     """What `family_name` allocates for `settings` (parameter name -> text, as given to
-    ``--set``), evaluated from the spec."""
-    families = {f.name: f for f in spec.families}
+    ``--set``), evaluated from the compiled spec's plan of the family."""
+    families = {p.family.name: p for p in compiled.plans}
     if family_name not in families:
         raise ReportError(
             f"unknown family '{family_name}'{did_you_mean(family_name, families)}; "
             f"families: {', '.join(families)}"
         )
-    plan = lower_family(spec, families[family_name])
+    plan = families[family_name]
     env: dict[str, int | bool | str] = {}
     dtypes: dict[str, str] = {}
     known = {p.name: p for p in plan.parameters}

@@ -89,7 +89,7 @@ def report_module(family: str, settings: dict[str, str], package: str = "bufc.ge
         shape = tuple(int(n) for n in d.capacity(config))
         name = str(dtype).removeprefix("torch.")
         nbytes = _BYTES[str(dtype)] * math.prod(shape)
-        rule = isinstance(d.fill, rt.fills.Rule)
+        rule = isinstance(d.fill, rt.Rule)
         if rule:
             fill = f"rule {d.fill.name}"
         elif isinstance(d.fill, rt.Mirror):

@@ -129,11 +129,15 @@ def _diagnostics(doc: Document, err: ValidationError) -> list[Diagnostic]:
     return [Diagnostic(loc, f"{where}: {message}")]
 
 
-def check_document(doc: Document) -> list[Diagnostic]:
-    """Every schema violation in `doc`, located."""
+def check_document(doc: Document, *, rules_only: bool = False) -> list[Diagnostic]:
+    """Every schema violation in `doc`, located. `rules_only`: a file of rules and request
+    checks alone (bufc's rules/builtin.yaml), which needs no families or tensors."""
     import jsonschema
 
-    validator = jsonschema.Draft202012Validator(schema())
+    full = schema()
+    validator = jsonschema.Draft202012Validator(
+        {**full, "required": ["version"]} if rules_only else full
+    )
     out: list[Diagnostic] = []
     for err in validator.iter_errors(doc.data):
         out.extend(_diagnostics(doc, err))

@@ -14,10 +14,11 @@ import keyword
 import re
 from collections.abc import Callable, Iterable, Sequence
 
+from ..rules.sizes import STEP_SIZES
 from . import expr as E
 from . import prove, vocab
 from .errors import Collector, Location, SpecError, did_you_mean
-from .model import Binding, Check, Formula, Parameter, Spec, Tensor
+from .model import Binding, Check, Formula, Impl, Parameter, Spec, Tensor
 from .plan import FamilyPlan, PlannedTensor, dtype_values, family_flags
 
 RESERVED = {
@@ -88,6 +89,7 @@ CAPACITY = Context("a capacity (fixed at construction)", CONSTRUCT, "int")
 SHAPE = Context("a step shape", CONSTRUCT | {"size"}, "int")
 CONSTANT = Context("a constant fill (written at construction)", CONSTRUCT, "int")
 CHECK_WHEN = Context("a check's 'when'", frozenset({"flag"}), "bool")
+REQUESTS = Context("a condition under requests", frozenset({"flag"}), "bool")
 SET_BOUND = Context("an index set's first or count", CONSTRUCT, "int")
 SET_WHERE = Context("an index set's 'where'", CONSTRUCT | {"flag", "index"}, "bool")
 
@@ -137,11 +139,11 @@ class Checker:
             self.kinds[name] = kind
         self.kinds["index"] = "index"  # the member label inside an index set's 'where'
         for z in s.sizes:
-            if z.name not in vocab.STEP_SIZES:
+            if z.name not in STEP_SIZES:
                 self.errors.error(
                     z.loc,
-                    f"unknown step size '{z.name}'{did_you_mean(z.name, vocab.STEP_SIZES)}; "
-                    f"the runtime computes: {', '.join(vocab.STEP_SIZES)}",
+                    f"unknown step size '{z.name}'{did_you_mean(z.name, STEP_SIZES)}; "
+                    f"the runtime computes: {', '.join(STEP_SIZES)}",
                 )
 
     # ----------------------------------------------------------------------- formulas
@@ -359,6 +361,8 @@ class Checker:
             self.formula(c.when, CHECK_WHEN)
         for z in s.sizes:
             self.formula(z.bound, SIZE_BOUND)
+        self.formula(s.requests.encoder_only, REQUESTS)
+        self.formula(s.requests.fixed_drafts, REQUESTS)
         self.index_sets()
         self.derived_cycles()
         self.families()
@@ -666,14 +670,81 @@ class Checker:
                 f"mirror '{t.name}' is a host-to-device copy; its memory must be device",
             )
 
+    # ------------------------------------------------------- rules and request checks
+    def contracts(self) -> None:
+        """The rules and request checks: unique names (a project's own may not reuse a
+        built-in one), importable paths, checks that exist, step sizes the runtime computes."""
+        s = self.spec
+        seen: dict[str, Location] = {}
+        for c in s.request_checks:
+            self.contract_name(c.name, c.loc, "request check", seen, c.builtin)
+            self.impl(c.impl)
+            if c.state is not None:
+                self.impl(c.state)
+            self.step_sizes(c.sizes, c.loc, f"request check '{c.name}'")
+        seen = {}
+        checks = {c.name for c in s.request_checks}
+        for r in s.rules:
+            self.contract_name(r.name, r.loc, "rule", seen, r.builtin)
+            for impl in (r.impl, r.advance, r.advance_check.impl if r.advance_check else None):
+                if isinstance(impl, Impl):
+                    self.impl(impl)
+            if r.check is not None and r.check not in checks:
+                self.errors.error(
+                    r.field_loc("check"),
+                    f"rule '{r.name}' names the request check '{r.check}', which is not "
+                    f"declared{did_you_mean(r.check, checks)}; declare it under request_checks",
+                )
+            self.step_sizes(r.sizes, r.field_loc("sizes"), f"rule '{r.name}'")
+            if r.advance is None and (r.advance_reads or r.advance_check):
+                self.errors.error(
+                    r.field_loc("advance_reads" if r.advance_reads else "advance_check"),
+                    f"rule '{r.name}' has no advance form; add 'advance' or drop this key",
+                )
+
+    def contract_name(
+        self, name: str, loc: Location, what: str, seen: dict[str, Location], builtin: bool
+    ) -> None:
+        if name in seen:
+            where = "a built-in " + what if builtin or seen[name].file != loc.file else None
+            self.errors.error(
+                loc,
+                f"{what} '{name}' is already declared ({where or 'at line ' + str(seen[name].line)}"
+                f" at {seen[name].file}:{seen[name].line}); choose another name",
+            )
+            return
+        seen[name] = loc
+
+    def impl(self, impl: Impl) -> None:
+        """An import path whose parts are identifiers Python can import (the schema checked
+        their characters; keywords are refused here)."""
+        parts = [*impl.module.split("."), impl.name]
+        bad = [p for p in parts if keyword.iskeyword(p) or keyword.issoftkeyword(p)]
+        if bad:
+            self.errors.error(
+                impl.loc,
+                f"'{impl.text}' cannot be imported: '{bad[0]}' is a Python keyword; rename the "
+                "module or function",
+            )
+
+    def step_sizes(self, names: Sequence[str], loc: Location, what: str) -> None:
+        for z in names:
+            if z not in STEP_SIZES:
+                self.errors.error(
+                    loc,
+                    f"{what} reads the step size '{z}', which the runtime does not compute"
+                    f"{did_you_mean(z, STEP_SIZES)}",
+                )
+
     def rule(self, t: Tensor) -> None:
         name = t.fill.target or ""
-        rule = vocab.FILL_RULES.get(name)
+        rule = self.spec.rule(name)
         if rule is None:
+            names = [r.name for r in self.spec.rules]
             self.errors.error(
                 t.fill.loc,
-                f"unknown fill rule '{name}'{did_you_mean(name, vocab.FILL_RULES)}; "
-                "docs/spec.md lists the rules",
+                f"unknown fill rule '{name}'{did_you_mean(name, names)}; docs/spec.md lists "
+                "the built-in rules, and a project declares its own under rules",
             )
             return
         if t.memory == "device" and not rule.device:
@@ -688,8 +759,9 @@ class Checker:
                 f"fill rule '{name}' copies request tensors on the device; '{t.name}' must be "
                 "device memory",
             )
-        for need in rule.needs:
-            if self.kinds.get(need) not in ("parameter", "derived", "names"):
+        check = self.spec.request_check(rule.check) if rule.check else None
+        for need in (*rule.all_reads, *(check.reads if check else ())):
+            if self.kinds.get(need) not in ("parameter", "derived", "names", "dtype"):
                 self.errors.error(
                     t.fill.loc,
                     f"fill rule '{name}' reads '{need}' from the Config; declare it as a "
@@ -710,12 +782,12 @@ class Checker:
                     f"'{param.name}' of '{t.name}' may be {', '.join(cannot)}; limit its 'values'",
                 )
         if t.shape is not None:
-            want = tuple(E.parse(s) for s in rule.shape)
+            want = tuple(f.expr for f in rule.shape)
             got = tuple(f.expr for f in t.shape)
             if len(want) != len(got) or not all(E.equal(a, b) for a, b in zip(want, got)):
                 self.errors.error(
                     t.field_loc("shape"),
-                    f"fill rule '{name}' writes shape [{', '.join(rule.shape)}], "
+                    f"fill rule '{name}' writes shape [{', '.join(f.shown for f in rule.shape)}], "
                     f"but '{t.name}' declares [{', '.join(f.shown for f in t.shape)}]",
                 )
 
@@ -1012,20 +1084,24 @@ def _divides_by_zero(e: E.Expr) -> bool:
 
 
 def check_spec(spec: Spec) -> None:
-    """Raise SpecError with every semantic problem in `spec`."""
-    from .plan import lower_family  # local import: plan depends on a checked spec
-
+    """Raise SpecError with every semantic problem of `spec` itself (before lowering)."""
     c = Checker(spec)
     c.symbols()
+    c.contracts()
     c.errors.raise_if_any()
     c.declarations()
     c.tensors()
     c.errors.raise_if_any()
-    plans = [lower_family(spec, fam) for fam in spec.families]
-    c.engine_names(plans)
-    c.ranges(plans)
-    c.conditions(plans)
+
+
+def check_plans(spec: Spec, plans: Sequence[FamilyPlan]) -> None:
+    """Raise SpecError with every problem only the lowered families show (engine-name owners,
+    value ranges, conditions that never hold)."""
+    c = Checker(spec)
+    c.engine_names(list(plans))
+    c.ranges(list(plans))
+    c.conditions(list(plans))
     c.errors.raise_if_any()
 
 
-__all__ = ["Checker", "SpecError", "check_spec"]
+__all__ = ["Checker", "SpecError", "check_plans", "check_spec"]

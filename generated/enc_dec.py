@@ -4,9 +4,12 @@
 
 Flags: model_variant='gpt', engine='decoder', transformer=True, paged_kv_cache=True, rnn=False, pipeline_parallel=False, cross_attention=True, lora=False, prompt_tuning=False, mrope=False, language_adapter=False, spec_decoding='none'.
 
-This module is data: each tensor's dtype, memory, shapes, fill and engine bindings, with
-construct-time formulas as small lambdas over the Config `c` and the step sizes `s`. All
-behaviour lives in bufc.runtime.
+TENSORS declares each tensor (dtype, memory, shapes as small lambdas over the Config `c` and
+the step sizes `s`, fill, engine bindings); bufc.runtime allocates them, stages and copies
+them and hands out the views. RuntimeBuffers holds the family's step program, decided by the
+generator: `_check` runs every check of a step in order, `_fill` writes every rule tensor,
+`_advance_check` and `_advance` write the next decode step. Each line calls a plain function
+of bufc.rules (or of the spec's own rules) with explicit arguments.
 """
 
 from __future__ import annotations
@@ -14,11 +17,18 @@ from __future__ import annotations
 import dataclasses
 
 from bufc import runtime as rt  # first: without torch it says how to install it
-from bufc.runtime import fills
+import typing
+from collections.abc import Sequence
+
+from bufc.rules import batch, decode
+from bufc.rules import core
+from bufc.rules import features
+from bufc.rules import kv_rows
+from bufc.rules.sizes import StepSizes
 
 import torch
 
-rt.check_format_version(1)
+rt.check_format_version(2)
 
 FAMILY = 'enc_dec'
 FLAGS = {'model_variant': 'gpt', 'engine': 'decoder', 'transformer': True, 'paged_kv_cache': True, 'rnn': False, 'pipeline_parallel': False, 'cross_attention': True, 'lora': False, 'prompt_tuning': False, 'mrope': False, 'language_adapter': False, 'spec_decoding': 'none'}
@@ -129,21 +139,6 @@ class Config(rt.ConfigBase):
         )
 
 
-# Step sizes checked against these bounds before any buffer is written.
-SIZE_BOUNDS = (
-    rt.SizeBound('num_context_requests', lambda c: c.max_batch_size),
-    rt.SizeBound('num_context_tokens', lambda c: c.max_num_tokens),
-    rt.SizeBound('num_generation_requests', lambda c: c.max_batch_size),
-    rt.SizeBound('num_generation_sequences', lambda c: c.max_num_sequences),
-    rt.SizeBound('num_generation_tokens', lambda c: c.max_num_tokens),
-    rt.SizeBound('num_logits', lambda c: c.max_num_logits),
-    rt.SizeBound('num_sequences', lambda c: c.max_num_sequences),
-    rt.SizeBound('num_tokens', lambda c: c.max_num_tokens),
-    rt.SizeBound('num_requests', lambda c: c.max_batch_size),
-    rt.SizeBound('num_encoder_tokens', lambda c: c.max_batch_size * c.max_encoder_length),
-    rt.SizeBound('max_encoder_input_length', lambda c: c.max_input_length),
-)
-
 TENSORS = (
     # Token ids of the packed batch, staged on the host.
     rt.TensorDecl(
@@ -152,9 +147,8 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_tokens,),
         shape=lambda c, s: (s.num_tokens,),
-        fill=fills.token_ids,
+        fill=rt.Rule('token_ids'),
         pad=0,
-        when=lambda c: c.pp_rank == 0,
     ),
     # Token ids of the packed batch; context chunks first, then each generation beam.
     rt.TensorDecl(
@@ -165,7 +159,6 @@ TENSORS = (
         shape=lambda c, s: (s.num_tokens,),
         fill=rt.Mirror('host_input_ids'),
         pad=0,
-        when=lambda c: c.pp_rank == 0,
         inputs=(rt.Bind('input_ids'),),
     ),
     # Position of every input token (one per generation beam), staged on the host.
@@ -175,7 +168,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_tokens,),
         shape=lambda c, s: (s.num_context_tokens + s.num_generation_sequences,),
-        fill=fills.position_ids,
+        fill=rt.Rule('position_ids'),
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
@@ -198,7 +191,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=fills.context_lengths,
+        fill=rt.Rule('context_lengths'),
         pad=0,
         inputs=(rt.Bind('host_context_lengths'),),
     ),
@@ -220,7 +213,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=fills.sequence_lengths,
+        fill=rt.Rule('sequence_lengths'),
         pad=0,
     ),
     # Tokens of each sequence once this step's inputs are appended.
@@ -241,7 +234,7 @@ TENSORS = (
         memory=rt.HOST,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=fills.request_types,
+        fill=rt.Rule('request_types'),
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
@@ -252,7 +245,7 @@ TENSORS = (
         memory=rt.HOST,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=fills.past_key_value_lengths,
+        fill=rt.Rule('past_key_value_lengths'),
         pad=0,
         inputs=(rt.Bind('host_past_key_value_lengths'),),
     ),
@@ -263,7 +256,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_logits,),
         shape=lambda c, s: (s.num_logits,),
-        fill=fills.last_token_ids,
+        fill=rt.Rule('last_token_ids'),
         pad=0,
     ),
     # Device copy of host_last_token_ids; the engine gathers logits at these tokens.
@@ -285,7 +278,7 @@ TENSORS = (
         capacity=lambda c: (c.max_num_logits, c.vocab_size_padded),
         shape=lambda c, s: (s.num_logits, c.vocab_size_padded),
         fill=rt.ENGINE,
-        when=lambda c: c.pp_rank == c.pp_size - 1 and not c.gather_context_logits and not c.gather_generation_logits,
+        when=lambda c: not c.gather_context_logits and not c.gather_generation_logits,
         outputs=(rt.Bind('logits'),),
     ),
     # Logits of every token of the step (gather_context_logits), last pipeline rank.
@@ -296,7 +289,7 @@ TENSORS = (
         capacity=lambda c: (c.max_num_tokens, c.vocab_size_padded),
         shape=lambda c, s: (s.num_tokens, c.vocab_size_padded),
         fill=rt.ENGINE,
-        when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_context_logits,
+        when=lambda c: c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
     ),
     # Ring of 8 step buffers of generation logits (gather_generation_logits), one bound per step.
@@ -307,7 +300,7 @@ TENSORS = (
         capacity=lambda c: (8, c.max_num_sequences, c.vocab_size_padded),
         shape=lambda c, s: (8, c.max_num_sequences, c.vocab_size_padded),
         fill=rt.ENGINE,
-        when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits and not c.gather_context_logits,
+        when=lambda c: c.gather_generation_logits and not c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
         ring=8,
     ),
@@ -319,7 +312,7 @@ TENSORS = (
         capacity=lambda c: (c.max_beam_width, 8, c.vocab_size_padded),
         shape=lambda c, s: (c.max_beam_width, 8, c.vocab_size_padded),
         fill=rt.EXTERNAL,
-        when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
+        when=lambda c: c.gather_generation_logits,
     ),
     # Device pointers of the logits fragments to merge.
     rt.TensorDecl(
@@ -329,7 +322,7 @@ TENSORS = (
         capacity=lambda c: (8,),
         shape=lambda c, s: (8,),
         fill=rt.EXTERNAL,
-        when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
+        when=lambda c: c.gather_generation_logits,
     ),
     # Host pointer lists of the logits fragments, one row per merge.
     rt.TensorDecl(
@@ -339,7 +332,7 @@ TENSORS = (
         capacity=lambda c: (c.max_batch_size, 8),
         shape=lambda c, s: (c.max_batch_size, 8),
         fill=rt.EXTERNAL,
-        when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
+        when=lambda c: c.gather_generation_logits,
     ),
     # KV-cache block index of every block of each sequence, K row then V row.
     rt.TensorDecl(
@@ -348,7 +341,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (1, c.max_num_sequences, 2, c.max_blocks_per_seq),
         shape=lambda c, s: (1, s.num_sequences, 2, c.max_blocks_per_seq),
-        fill=fills.kv_cache_block_offsets,
+        fill=rt.Rule('kv_cache_block_offsets'),
         pad=0,
         inputs=(rt.Bind('host_kv_cache_block_offsets'),),
     ),
@@ -400,7 +393,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (3, c.max_batch_size),
         shape=lambda c, s: (3, s.num_generation_requests),
-        fill=fills.cache_indirection_copies,
+        fill=rt.Rule('cache_indirection_copies'),
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
@@ -422,7 +415,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (3, c.max_batch_size),
         shape=lambda c, s: (3, s.num_requests),
-        fill=fills.cache_indirection_decoder_copies,
+        fill=rt.Rule('cache_indirection_decoder_copies'),
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
@@ -444,7 +437,7 @@ TENSORS = (
         memory=rt.HOST,
         capacity=lambda c: (c.max_batch_size,),
         shape=lambda c, s: (s.num_generation_requests,),
-        fill=fills.generation_beam_widths,
+        fill=rt.Rule('generation_beam_widths'),
         pad=0,
         when=lambda c: c.max_beam_width > 1,
         inputs=(rt.Bind('host_beam_widths'),),
@@ -509,7 +502,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_batch_size,),
         shape=lambda c, s: (s.num_requests,),
-        fill=fills.seq_slots,
+        fill=rt.Rule('seq_slots'),
         pad=0,
     ),
     # Device copy of host_seq_slots, for decoder-side gathers.
@@ -529,7 +522,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=fills.encoder_output_lengths,
+        fill=rt.Rule('encoder_output_lengths'),
         pad=0,
     ),
     # Encoder output length of each sequence's request.
@@ -561,7 +554,7 @@ TENSORS = (
         memory=rt.DEVICE,
         capacity=lambda c: (c.max_batch_size * c.max_encoder_length, c.encoder_hidden_size),
         shape=lambda c, s: (s.num_encoder_tokens, c.encoder_hidden_size),
-        fill=fills.encoder_output,
+        fill=rt.Rule('encoder_output'),
         inputs=(rt.Bind('encoder_output'),),
     ),
     # Bound for the engine's interface; the engine does not read it yet (always false).
@@ -581,7 +574,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (1, c.max_num_sequences, 2, c.max_cross_blocks_per_seq),
         shape=lambda c, s: (1, s.num_sequences, 2, c.max_cross_blocks_per_seq),
-        fill=fills.cross_kv_cache_block_offsets,
+        fill=rt.Rule('cross_kv_cache_block_offsets'),
         pad=0,
         inputs=(rt.Bind('host_cross_kv_cache_block_offsets'),),
     ),
@@ -623,7 +616,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_tokens, c.max_encoder_length),
         shape=lambda c, s: (s.num_tokens, s.max_encoder_input_length),
-        fill=fills.cross_attention_mask,
+        fill=rt.Rule('cross_attention_mask'),
         pad=1,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
@@ -657,17 +650,162 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (1,),
         shape=lambda c, s: (1,),
-        fill=fills.skip_cross_attn_blocks,
+        fill=rt.Rule('skip_cross_attn_blocks'),
         inputs=(rt.Bind('skip_cross_attn_blocks'),),
     ),
 )
+
+
+@dataclasses.dataclass
+class State:
+    """What the enc_dec family's checks keep between steps (written only once every check
+    of a step passed; rebuilt from the requests after a step that failed)."""
+
+    batch: batch.Memo = dataclasses.field(default_factory=batch.Memo)
+    kv_blocks: kv_rows.KeptRows = dataclasses.field(default_factory=kv_rows.KeptRows)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """What the checks of one step hand on to its fills."""
+
+    batch: batch.Batch
+    kv_blocks: typing.Any
+    cross_kv_blocks: typing.Any
 
 
 class RuntimeBuffers(rt.RuntimeBuffers):
     """The enc_dec family's buffers: allocated at capacity once, filled every step."""
 
     config_type = Config
-    flags = FLAGS
-    size_bounds = SIZE_BOUNDS
+    sizes_type = StepSizes
+    state_type = State
     tensor_decls = TENSORS
-    step_sizes = ('num_context_requests', 'num_context_tokens', 'num_generation_requests', 'num_generation_sequences', 'num_generation_tokens', 'num_logits', 'num_sequences', 'num_tokens', 'num_requests', 'max_context_length', 'num_encoder_tokens', 'max_encoder_input_length')
+    kv_lengths = 'host_past_key_value_lengths'  # each sequence's past KV length (CUDA-graph key)
+    no_advance = ('encoder_output_lengths', 'encoder_output', 'cross_kv_cache_block_offsets', 'cross_attention_mask', 'skip_cross_attn_blocks')  # rules without an advance form
+
+    def _limits(self) -> batch.Limits:
+        """What every request is checked against (decided once, at construction)."""
+        c = self.config
+        return batch.limits(
+            max_batch_size=c.max_batch_size,
+            max_beam_width=c.max_beam_width,
+            max_draft_tokens=c.max_draft_tokens,
+            vocab_size=c.vocab_size,
+            max_input_length=c.max_input_length,
+            max_encoder_length=c.max_encoder_length,
+            encoder_only=False,
+            fixed_drafts=False,
+        )
+
+    def _check(self, context: Sequence[typing.Any], generation: Sequence[typing.Any]) -> Checked:
+        """Every check of a enc_dec step, in order: a bad batch raises BatchError before a
+        byte is written."""
+        c, state = self.config, self.state
+        b = batch.build(context, generation, self.limits, memo=state.batch, encoder=True)
+        s = b.sizes
+        # the step sizes within their capacities
+        rt.check_size('num_context_requests', s.num_context_requests, c.max_batch_size)
+        rt.check_size('num_context_tokens', s.num_context_tokens, c.max_num_tokens)
+        rt.check_size('num_generation_requests', s.num_generation_requests, c.max_batch_size)
+        rt.check_size('num_generation_sequences', s.num_generation_sequences, c.max_num_sequences)
+        rt.check_size('num_generation_tokens', s.num_generation_tokens, c.max_num_tokens)
+        rt.check_size('num_logits', s.num_logits, c.max_num_logits)
+        rt.check_size('num_sequences', s.num_sequences, c.max_num_sequences)
+        rt.check_size('num_tokens', s.num_tokens, c.max_num_tokens)
+        rt.check_size('num_requests', s.num_requests, c.max_batch_size)
+        rt.check_size('num_encoder_tokens', s.num_encoder_tokens, c.max_batch_size * c.max_encoder_length)
+        rt.check_size('max_encoder_input_length', s.max_encoder_input_length, c.max_input_length)
+        # the step shapes the generator could not prove within their capacities
+        self.check_shape('host_position_ids', (s.num_context_tokens + s.num_generation_sequences,))
+        self.check_shape('encoder_max_input_length', (s.max_encoder_input_length,))
+        self.check_shape('host_cross_attention_mask', (s.num_tokens, s.max_encoder_input_length))
+        self.check_shape('cross_attention_packed_mask', (s.num_tokens, c.packed_mask_words))
+        # Every context request carries its encoder_output, [encoder_output_length, encoder_hidden_size].
+        features.check_encoder_outputs(b, encoder_hidden_size=c.encoder_hidden_size)
+        # Each cross_attention_mask holds booleans, [rows >= 1, at most the longest encoder input].
+        features.check_cross_attention_masks(b)
+        return Checked(
+            b,
+            # Every sequence's kv_block_ids cover its tokens after the step, within max_blocks_per_seq, with ids in the pool.
+            kv_blocks=core.check_kv_blocks(
+                b,
+                state.kv_blocks,
+                max_blocks_per_seq=c.max_blocks_per_seq,
+                tokens_per_block=c.tokens_per_block,
+                num_local_layers=c.num_local_layers,
+                num_kv_blocks=c.num_kv_blocks,
+            ),
+            # Every sequence's cross_kv_block_ids cover its request's encoder output, with ids in the pool.
+            cross_kv_blocks=features.check_cross_kv_blocks(
+                b,
+                max_cross_blocks_per_seq=c.max_cross_blocks_per_seq,
+                tokens_per_block=c.tokens_per_block,
+                num_local_layers=c.num_local_layers,
+                num_kv_blocks=c.num_kv_blocks,
+            ),
+        )
+
+    def _fill(self, t: rt.Targets, k: Checked) -> decode.Decode | None:
+        """Write every rule tensor of the step (every check has passed)."""
+        c, b = self.config, k.batch
+        # host_input_ids: Token ids of the packed batch, staged on the host.
+        t.host_input_ids.fill(core.token_ids, b)
+        # host_position_ids: Position of every input token (one per generation beam), staged on the host.
+        t.host_position_ids.fill(core.position_ids, b)
+        # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+        t.host_context_lengths.fill(core.context_lengths, b)
+        # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended, staged on the host.
+        t.host_sequence_lengths.fill(core.sequence_lengths, b)
+        # host_request_types: Kind of each sequence, 0 for context and 1 for generation.
+        t.host_request_types.fill(core.request_types, b)
+        # host_past_key_value_lengths: KV length per sequence as the reference sets it, a context chunk's tokens through this step, a generation sequence's before it (prompt + generated - 1, no drafts).
+        t.host_past_key_value_lengths.fill(core.past_key_value_lengths, b)
+        # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit row.
+        t.host_last_token_ids.fill(core.last_token_ids, b)
+        # host_kv_cache_block_offsets: KV-cache block index of every block of each sequence, K row then V row.
+        t.host_kv_cache_block_offsets.fill(
+            core.kv_cache_block_offsets,
+            b,
+            k.kv_blocks,
+            max_blocks_per_seq=c.max_blocks_per_seq,
+            num_local_layers=c.num_local_layers,
+        )
+        # host_cache_indirection_copies: Source, destination and size of the copy of each generation request's cache indirection.
+        if c.max_beam_width > 1:
+            t.host_cache_indirection_copies.fill(
+                features.cache_indirection_copies,
+                b,
+                max_beam_width=c.max_beam_width,
+                max_attention_window=c.max_attention_window,
+            )
+        # host_cache_indirection_decoder_copies: Source, destination and size of each request's decoder output-to-input indirection copy.
+        if c.max_beam_width > 1:
+            t.host_cache_indirection_decoder_copies.fill(
+                features.cache_indirection_decoder_copies,
+                b,
+                max_beam_width=c.max_beam_width,
+                max_attention_window=c.max_attention_window,
+            )
+        # host_generation_beam_widths: Beam width of each generation request (its sequences are consecutive rows).
+        if c.max_beam_width > 1:
+            t.host_generation_beam_widths.fill(core.generation_beam_widths, b)
+        # host_seq_slots: Decoder slot of each request, context requests first.
+        t.host_seq_slots.fill(core.seq_slots, b)
+        # host_encoder_input_lengths: Encoder output length of each sequence's request, staged on the host.
+        t.host_encoder_input_lengths.fill(features.encoder_output_lengths, b)
+        # encoder_output: Encoder outputs of this step's context requests, concatenated.
+        t.encoder_output.fill(features.encoder_output, b, encoder_hidden_size=c.encoder_hidden_size)
+        # host_cross_kv_cache_block_offsets: Cross-attention KV-cache block index of every block of each sequence, K then V.
+        t.host_cross_kv_cache_block_offsets.fill(
+            features.cross_kv_cache_block_offsets,
+            b,
+            k.cross_kv_blocks,
+            max_cross_blocks_per_seq=c.max_cross_blocks_per_seq,
+            num_local_layers=c.num_local_layers,
+        )
+        # host_cross_attention_mask: Which encoder positions each token attends to, staged on the host.
+        t.host_cross_attention_mask.fill(features.cross_attention_mask, b)
+        # host_skip_cross_attn_blocks: Whether every scheduled request skips the cross-attention blocks.
+        t.host_skip_cross_attn_blocks.fill(features.skip_cross_attn_blocks, b)
+        return None

@@ -4,9 +4,12 @@
 
 Flags: model_variant='gpt', engine='encoder', transformer=True, paged_kv_cache=False, rnn=False, pipeline_parallel=False, cross_attention=False, lora=False, prompt_tuning=False, mrope=False, language_adapter=False, spec_decoding='none'.
 
-This module is data: each tensor's dtype, memory, shapes, fill and engine bindings, with
-construct-time formulas as small lambdas over the Config `c` and the step sizes `s`. All
-behaviour lives in bufc.runtime.
+TENSORS declares each tensor (dtype, memory, shapes as small lambdas over the Config `c` and
+the step sizes `s`, fill, engine bindings); bufc.runtime allocates them, stages and copies
+them and hands out the views. RuntimeBuffers holds the family's step program, decided by the
+generator: `_check` runs every check of a step in order, `_fill` writes every rule tensor,
+`_advance_check` and `_advance` write the next decode step. Each line calls a plain function
+of bufc.rules (or of the spec's own rules) with explicit arguments.
 """
 
 from __future__ import annotations
@@ -14,11 +17,16 @@ from __future__ import annotations
 import dataclasses
 
 from bufc import runtime as rt  # first: without torch it says how to install it
-from bufc.runtime import fills
+import typing
+from collections.abc import Sequence
+
+from bufc.rules import batch, decode
+from bufc.rules import features
+from bufc.rules.sizes import StepSizes
 
 import torch
 
-rt.check_format_version(1)
+rt.check_format_version(2)
 
 FAMILY = 'encoder'
 FLAGS = {'model_variant': 'gpt', 'engine': 'encoder', 'transformer': True, 'paged_kv_cache': False, 'rnn': False, 'pipeline_parallel': False, 'cross_attention': False, 'lora': False, 'prompt_tuning': False, 'mrope': False, 'language_adapter': False, 'spec_decoding': 'none'}
@@ -67,22 +75,6 @@ class Config(rt.ConfigBase):
         object.__setattr__(self, 'max_num_logits', self.max_batch_size * max(1 + self.max_draft_tokens, self.max_beam_width))
 
 
-# Step sizes checked against these bounds before any buffer is written.
-SIZE_BOUNDS = (
-    rt.SizeBound('num_context_requests', lambda c: c.max_batch_size),
-    rt.SizeBound('num_context_tokens', lambda c: c.max_num_tokens),
-    rt.SizeBound('num_generation_requests', lambda c: c.max_batch_size),
-    rt.SizeBound('num_generation_sequences', lambda c: c.max_num_sequences),
-    rt.SizeBound('num_generation_tokens', lambda c: c.max_num_tokens),
-    rt.SizeBound('num_logits', lambda c: c.max_num_logits),
-    rt.SizeBound('num_sequences', lambda c: c.max_num_sequences),
-    rt.SizeBound('num_tokens', lambda c: c.max_num_tokens),
-    rt.SizeBound('num_requests', lambda c: c.max_batch_size),
-    rt.SizeBound('num_encoder_tokens', lambda c: c.max_batch_size * c.max_encoder_length),
-    rt.SizeBound('num_encoder_input_tokens', lambda c: c.max_batch_size * c.max_input_length),
-    rt.SizeBound('max_encoder_input_length', lambda c: c.max_input_length),
-)
-
 TENSORS = (
     # Static: buffer and flag addresses of the custom all-reduce (tensor parallelism).
     rt.TensorDecl(
@@ -102,7 +94,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_batch_size * c.max_input_length,),
         shape=lambda c, s: (s.num_encoder_input_tokens,),
-        fill=fills.encoder_input_ids,
+        fill=rt.Rule('encoder_input_ids'),
         pad=0,
     ),
     # Encoder input tokens.
@@ -123,7 +115,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_batch_size * c.max_input_length,),
         shape=lambda c, s: (s.num_encoder_input_tokens,),
-        fill=fills.encoder_position_ids,
+        fill=rt.Rule('encoder_position_ids'),
         pad=0,
     ),
     # Positions of the encoder input tokens.
@@ -144,7 +136,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_batch_size,),
         shape=lambda c, s: (s.num_requests,),
-        fill=fills.encoder_input_lengths,
+        fill=rt.Rule('encoder_input_lengths'),
         pad=0,
     ),
     # Encoder input length of each request.
@@ -182,11 +174,76 @@ TENSORS = (
 )
 
 
+@dataclasses.dataclass
+class State:
+    """What the encoder family's checks keep between steps (written only once every check
+    of a step passed; rebuilt from the requests after a step that failed)."""
+
+    batch: batch.Memo = dataclasses.field(default_factory=batch.Memo)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """What the checks of one step hand on to its fills."""
+
+    batch: batch.Batch
+
+
 class RuntimeBuffers(rt.RuntimeBuffers):
     """The encoder family's buffers: allocated at capacity once, filled every step."""
 
     config_type = Config
-    flags = FLAGS
-    size_bounds = SIZE_BOUNDS
+    sizes_type = StepSizes
+    state_type = State
     tensor_decls = TENSORS
-    step_sizes = ('num_context_requests', 'num_context_tokens', 'num_generation_requests', 'num_generation_sequences', 'num_generation_tokens', 'num_logits', 'num_sequences', 'num_tokens', 'num_requests', 'max_context_length', 'num_encoder_tokens', 'num_encoder_input_tokens', 'max_encoder_input_length')
+    kv_lengths = None  # each sequence's past KV length (CUDA-graph key)
+    no_advance = ('encoder_input_ids', 'encoder_position_ids', 'encoder_input_lengths')  # rules without an advance form
+
+    def _limits(self) -> batch.Limits:
+        """What every request is checked against (decided once, at construction)."""
+        c = self.config
+        return batch.limits(
+            max_batch_size=c.max_batch_size,
+            max_beam_width=c.max_beam_width,
+            max_draft_tokens=c.max_draft_tokens,
+            max_input_length=c.max_input_length,
+            max_encoder_length=c.max_encoder_length,
+            encoder_only=True,
+            fixed_drafts=False,
+        )
+
+    def _check(self, context: Sequence[typing.Any], generation: Sequence[typing.Any]) -> Checked:
+        """Every check of a encoder step, in order: a bad batch raises BatchError before a
+        byte is written."""
+        c, state = self.config, self.state
+        b = batch.build(context, generation, self.limits, memo=state.batch, encoder=True)
+        s = b.sizes
+        # the step sizes within their capacities
+        rt.check_size('num_context_requests', s.num_context_requests, c.max_batch_size)
+        rt.check_size('num_context_tokens', s.num_context_tokens, c.max_num_tokens)
+        rt.check_size('num_generation_requests', s.num_generation_requests, c.max_batch_size)
+        rt.check_size('num_generation_sequences', s.num_generation_sequences, c.max_num_sequences)
+        rt.check_size('num_generation_tokens', s.num_generation_tokens, c.max_num_tokens)
+        rt.check_size('num_logits', s.num_logits, c.max_num_logits)
+        rt.check_size('num_sequences', s.num_sequences, c.max_num_sequences)
+        rt.check_size('num_tokens', s.num_tokens, c.max_num_tokens)
+        rt.check_size('num_requests', s.num_requests, c.max_batch_size)
+        rt.check_size('num_encoder_tokens', s.num_encoder_tokens, c.max_batch_size * c.max_encoder_length)
+        rt.check_size('num_encoder_input_tokens', s.num_encoder_input_tokens, c.max_batch_size * c.max_input_length)
+        rt.check_size('max_encoder_input_length', s.max_encoder_input_length, c.max_input_length)
+        # the step shapes the generator could not prove within their capacities
+        self.check_shape('encoder_engine_output', (s.num_encoder_tokens, c.encoder_hidden_size))
+        # The encoder engine runs context requests only, each with its encoder_input_ids.
+        features.check_encoder_inputs(b)
+        return Checked(b)
+
+    def _fill(self, t: rt.Targets, k: Checked) -> decode.Decode | None:
+        """Write every rule tensor of the step (every check has passed)."""
+        c, b = self.config, k.batch
+        # host_encoder_input_ids: Encoder input tokens of each request, concatenated, staged on the host.
+        t.host_encoder_input_ids.fill(features.encoder_input_ids, b)
+        # host_encoder_position_ids: Position of every encoder input token (0 .. length - 1 per request), staged on the host.
+        t.host_encoder_position_ids.fill(features.encoder_position_ids, b)
+        # host_encoder_request_input_lengths: Encoder input length of each request, staged on the host.
+        t.host_encoder_request_input_lengths.fill(features.encoder_input_lengths, b)
+        return None

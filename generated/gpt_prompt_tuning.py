@@ -4,9 +4,12 @@
 
 Flags: model_variant='gpt', engine='decoder', transformer=True, paged_kv_cache=True, rnn=False, pipeline_parallel=False, cross_attention=False, lora=False, prompt_tuning=True, mrope=False, language_adapter=False, spec_decoding='none'.
 
-This module is data: each tensor's dtype, memory, shapes, fill and engine bindings, with
-construct-time formulas as small lambdas over the Config `c` and the step sizes `s`. All
-behaviour lives in bufc.runtime.
+TENSORS declares each tensor (dtype, memory, shapes as small lambdas over the Config `c` and
+the step sizes `s`, fill, engine bindings); bufc.runtime allocates them, stages and copies
+them and hands out the views. RuntimeBuffers holds the family's step program, decided by the
+generator: `_check` runs every check of a step in order, `_fill` writes every rule tensor,
+`_advance_check` and `_advance` write the next decode step. Each line calls a plain function
+of bufc.rules (or of the spec's own rules) with explicit arguments.
 """
 
 from __future__ import annotations
@@ -14,11 +17,18 @@ from __future__ import annotations
 import dataclasses
 
 from bufc import runtime as rt  # first: without torch it says how to install it
-from bufc.runtime import fills
+import typing
+from collections.abc import Sequence
+
+from bufc.rules import batch, decode
+from bufc.rules import core
+from bufc.rules import features
+from bufc.rules import kv_rows
+from bufc.rules.sizes import StepSizes
 
 import torch
 
-rt.check_format_version(1)
+rt.check_format_version(2)
 
 FAMILY = 'gpt_prompt_tuning'
 FLAGS = {'model_variant': 'gpt', 'engine': 'decoder', 'transformer': True, 'paged_kv_cache': True, 'rnn': False, 'pipeline_parallel': False, 'cross_attention': False, 'lora': False, 'prompt_tuning': True, 'mrope': False, 'language_adapter': False, 'spec_decoding': 'none'}
@@ -121,19 +131,6 @@ class Config(rt.ConfigBase):
         )
 
 
-# Step sizes checked against these bounds before any buffer is written.
-SIZE_BOUNDS = (
-    rt.SizeBound('num_context_requests', lambda c: c.max_batch_size),
-    rt.SizeBound('num_context_tokens', lambda c: c.max_num_tokens),
-    rt.SizeBound('num_generation_requests', lambda c: c.max_batch_size),
-    rt.SizeBound('num_generation_sequences', lambda c: c.max_num_sequences),
-    rt.SizeBound('num_generation_tokens', lambda c: c.max_num_tokens),
-    rt.SizeBound('num_logits', lambda c: c.max_num_logits),
-    rt.SizeBound('num_sequences', lambda c: c.max_num_sequences),
-    rt.SizeBound('num_tokens', lambda c: c.max_num_tokens),
-    rt.SizeBound('num_requests', lambda c: c.max_batch_size),
-)
-
 TENSORS = (
     # Token ids of the packed batch, staged on the host.
     rt.TensorDecl(
@@ -142,9 +139,8 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_tokens,),
         shape=lambda c, s: (s.num_tokens,),
-        fill=fills.token_ids,
+        fill=rt.Rule('token_ids'),
         pad=0,
-        when=lambda c: c.pp_rank == 0,
     ),
     # Token ids of the packed batch; context chunks first, then each generation beam.
     rt.TensorDecl(
@@ -155,7 +151,6 @@ TENSORS = (
         shape=lambda c, s: (s.num_tokens,),
         fill=rt.Mirror('host_input_ids'),
         pad=0,
-        when=lambda c: c.pp_rank == 0,
         inputs=(rt.Bind('input_ids'),),
     ),
     # Position of every input token (one per generation beam), staged on the host.
@@ -165,7 +160,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_tokens,),
         shape=lambda c, s: (s.num_context_tokens + s.num_generation_sequences,),
-        fill=fills.position_ids,
+        fill=rt.Rule('position_ids'),
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
@@ -188,7 +183,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=fills.context_lengths,
+        fill=rt.Rule('context_lengths'),
         pad=0,
         inputs=(rt.Bind('host_context_lengths'),),
     ),
@@ -210,7 +205,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=fills.sequence_lengths,
+        fill=rt.Rule('sequence_lengths'),
         pad=0,
     ),
     # Tokens of each sequence once this step's inputs are appended.
@@ -231,7 +226,7 @@ TENSORS = (
         memory=rt.HOST,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=fills.request_types,
+        fill=rt.Rule('request_types'),
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
@@ -242,7 +237,7 @@ TENSORS = (
         memory=rt.HOST,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=fills.past_key_value_lengths,
+        fill=rt.Rule('past_key_value_lengths'),
         pad=0,
         inputs=(rt.Bind('host_past_key_value_lengths'),),
     ),
@@ -253,7 +248,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_logits,),
         shape=lambda c, s: (s.num_logits,),
-        fill=fills.last_token_ids,
+        fill=rt.Rule('last_token_ids'),
         pad=0,
     ),
     # Device copy of host_last_token_ids; the engine gathers logits at these tokens.
@@ -275,7 +270,7 @@ TENSORS = (
         capacity=lambda c: (c.max_num_logits, c.vocab_size_padded),
         shape=lambda c, s: (s.num_logits, c.vocab_size_padded),
         fill=rt.ENGINE,
-        when=lambda c: c.pp_rank == c.pp_size - 1 and not c.gather_context_logits and not c.gather_generation_logits,
+        when=lambda c: not c.gather_context_logits and not c.gather_generation_logits,
         outputs=(rt.Bind('logits'),),
     ),
     # Logits of every token of the step (gather_context_logits), last pipeline rank.
@@ -286,7 +281,7 @@ TENSORS = (
         capacity=lambda c: (c.max_num_tokens, c.vocab_size_padded),
         shape=lambda c, s: (s.num_tokens, c.vocab_size_padded),
         fill=rt.ENGINE,
-        when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_context_logits,
+        when=lambda c: c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
     ),
     # Ring of 8 step buffers of generation logits (gather_generation_logits), one bound per step.
@@ -297,7 +292,7 @@ TENSORS = (
         capacity=lambda c: (8, c.max_num_sequences, c.vocab_size_padded),
         shape=lambda c, s: (8, c.max_num_sequences, c.vocab_size_padded),
         fill=rt.ENGINE,
-        when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits and not c.gather_context_logits,
+        when=lambda c: c.gather_generation_logits and not c.gather_context_logits,
         outputs=(rt.Bind('logits'),),
         ring=8,
     ),
@@ -309,7 +304,7 @@ TENSORS = (
         capacity=lambda c: (c.max_beam_width, 8, c.vocab_size_padded),
         shape=lambda c, s: (c.max_beam_width, 8, c.vocab_size_padded),
         fill=rt.EXTERNAL,
-        when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
+        when=lambda c: c.gather_generation_logits,
     ),
     # Device pointers of the logits fragments to merge.
     rt.TensorDecl(
@@ -319,7 +314,7 @@ TENSORS = (
         capacity=lambda c: (8,),
         shape=lambda c, s: (8,),
         fill=rt.EXTERNAL,
-        when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
+        when=lambda c: c.gather_generation_logits,
     ),
     # Host pointer lists of the logits fragments, one row per merge.
     rt.TensorDecl(
@@ -329,7 +324,7 @@ TENSORS = (
         capacity=lambda c: (c.max_batch_size, 8),
         shape=lambda c, s: (c.max_batch_size, 8),
         fill=rt.EXTERNAL,
-        when=lambda c: c.pp_rank == c.pp_size - 1 and c.gather_generation_logits,
+        when=lambda c: c.gather_generation_logits,
     ),
     # KV-cache block index of every block of each sequence, K row then V row.
     rt.TensorDecl(
@@ -338,7 +333,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (1, c.max_num_sequences, 2, c.max_blocks_per_seq),
         shape=lambda c, s: (1, s.num_sequences, 2, c.max_blocks_per_seq),
-        fill=fills.kv_cache_block_offsets,
+        fill=rt.Rule('kv_cache_block_offsets'),
         pad=0,
         inputs=(rt.Bind('host_kv_cache_block_offsets'),),
     ),
@@ -390,7 +385,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (3, c.max_batch_size),
         shape=lambda c, s: (3, s.num_generation_requests),
-        fill=fills.cache_indirection_copies,
+        fill=rt.Rule('cache_indirection_copies'),
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
@@ -412,7 +407,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (3, c.max_batch_size),
         shape=lambda c, s: (3, s.num_requests),
-        fill=fills.cache_indirection_decoder_copies,
+        fill=rt.Rule('cache_indirection_decoder_copies'),
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
@@ -434,7 +429,7 @@ TENSORS = (
         memory=rt.HOST,
         capacity=lambda c: (c.max_batch_size,),
         shape=lambda c, s: (s.num_generation_requests,),
-        fill=fills.generation_beam_widths,
+        fill=rt.Rule('generation_beam_widths'),
         pad=0,
         when=lambda c: c.max_beam_width > 1,
         inputs=(rt.Bind('host_beam_widths'),),
@@ -499,7 +494,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_batch_size,),
         shape=lambda c, s: (s.num_requests,),
-        fill=fills.seq_slots,
+        fill=rt.Rule('seq_slots'),
         pad=0,
     ),
     # Device copy of host_seq_slots, for decoder-side gathers.
@@ -519,7 +514,7 @@ TENSORS = (
         memory=rt.DEVICE,
         capacity=lambda c: (c.max_prompt_embedding_table_size, c.hidden_size),
         shape=lambda c, s: (c.max_prompt_embedding_table_size, c.hidden_size),
-        fill=fills.prompt_embedding_table,
+        fill=rt.Rule('prompt_embedding_table'),
         inputs=(rt.Bind('prompt_embedding_table'),),
     ),
     # Prompt table (task) of every input token, staged on the host.
@@ -529,7 +524,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_tokens,),
         shape=lambda c, s: (s.num_tokens,),
-        fill=fills.prompt_tasks,
+        fill=rt.Rule('prompt_tasks'),
         pad=0,
     ),
     # Prompt table (task) of every input token.
@@ -556,11 +551,138 @@ TENSORS = (
 )
 
 
+@dataclasses.dataclass
+class State:
+    """What the gpt_prompt_tuning family's checks keep between steps (written only once every check
+    of a step passed; rebuilt from the requests after a step that failed)."""
+
+    batch: batch.Memo = dataclasses.field(default_factory=batch.Memo)
+    kv_blocks: kv_rows.KeptRows = dataclasses.field(default_factory=kv_rows.KeptRows)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """What the checks of one step hand on to its fills."""
+
+    batch: batch.Batch
+    kv_blocks: typing.Any
+
+
 class RuntimeBuffers(rt.RuntimeBuffers):
     """The gpt_prompt_tuning family's buffers: allocated at capacity once, filled every step."""
 
     config_type = Config
-    flags = FLAGS
-    size_bounds = SIZE_BOUNDS
+    sizes_type = StepSizes
+    state_type = State
     tensor_decls = TENSORS
-    step_sizes = ('num_context_requests', 'num_context_tokens', 'num_generation_requests', 'num_generation_sequences', 'num_generation_tokens', 'num_logits', 'num_sequences', 'num_tokens', 'num_requests', 'max_context_length')
+    kv_lengths = 'host_past_key_value_lengths'  # each sequence's past KV length (CUDA-graph key)
+    no_advance = ('prompt_embedding_table', 'prompt_tasks')  # rules without an advance form
+
+    def _limits(self) -> batch.Limits:
+        """What every request is checked against (decided once, at construction)."""
+        c = self.config
+        return batch.limits(
+            max_batch_size=c.max_batch_size,
+            max_beam_width=c.max_beam_width,
+            max_draft_tokens=c.max_draft_tokens,
+            vocab_size=c.vocab_size,
+            max_prompt_vocab_size=c.max_prompt_vocab_size,
+            encoder_only=False,
+            fixed_drafts=False,
+        )
+
+    def _check(self, context: Sequence[typing.Any], generation: Sequence[typing.Any]) -> Checked:
+        """Every check of a gpt_prompt_tuning step, in order: a bad batch raises BatchError before a
+        byte is written."""
+        c, state = self.config, self.state
+        b = batch.build(context, generation, self.limits, memo=state.batch, encoder=False)
+        s = b.sizes
+        # the step sizes within their capacities
+        rt.check_size('num_context_requests', s.num_context_requests, c.max_batch_size)
+        rt.check_size('num_context_tokens', s.num_context_tokens, c.max_num_tokens)
+        rt.check_size('num_generation_requests', s.num_generation_requests, c.max_batch_size)
+        rt.check_size('num_generation_sequences', s.num_generation_sequences, c.max_num_sequences)
+        rt.check_size('num_generation_tokens', s.num_generation_tokens, c.max_num_tokens)
+        rt.check_size('num_logits', s.num_logits, c.max_num_logits)
+        rt.check_size('num_sequences', s.num_sequences, c.max_num_sequences)
+        rt.check_size('num_tokens', s.num_tokens, c.max_num_tokens)
+        rt.check_size('num_requests', s.num_requests, c.max_batch_size)
+        # the step shapes the generator could not prove within their capacities
+        self.check_shape('host_position_ids', (s.num_context_tokens + s.num_generation_sequences,))
+        # Each prompt_table is [rows <= max_prompt_vocab_size, hidden_size] in the model dtype; ids past the vocabulary name a row of their own request's table.
+        features.check_prompt_tables(
+            b,
+            hidden_size=c.hidden_size,
+            max_prompt_vocab_size=c.max_prompt_vocab_size,
+            model_dtype=c.model_dtype,
+            vocab_size=c.vocab_size,
+        )
+        return Checked(
+            b,
+            # Every sequence's kv_block_ids cover its tokens after the step, within max_blocks_per_seq, with ids in the pool.
+            kv_blocks=core.check_kv_blocks(
+                b,
+                state.kv_blocks,
+                max_blocks_per_seq=c.max_blocks_per_seq,
+                tokens_per_block=c.tokens_per_block,
+                num_local_layers=c.num_local_layers,
+                num_kv_blocks=c.num_kv_blocks,
+            ),
+        )
+
+    def _fill(self, t: rt.Targets, k: Checked) -> decode.Decode | None:
+        """Write every rule tensor of the step (every check has passed)."""
+        c, b = self.config, k.batch
+        # host_input_ids: Token ids of the packed batch, staged on the host.
+        t.host_input_ids.fill(core.token_ids, b)
+        # host_position_ids: Position of every input token (one per generation beam), staged on the host.
+        t.host_position_ids.fill(core.position_ids, b)
+        # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+        t.host_context_lengths.fill(core.context_lengths, b)
+        # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended, staged on the host.
+        t.host_sequence_lengths.fill(core.sequence_lengths, b)
+        # host_request_types: Kind of each sequence, 0 for context and 1 for generation.
+        t.host_request_types.fill(core.request_types, b)
+        # host_past_key_value_lengths: KV length per sequence as the reference sets it, a context chunk's tokens through this step, a generation sequence's before it (prompt + generated - 1, no drafts).
+        t.host_past_key_value_lengths.fill(core.past_key_value_lengths, b)
+        # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit row.
+        t.host_last_token_ids.fill(core.last_token_ids, b)
+        # host_kv_cache_block_offsets: KV-cache block index of every block of each sequence, K row then V row.
+        t.host_kv_cache_block_offsets.fill(
+            core.kv_cache_block_offsets,
+            b,
+            k.kv_blocks,
+            max_blocks_per_seq=c.max_blocks_per_seq,
+            num_local_layers=c.num_local_layers,
+        )
+        # host_cache_indirection_copies: Source, destination and size of the copy of each generation request's cache indirection.
+        if c.max_beam_width > 1:
+            t.host_cache_indirection_copies.fill(
+                features.cache_indirection_copies,
+                b,
+                max_beam_width=c.max_beam_width,
+                max_attention_window=c.max_attention_window,
+            )
+        # host_cache_indirection_decoder_copies: Source, destination and size of each request's decoder output-to-input indirection copy.
+        if c.max_beam_width > 1:
+            t.host_cache_indirection_decoder_copies.fill(
+                features.cache_indirection_decoder_copies,
+                b,
+                max_beam_width=c.max_beam_width,
+                max_attention_window=c.max_attention_window,
+            )
+        # host_generation_beam_widths: Beam width of each generation request (its sequences are consecutive rows).
+        if c.max_beam_width > 1:
+            t.host_generation_beam_widths.fill(core.generation_beam_widths, b)
+        # host_seq_slots: Decoder slot of each request, context requests first.
+        t.host_seq_slots.fill(core.seq_slots, b)
+        # prompt_embedding_table: Prompt embedding rows of each request with a table, at rows [b * max_prompt_vocab_size, ...).
+        t.prompt_embedding_table.fill(
+            features.prompt_embedding_table,
+            b,
+            hidden_size=c.hidden_size,
+            max_prompt_vocab_size=c.max_prompt_vocab_size,
+        )
+        # host_prompt_tasks: Prompt table (task) of every input token, staged on the host.
+        t.host_prompt_tasks.fill(features.prompt_tasks, b)
+        return None

@@ -1,7 +1,9 @@
-"""bufc.runtime: the small torch library every generated module calls.
+"""bufc.runtime: the small torch library every generated module stands on.
 
-Generated modules are data (``TensorDecl`` records and a ``Config``); allocation, the per-step
-fill, the host-to-device copy and the engine IO views are implemented once, here.
+A generated module declares its tensors (``TensorDecl`` records), its ``Config`` and its step
+program; allocation, the staging arena, the one host-to-device copy, the engine IO views,
+rings and statics are implemented once, here. The rules the step programs call are in
+``bufc.rules``.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised in a subproce
         name="torch",
     ) from exc
 
-from .batch import ENCODER_SIZES, STEP_SIZES, Batch, StepSizes
-from .buffers import KV_CACHE_LENGTH_ROUND, RuntimeBuffers, Step
+from ..rules.request import Request
+from ..rules.sizes import ENCODER_SIZES, STEP_SIZES, StepSizes
+from .buffers import KV_CACHE_LENGTH_ROUND, RuntimeBuffers, Step, check_size
 from .config import ConfigBase, cdiv, check_bool, check_dtype, check_int, check_names, require
 from .decl import (
     DEVICE,
@@ -28,13 +31,13 @@ from .decl import (
     Constant,
     IndexSet,
     Mirror,
-    SizeBound,
+    Rule,
     TensorDecl,
 )
 from .errors import BatchError, ConfigError
-from .request import Request
+from .staging import Targets
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """The generated-module format this runtime implements; bumped on incompatible changes."""
 
 
@@ -58,7 +61,6 @@ __all__ = [
     "PINNED",
     "STATIC",
     "STEP_SIZES",
-    "Batch",
     "BatchError",
     "Bind",
     "ConfigBase",
@@ -67,16 +69,18 @@ __all__ = [
     "IndexSet",
     "Mirror",
     "Request",
+    "Rule",
     "RuntimeBuffers",
-    "SizeBound",
     "Step",
     "StepSizes",
+    "Targets",
     "TensorDecl",
     "cdiv",
     "check_bool",
     "check_dtype",
     "check_format_version",
     "check_int",
+    "check_size",
     "check_names",
     "require",
 ]

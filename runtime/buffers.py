@@ -1,15 +1,12 @@
-"""The generic engine behind every generated module's ``RuntimeBuffers``.
+"""The generic machinery behind every generated module's ``RuntimeBuffers``.
 
-Construction evaluates the construct-time conditions once, allocates every tensor at capacity
-and builds flat per-step plans (fills, guards, bindings), so ``prepare_step`` runs no flag or
-condition checks and allocates no tensor.
-
-Host tensors that are mirrored to the device live in one staging arena at fixed, aligned
-offsets (smallest first), and their device mirrors in one device arena with the same layout:
-one host-to-device copy per step moves them all, and only up to the used part of the largest
-member. The staging arena is double-buffered (pinned on CUDA): step t writes half t % 2, and
-before writing a half the host waits on the event recorded after that half's last copy, so a
-copy still in flight is never overwritten while the host runs a step ahead of the GPU.
+Construction evaluates the construct-time conditions once, allocates every tensor at capacity,
+lays the mirrored host tensors out in the staging arena (``staging.Staging``) and builds each
+half's fill targets, so a step allocates no tensor and decides nothing the generator decided.
+A step is the family's generated program: ``_check`` (every check, before a byte is written),
+``_fill`` (every rule tensor), then the one host-to-device copy and the views; ``advance``
+runs the generated ``_advance_check`` and ``_advance``. Nothing here names a tensor or a rule:
+what a family has, and what its step does, is in its generated module.
 """
 
 from __future__ import annotations
@@ -23,15 +20,20 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from .batch import ENCODER_SIZES, STEP_SIZES, Batch, Limits, StepSizes
-from .decl import DEVICE, PINNED, STATIC, Constant, Mirror, SizeBound, TensorDecl
+from .decl import DEVICE, PINNED, STATIC, Constant, Mirror, Rule, TensorDecl
 from .errors import BatchError, ConfigError
-from .fills import Decode, Rule, past_key_value_lengths
-from .values import INT32_MAX, check_int, in_range, int_array
+from .staging import ALIGN, HALVES, Staging, Target, Targets
+from .values import INT32_MAX, check_int, int_array
 
-ALIGN = 256  # bytes; every arena member starts on this boundary
 KV_CACHE_LENGTH_ROUND = 256  # the reference's CUDA-graph key rounding
-HALVES = 2
+
+
+def check_size(name: str, value: int, bound: int) -> None:
+    """A step size within its capacity (the generated checks call this for each size)."""
+    if value > bound:
+        raise BatchError(
+            f"{name} = {value} exceeds its capacity {bound}; schedule fewer requests or tokens"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,18 +42,23 @@ class Step:
 
     inputs: dict[str, torch.Tensor]
     outputs: dict[str, torch.Tensor]
-    sizes: StepSizes
+    sizes: Any  # the family's StepSizes
     max_kv_cache_length_rounded: int
     ring_slots: dict[str, int] = dataclasses.field(default_factory=dict)
     """The slot each ring tensor (e.g. generation_logits_cache) binds in this step."""
 
 
 class RuntimeBuffers:
+    """Subclassed by each generated module, which sets these and defines the step program
+    (``_limits``, ``_check``, ``_fill`` and, where every rule has an advance form,
+    ``_advance_check`` and ``_advance``)."""
+
     config_type: ClassVar[type]
-    size_bounds: ClassVar[tuple[SizeBound, ...]]
+    sizes_type: ClassVar[type]  # the StepSizes the batch builder computes
+    state_type: ClassVar[type]  # what the family's checks keep between steps
     tensor_decls: ClassVar[tuple[TensorDecl, ...]]
-    step_sizes: ClassVar[tuple[str, ...]] = ()
-    flags: ClassVar[dict[str, Any]] = {}
+    kv_lengths: ClassVar[str | None] = None  # the host tensor of each sequence's past KV length
+    no_advance: ClassVar[tuple[str, ...]] = ()  # rules without an advance form
 
     def __init__(
         self,
@@ -86,40 +93,27 @@ class RuntimeBuffers:
         )
         offsets: dict[str, int] = {}
         end = 0
-        for s in sources:
-            offsets[s.name] = end
-            end += -(-self._nbytes(s.name) // ALIGN) * ALIGN
-        self._host_arenas = [
-            torch.empty(end, dtype=torch.uint8, pin_memory=pin) for _ in range(HALVES)
-        ]
-        self._device_arena = torch.empty(end, dtype=torch.uint8, device=self.device)
-        self._numpy_arenas = (
-            (self._device_arena.numpy(), [a.numpy() for a in self._host_arenas])
-            if self.device.type == "cpu"
-            else None
-        )
+        for src in sources:
+            offsets[src.name] = end
+            end += -(-self._nbytes(src.name) // ALIGN) * ALIGN
+        self._staging = Staging(end, self.device)
 
         # per half, the flat storage of every tensor (only mirror sources differ between halves)
         self._flat: list[dict[str, torch.Tensor]] = [{} for _ in range(HALVES)]
         for d in decls:
+            n, dtype = self._nbytes(d.name), self._dtype[d.name]
             if isinstance(d.fill, Mirror):  # same dtype and capacity as its source (generator)
-                flats = [
-                    self._arena_view(self._device_arena, offsets[d.fill.source], d.name)
-                ] * HALVES
+                flats = [self._staging.view(None, offsets[d.fill.source], n, dtype)] * HALVES
             elif d.name in offsets:
-                flats = [self._arena_view(a, offsets[d.name], d.name) for a in self._host_arenas]
+                flats = [self._staging.view(h, offsets[d.name], n, dtype) for h in range(HALVES)]
             elif d.memory == DEVICE:
-                flats = [
-                    torch.empty(self._numel[d.name], dtype=self._dtype[d.name], device=self.device)
-                ] * HALVES
+                flats = [torch.empty(self._numel[d.name], dtype=dtype, device=self.device)] * HALVES
             else:
                 # host tensors a rule fills get one storage per half, like the staged ones, so a
                 # step that fails half-way never touches the last step's values
                 flats = [
                     torch.empty(
-                        self._numel[d.name],
-                        dtype=self._dtype[d.name],
-                        pin_memory=pin and d.memory == PINNED,
+                        self._numel[d.name], dtype=dtype, pin_memory=pin and d.memory == PINNED
                     )
                     for _ in range(HALVES if isinstance(d.fill, Rule) else 1)
                 ]
@@ -129,36 +123,29 @@ class RuntimeBuffers:
                 flat.fill_(value)
             for h in range(HALVES):
                 self._flat[h][d.name] = flats[h]
-        if end:
-            self._device_arena.copy_(self._host_arenas[0])  # mirrors start with their pads
+        self._staging.start()  # mirrors start with their pads
         self._capacity_shape = {d.name: tuple(d.capacity(c)) for d in decls}
 
-        # per-step plans, decided here once
-        self._bounds = tuple((b.size, b.bound(c)) for b in self.size_bounds)
-        self._guards = tuple((d.name, d.shape, self._numel[d.name]) for d in decls if d.checked)
-        rules = [(d.name, d.fill) for d in decls if isinstance(d.fill, Rule)]
-        self._checks = tuple(dict.fromkeys(r.check for _, r in rules if r.check is not None))
-        # host rules write numpy views of the staging storage; device rules write the torch
-        # tensor (copies of request tensors, enqueued on the current stream)
-        self._fills = [
-            tuple(
-                (
-                    name,
-                    rule,
-                    self._flat[h][name]
-                    if self.decls[name].memory == DEVICE
-                    else self._flat[h][name].numpy(),
-                    self.decls[name].pad,
-                )
-                for name, rule in rules
+        # the fill targets of each half: host rules write numpy views of their storage,
+        # device rules the torch tensor (copies of request tensors, enqueued on the current
+        # stream). Elements written by the last fill of each storage are counted per storage
+        # (shared by the halves where the storage is), so rows past a shorter step are re-padded.
+        rules = [d for d in decls if isinstance(d.fill, Rule)]
+        written = {d.name: [0] for d in rules}
+        self._targets = [
+            Targets(
+                {
+                    d.name: Target(
+                        self._flat[h][d.name]
+                        if d.memory == DEVICE
+                        else self._flat[h][d.name].numpy(),
+                        d.pad,
+                        written[d.name] if self._flat[0][d.name] is self._flat[1][d.name] else [0],
+                    )
+                    for d in rules
+                }
             )
             for h in range(HALVES)
-        ]
-        # elements written by the last fill of each storage (a one-item list, shared by the
-        # halves where the storage is), so the rows past a shorter step are re-padded
-        shared = {name: [0] for name in self.decls if self._flat[0][name] is self._flat[1][name]}
-        self._high_water: list[dict[str, list[int]]] = [
-            {name: shared.get(name) or [0] for name in self.decls} for _ in range(HALVES)
         ]
         # the copy: whole members but the last, whose used prefix is copied (with the rows the
         # device still holds from a longer earlier step, now pads)
@@ -176,7 +163,7 @@ class RuntimeBuffers:
         # shape (Medusa's tree, set once, read [num_generation_requests, ...]) are bound every
         # step at it, as views of their storage, as the reference resizes them; ring tensors
         # bind one slot per step
-        zero = StepSizes(**dict.fromkeys(STEP_SIZES, 0))
+        zero = self.sizes_type(**{f.name: 0 for f in dataclasses.fields(self.sizes_type)})
         step_shaped = {
             d.name for d in decls if tuple(d.shape(c, zero)) != self._capacity_shape[d.name]
         }
@@ -212,30 +199,37 @@ class RuntimeBuffers:
         }
         for name, values in (static_inputs or {}).items():
             self.set_static(name, values)
-        self._encoder_sizes = any(z in self.step_sizes for z in ENCODER_SIZES)
-        self._reuse: dict = {}  # per-request columns kept from the last step (Batch.build)
         self._views: list[dict[str, dict[tuple[int, ...], torch.Tensor]]] = [
             {name: {} for name in self.decls} for _ in range(HALVES)
         ]
-        self._past_kv = next((n for n, r in rules if r is past_key_value_lengths), None)
-        self._copy_done = [torch.cuda.Event() for _ in range(HALVES)] if pin else None
+        self._past_kv = self.kv_lengths if self.kv_lengths in self.decls else None
         self._half = 1  # the first step writes half 0
-        self._step_views: list[tuple[StepSizes, dict, dict] | None] = [None] * HALVES
-        self._last: StepSizes | None = None
+        self._step_views: list[tuple[Any, dict, dict] | None] = [None] * HALVES
+        self._last: Any = None  # the sizes of the last step
         self._longest = 0  # the longest past-KV length of the last step
-        self._decode: Decode | None = None  # set after a step that advance() may follow
+        self._decode: Any = None  # the state a following advance() continues from, if any
         # the run of decode steps (a prepare_step and the advance() calls after it) whose
         # values each half holds: advance() skips what a half already has
         self._run = 0
         self._half_run: list[int | None] = [None] * HALVES
-        self._no_advance = tuple(
-            dict.fromkeys(r.name for _, r in rules if r.advance is None)
-        )  # rules without an advance form: advance() is not possible for this family
-        self._can_advance = not self._no_advance
-        self._limits = Limits.of(c, self.flags)
-        self._advance_checks = tuple(
-            dict.fromkeys(r.advance_check for _, r in rules if r.advance_check is not None)
-        )
+        self.state = self.state_type()
+        self.limits = self._limits()
+
+    # the step program, generated per family
+    def _limits(self) -> Any:
+        raise NotImplementedError
+
+    def _check(self, context: Sequence[Any], generation: Sequence[Any]) -> Any:
+        raise NotImplementedError
+
+    def _fill(self, targets: Targets, checked: Any) -> Any:
+        raise NotImplementedError
+
+    def _advance_check(self, last: Any, tokens: Any, holds_run: bool) -> Any:
+        raise NotImplementedError
+
+    def _advance(self, targets: Targets, prev: Targets, advancing: Any) -> None:
+        raise NotImplementedError
 
     # ------------------------------------------------------------------------- helpers
     def _check_allocatable(self, decls: list[TensorDecl]) -> None:
@@ -268,8 +262,14 @@ class RuntimeBuffers:
     def _nbytes(self, name: str) -> int:
         return self._numel[name] * self._dtype[name].itemsize
 
-    def _arena_view(self, arena: torch.Tensor, offset: int, name: str) -> torch.Tensor:
-        return arena[offset : offset + self._nbytes(name)].view(self._dtype[name])
+    def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        """A step shape within the tensor's capacity (the generated checks call this for the
+        shapes the generator could not prove)."""
+        if math.prod(shape) > self._numel[name]:
+            raise BatchError(
+                f"tensor {name!r} needs shape {list(shape)}, beyond its capacity of "
+                f"{self._numel[name]} elements"
+            )
 
     def _view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         # the reference's reshape: the step tensor is the leading part of the capacity. Views
@@ -324,50 +324,19 @@ class RuntimeBuffers:
         Raises BatchError, with the buffers untouched, when the batch is invalid or over
         capacity. The engine must run on the current CUDA stream (the copy is ordered on it).
         """
-        c = self.config
-        batch = Batch.build(
-            context_requests,
-            generation_requests,
-            self._limits,
-            reuse=self._reuse,
-            encoder=self._encoder_sizes,
-        )
-        s = batch.sizes
-        for size, bound in self._bounds:
-            value = getattr(s, size)
-            if value > bound:
-                raise BatchError(
-                    f"{size} = {value} exceeds its capacity {bound}; schedule fewer requests or tokens"
-                )
-        for name, shape_fn, capacity in self._guards:
-            shape = shape_fn(c, s)
-            if math.prod(shape) > capacity:
-                raise BatchError(
-                    f"tensor {name!r} needs shape {list(shape)}, beyond its capacity of {capacity} elements"
-                )
         try:
-            for check in self._checks:
-                check(batch, c)
+            checked = self._check(context_requests, generation_requests)
         except BatchError:
             raise
         except Exception as exc:  # a value a check could not even read (an odd type)
             raise BatchError(
                 f"a request value could not be checked ({type(exc).__name__}: {exc})"
             ) from exc
-
         h = self._half ^ 1
-        self._wait_for_half(h)
-        high = self._high_water[h]
-        last_used = 0
+        self._staging.wait(h)
+        targets = self._targets[h]
         try:
-            for name, rule, out, pad in self._fills[h]:
-                n = rule.fill(out, batch, c)
-                written = high[name]
-                if pad is not None and written[0] > n:
-                    out[n : written[0]] = pad  # rows past this step hold the pad value
-                written[0] = n
-                if name == self._copy_last:
-                    last_used = n
+            decode = self._fill(targets, checked)
         except Exception as exc:  # a fill raised although every check passed: a bug
             self._abandon_half(h)
             raise BatchError(
@@ -376,18 +345,16 @@ class RuntimeBuffers:
                 "a device tensor a fill copies request tensors into may be partly written). "
                 "Please report this batch."
             ) from exc
+        s = checked.batch.sizes
         self._half = h
-        self._copy(h, last_used)
+        self._copy(h, targets)
         self._run += 1
         self._half_run[h] = self._run
-        self._longest = int(batch.past_key_value_lengths.max()) if s.num_sequences else 0
+        if self._past_kv is not None:
+            kv = getattr(targets, self._past_kv)
+            self._longest = int(kv.out[: kv.written[0]].max()) if kv.written[0] else 0
         self._last = s
-        ready = self._can_advance and s.num_sequences and not s.num_context_requests
-        self._decode = (
-            Decode(batch, batch.seq_last_token, batch.seq_num_tokens)
-            if ready and not batch.gen_drafts.any()
-            else None
-        )
+        self._decode = decode
         return self._step(s)
 
     def advance(self, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> Step:
@@ -400,44 +367,29 @@ class RuntimeBuffers:
         in its kv_block_ids. The caller still appends the tokens to its requests (a later
         prepare_step reads them). Raises BatchError, with the buffers untouched, otherwise.
         """
-        if self._no_advance:
+        if self.no_advance:
             raise BatchError(
                 f"advance() is not available for this family: its fill rule(s) "
-                f"{', '.join(self._no_advance)} have no advance form; use prepare_step"
+                f"{', '.join(self.no_advance)} have no advance form; use prepare_step"
             )
-        d = self._decode
-        if d is None:
+        if self._decode is None:
             raise BatchError(
                 "advance() follows a generation-only step without draft tokens; use prepare_step"
             )
         prev = self._half
         h = prev ^ 1
         try:
-            new = self._checked_tokens(tokens, len(d.tokens))
-            step_decode = Decode(
-                d.batch, new, d.seq_tokens + 1, self._half_run[h] == self._run, d.kv_new
-            )
-            for check in self._advance_checks:
-                check(step_decode, self.config)
+            advancing = self._advance_check(self._decode, tokens, self._half_run[h] == self._run)
         except BatchError:
             raise
         except Exception as exc:  # e.g. a request's block list replaced by something odd
             raise BatchError(
                 f"advance(): a value could not be checked ({type(exc).__name__}: {exc})"
             ) from exc
-        self._wait_for_half(h)
-        high = self._high_water[h]
-        last_used = 0
+        self._staging.wait(h)
+        targets = self._targets[h]
         try:
-            for (name, rule, out, pad), (_, _, before, _) in zip(self._fills[h], self._fills[prev]):
-                assert rule.advance is not None  # _can_advance held when the decode state was kept
-                n = rule.advance(out, before, step_decode, self.config)
-                written = high[name]
-                if pad is not None and written[0] > n:
-                    out[n : written[0]] = pad
-                written[0] = n
-                if name == self._copy_last:
-                    last_used = n
+            self._advance(targets, self._targets[prev], advancing)
         except Exception as exc:  # a bug: the checks passed
             self._abandon_half(h)
             raise BatchError(
@@ -446,68 +398,35 @@ class RuntimeBuffers:
             ) from exc
         self._half = h
         self._half_run[h] = self._run
-        self._copy(h, last_used)
+        self._copy(h, targets)
         self._longest += 1
-        self._decode = step_decode
-        assert self._last is not None  # set by the prepare_step that created the decode state
+        self._decode = advancing.decode
         return self._step(self._last)
-
-    def _checked_tokens(self, tokens: Any, count: int) -> np.ndarray:
-        """advance()'s tokens as an int64 array: `count` integers in the vocabulary."""
-        if isinstance(tokens, torch.Tensor):
-            if tokens.is_floating_point() or tokens.is_complex() or tokens.layout != torch.strided:
-                raise BatchError(f"advance() needs integer tokens, got a {tokens.dtype} tensor")
-            tokens = tokens.detach().cpu().numpy()
-        a = int_array(np.ravel(tokens) if isinstance(tokens, np.ndarray) else tokens)
-        if a is None:
-            raise BatchError("advance() needs integer tokens, one per sequence")
-        if a.size != count:
-            raise BatchError(f"advance() needs {count} tokens, one per sequence, got {a.size}")
-        limits = self._limits
-        if not in_range(a, 0, limits.token_limit):
-            i = int(np.flatnonzero((a < 0) | (a >= limits.token_limit))[0])
-            raise BatchError(
-                f"advance(): token {a[i]} of sequence {i} is outside 0 .. "
-                f"{limits.token_limit - 1} ({limits.token_limit_text})"
-            )
-        return a
-
-    def _wait_for_half(self, h: int) -> None:
-        if self._copy_done is not None:
-            self._copy_done[h].synchronize()  # this half's last copy has left it
 
     def _abandon_half(self, h: int) -> None:
         """Half h was partly written by a step that failed: the current half stays the last
         step's, h holds no run any more, and every row of h is re-padded when it is next
         written (its high-water marks at capacity). Rule state is rebuilt from the requests."""
         self._half_run[h] = None
-        for name, written in self._high_water[h].items():
-            written[0] = self._numel[name]
-        self._reuse.clear()
+        for name, target in vars(self._targets[h]).items():
+            target.written[0] = self._numel[name]
+        self.state = self.state_type()
 
-    def _copy(self, h: int, last_used: int) -> None:
+    def _copy(self, h: int, targets: Targets) -> None:
         """The one host-to-device copy of the step: whole members but the last, and of the
         last the used prefix plus the rows the device still holds from a longer step."""
         if not self.copies_per_step:
             return
         span = self._copy_base
         if self._copy_last is not None:
-            used = max(last_used, self._device_high_water)
-            self._device_high_water = last_used
-            span += used * self._copy_itemsize
+            used = getattr(targets, self._copy_last).written[0]
+            span += max(used, self._device_high_water) * self._copy_itemsize
+            self._device_high_water = used
         else:
-            span = self._device_arena.numel()
-        if self._numpy_arenas is not None:
-            # a CPU "device": a plain memcpy on this thread (torch's copy_ would hand a large
-            # copy to its intra-op thread pool, which stalls on a loaded host)
-            device, hosts = self._numpy_arenas
-            np.copyto(device[:span], hosts[h][:span])
-            return
-        self._device_arena[:span].copy_(self._host_arenas[h][:span], non_blocking=True)
-        if self._copy_done is not None:
-            self._copy_done[h].record()
+            span = self._staging.nbytes
+        self._staging.copy(h, span)
 
-    def _step(self, s: StepSizes) -> Step:
+    def _step(self, s: Any) -> Step:
         cached = self._step_views[self._half]
         if cached is None or cached[0] != s:  # steady decoding repeats the sizes: reuse the views
             cached = self._step_views[self._half] = (s, *self.views(s))
@@ -528,12 +447,12 @@ class RuntimeBuffers:
             ring_slots=slots,
         )
 
-    def views(self, sizes: StepSizes) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def views(self, sizes: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Engine IO views for arbitrary sizes (e.g. a CUDA-graph batch bucket larger than the
         step): the same storage as the step's views, with the rows past the step holding their
         pad values."""
         c = self.config
-        if not isinstance(sizes, StepSizes):
+        if not isinstance(sizes, self.sizes_type):
             raise ValueError(f"views() takes StepSizes, got {type(sizes).__name__}")
         if any(v < 0 for v in dataclasses.astuple(sizes)):
             raise ValueError(f"views(): step sizes cannot be negative: {sizes}")

@@ -8,13 +8,19 @@ from typing import Any
 
 import torch
 
-from .fills import Rule
-
 DEVICE = "device"
 HOST = "host"
 PINNED = "pinned"
 
 ConfigFn = Callable[[Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """Written every step by the family's generated step program with the fill rule `name`
+    (the name is for reports and messages; the program holds the call)."""
+
+    name: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,14 +114,6 @@ class Bind:
                 for pos, label in members
             ]
         return out
-
-
-@dataclasses.dataclass(frozen=True)
-class SizeBound:
-    """A step size and its construct-time upper bound."""
-
-    size: str
-    bound: ConfigFn
 
 
 @dataclasses.dataclass(frozen=True)

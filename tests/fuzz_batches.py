@@ -37,8 +37,7 @@ import pytest
 import torch
 
 from bufc.runtime import BatchError, Request
-from bufc.runtime.decl import DEVICE, ENGINE, EXTERNAL, STATIC, Constant
-from bufc.runtime.fills import Rule
+from bufc.runtime.decl import DEVICE, ENGINE, EXTERNAL, STATIC, Constant, Rule
 
 VALID, INVALID, MAYBE = "valid", "invalid", "maybe"
 INT32_MAX = 2**31 - 1

@@ -20,57 +20,9 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from .errors import BatchError
-from .values import INT32_MAX, check_int, check_ints, in_range, int_array, is_int, show
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepSizes:
-    """The sizes of one step (the reference's setBufferSizes)."""
-
-    num_context_requests: int
-    num_context_tokens: int
-    num_generation_requests: int
-    num_generation_sequences: int
-    num_generation_tokens: int
-    num_logits: int
-    num_sequences: int
-    num_tokens: int
-    num_requests: int
-    max_context_length: int
-    # computed only for families that read them (encoder-decoder models)
-    num_encoder_tokens: int = 0
-    num_encoder_input_tokens: int = 0
-    max_encoder_input_length: int = 0
-
-    def generation_bucket(self, rows: int) -> StepSizes:
-        """The sizes of a generation-only step (one token per sequence) padded to `rows`
-        sequences: the shapes a CUDA graph for that batch bucket is captured with."""
-        if (
-            self.num_context_requests
-            or self.num_tokens != self.num_sequences
-            or rows < self.num_sequences
-        ):
-            raise ValueError(
-                "a generation bucket needs a generation-only step without draft tokens, "
-                f"padded to at least its {self.num_sequences} sequences"
-            )
-        return dataclasses.replace(
-            self,
-            num_generation_requests=rows,
-            num_generation_sequences=rows,
-            num_generation_tokens=rows,
-            num_logits=rows,
-            num_sequences=rows,
-            num_tokens=rows,
-            num_requests=rows,
-        )
-
-
-STEP_SIZES = tuple(f.name for f in dataclasses.fields(StepSizes))
-# computed only when a family's shapes read them (``Batch.build(encoder=True)``)
-ENCODER_SIZES = ("num_encoder_tokens", "num_encoder_input_tokens", "max_encoder_input_length")
-
+from ..runtime.errors import BatchError
+from ..runtime.values import INT32_MAX, check_int, check_ints, in_range, int_array, is_int, show
+from .sizes import StepSizes
 
 _POSITION_IDS = attrgetter("position_ids")
 _SEQ_SLOT = attrgetter("seq_slot")
@@ -107,28 +59,50 @@ class Limits:
     # the engine reads max_decoding_tokens tokens per generation request)
     exact_drafts: bool = False
 
-    @staticmethod
-    def of(config: Any, flags: dict[str, Any]) -> Limits:
-        vocab = getattr(config, "vocab_size", None)
-        prompt_rows = getattr(config, "max_prompt_vocab_size", 0)
-        if vocab is None:
-            limit, text = INT32_MAX + 1, "the int32 range"
-        elif prompt_rows:
-            limit = vocab + prompt_rows
-            text = f"vocab_size + max_prompt_vocab_size = {vocab} + {prompt_rows}"
-        else:
-            limit, text = vocab, f"vocab_size={vocab}"
-        return Limits(
-            max_batch_size=config.max_batch_size,
-            max_beam_width=getattr(config, "max_beam_width", 1),
-            max_draft_tokens=getattr(config, "max_draft_tokens", 0),
-            token_limit=min(limit, INT32_MAX + 1),
-            token_limit_text=text,
-            max_input_length=getattr(config, "max_input_length", INT32_MAX),
-            max_encoder_length=getattr(config, "max_encoder_length", INT32_MAX),
-            encoder_engine=flags.get("engine") == "encoder",
-            exact_drafts=flags.get("spec_decoding") == "medusa",
-        )
+
+def limits(
+    *,
+    max_batch_size: int,
+    max_beam_width: int = 1,
+    max_draft_tokens: int = 0,
+    vocab_size: int | None = None,
+    max_prompt_vocab_size: int = 0,
+    max_input_length: int = INT32_MAX,
+    max_encoder_length: int = INT32_MAX,
+    encoder_only: bool = False,
+    fixed_drafts: bool = False,
+) -> Limits:
+    """A family's request limits from its Config values (each family's generated module passes
+    the ones it has; the rest keep their defaults) and the spec's `requests` conditions."""
+    if vocab_size is None:
+        limit, text = INT32_MAX + 1, "the int32 range"
+    elif max_prompt_vocab_size:
+        limit = vocab_size + max_prompt_vocab_size
+        text = f"vocab_size + max_prompt_vocab_size = {vocab_size} + {max_prompt_vocab_size}"
+    else:
+        limit, text = vocab_size, f"vocab_size={vocab_size}"
+    return Limits(
+        max_batch_size=max_batch_size,
+        max_beam_width=max_beam_width,
+        max_draft_tokens=max_draft_tokens,
+        token_limit=min(limit, INT32_MAX + 1),
+        token_limit_text=text,
+        max_input_length=max_input_length,
+        max_encoder_length=max_encoder_length,
+        encoder_engine=encoder_only,
+        exact_drafts=fixed_drafts,
+    )
+
+
+@dataclasses.dataclass
+class Memo:
+    """What ``Batch.build`` keeps from one step to the next: the columns of the in-flight
+    generation requests that cannot change (reused while the generation list is the last
+    step's) and the converted prompts of the context requests still being chunked. Written
+    only once every check of the build has passed."""
+
+    generation: _Reused | None = None
+    prompts: dict[int, tuple[Any, np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,10 +128,6 @@ class Batch:  # not slotted: cached_property needs __dict__
     explicit_positions: tuple[int, ...]  # request indices (context first) with position_ids
     limits: Limits
     prompts: dict = dataclasses.field(default_factory=dict, repr=False)  # see prompt_array
-    scratch: dict = dataclasses.field(default_factory=dict, repr=False)  # rule checks -> fills
-    # state the fill rules keep from step to step (owned by the RuntimeBuffers; written only
-    # by fills, after every check passed)
-    carry: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @staticmethod
     def build(
@@ -165,7 +135,7 @@ class Batch:  # not slotted: cached_property needs __dict__
         generation: Sequence[Any],
         limits: Limits,
         *,
-        reuse: dict | None = None,
+        memo: Memo | None = None,
         encoder: bool = False,
     ) -> Batch:
         """Validate the scheduled requests and lay them out; raise BatchError on a problem.
@@ -181,7 +151,7 @@ class Batch:  # not slotted: cached_property needs __dict__
         try:
             if limits.encoder_engine:
                 return _build_encoder_engine(context, generation, limits)
-            return _build(context, generation, limits, reuse, encoder)
+            return _build(context, generation, limits, memo, encoder)
         except BatchError:
             raise
         except _MALFORMED as exc:
@@ -208,15 +178,6 @@ class Batch:  # not slotted: cached_property needs __dict__
             return gen_values  # one beam each
         return np.repeat(gen_values, self.gen_beam_width)
 
-    @functools.cached_property
-    def past_key_value_lengths(self) -> np.ndarray:
-        """Past KV length of each sequence as the reference sets it (§2.3.7): a context chunk's
-        tokens through this step, a generation sequence's before it (prompt + generated - 1)."""
-        gen = self.per_sequence(self.gen_prompt_len + self.gen_max_generated - 1)
-        if not self.context:
-            return gen
-        return np.concatenate((self.ctx_begin + self.ctx_input_len, gen))
-
 
 def _i64(values: Sequence[int]) -> np.ndarray:
     return np.asarray(values, dtype=np.int64).reshape(-1)
@@ -226,7 +187,7 @@ def _build(
     context: tuple[Any, ...],
     generation: tuple[Any, ...],
     limits: Limits,
-    reuse: dict | None,
+    memo: Memo | None,
     encoder: bool,
 ) -> Batch:
     def fail() -> NoReturn:
@@ -247,7 +208,7 @@ def _build(
 
     # ---- context columns: one pass in plain Python (context lists are short, and numpy's
     # per-call cost outweighs its loops at these sizes; a decode step has none)
-    prompts = _prompt_cache(reuse, context)
+    prompts = _prompt_cache(memo, context)
     if context:
         plen_l, begin_l, chunk_l, ndraft_l, beam_l = [], [], [], [], []
         for r in context:
@@ -286,7 +247,7 @@ def _build(
     # flight, so when the generation list is the previous step's (same objects, same order:
     # steady decoding) those columns are reused (they were checked then) and only the
     # generated tokens and drafts are read.
-    static = reuse.get("generation") if reuse is not None else None
+    static = memo.generation if memo is not None else None
     reused = static is not None and static.requests == generation
     if reused:
         assert static is not None
@@ -359,8 +320,8 @@ def _build(
         context, generation, explicit, c_drafts, g_max, checked=reused
     ):
         fail()
-    if reuse is not None:  # only once every check of the build has passed
-        reuse["generation"] = _Reused(
+    if memo is not None:  # only once every check of the build has passed
+        memo.generation = _Reused(
             generation, g_plen, g_bw, g_explicit, bw_list, slot_array[n_ctx:], g_explicit_at
         )
     n_gen = len(generation)
@@ -400,7 +361,6 @@ def _build(
         explicit_positions=explicit,
         limits=limits,
         prompts=prompts,
-        carry=reuse.setdefault("rules", {}) if reuse is not None else {},
     )
 
 
@@ -578,13 +538,13 @@ def _encoder_sizes(context: tuple, generation: tuple, limits: Limits) -> dict[st
     }
 
 
-def _prompt_cache(reuse: dict | None, context: tuple) -> dict:
+def _prompt_cache(memo: Memo | None, context: tuple) -> dict:
     """The prompt arrays of this step's context requests, carried over from the last step."""
-    if reuse is None:
+    if memo is None:
         return {}
-    previous = reuse.get("prompts", {})
+    previous = memo.prompts
     kept = {id(r): previous[id(r)] for r in context if id(r) in previous}
-    reuse["prompts"] = kept
+    memo.prompts = kept
     return kept
 
 
@@ -684,3 +644,15 @@ def _check_request(r: Any, w: str, limits: Limits, is_context: bool) -> None:
         check_int(g[-1], f"the last token of beam {k}", w, *vocab)
     if r.position_ids is not None and r.position_ids[-1] + lengths[0] > INT32_MAX:
         raise BatchError(f"{w}: its generated tokens' positions run past the int32 range")
+
+
+def build(
+    context: Sequence[Any],
+    generation: Sequence[Any],
+    limits: Limits,
+    *,
+    memo: Memo | None = None,
+    encoder: bool = False,
+) -> Batch:
+    """``Batch.build``: the first check of every step (see there)."""
+    return Batch.build(context, generation, limits, memo=memo, encoder=encoder)

@@ -2,27 +2,29 @@
 tuning, recurrent state, M-RoPE, language adapters and Eagle (buffer-inventory.md §1.1-1.11,
 §2.3.8-2.3.12).
 
-Same contract as ``fills``: a rule writes one step into `out` (a flat numpy view of the
+Same contract as ``core``: a rule writes one step into `out` (a flat numpy view of the
 staging storage; a flat torch tensor for the rules that copy request tensors on the device),
-returns the elements written, and its check raises BatchError before anything is written.
+returns the elements written, and reads only the batch, its check's value and the Config values
+it declares; a check raises BatchError before anything is written.
 Rows follow the reference's layout: context requests one row each, then every beam of each
 generation request. Where the reference has a bug, the rule says so and does it right.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..runtime.errors import BatchError
+from ..runtime.values import INT32_MAX, INT64_MAX, check_int, checked_ints, show
 from .batch import Batch, encoder_input_length, encoder_output_length
-from .errors import BatchError
-from .kv_rows import check_block_lists, id_limit, required_blocks, write_kv_rows
-from .values import INT32_MAX, INT64_MAX, check_int, checked_ints, show
+from .kv_rows import BlockPlan, check_block_lists, id_limit, required_blocks, write_kv_rows
 
 DEFAULT_POSTERIOR_THRESHOLD = 0.09  # Eagle's default (EagleConfig)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -73,7 +75,9 @@ def _field(b: Batch, name: str, what: str) -> list[Any]:
 
 
 # -------------------------------------------------------------- beam search: cache indirection
-def cache_indirection_copies(out: np.ndarray, b: Batch, config: Any) -> int:
+def cache_indirection_copies(
+    out: np.ndarray, b: Batch, *, max_beam_width: int, max_attention_window: int
+) -> int:
     """[src, dst, size] of each generation request's copy from the decoder's cache indirection
     ([slots, max_beam_width, window]) into the engine's input, bound at its capacity shape
     [max_batch_size, max_beam_width, window]: generation request i's beams land in row i, so
@@ -84,37 +88,40 @@ def cache_indirection_copies(out: np.ndarray, b: Batch, config: Any) -> int:
     request's beam width; both are fixed here at max_beam_width, the stride of the bound
     tensor and of the decoder's buffer."""
     n = len(b.generation)
-    stride = config.max_beam_width * config.max_attention_window
+    stride = max_beam_width * max_attention_window
     out[:n] = b.seq_slot[len(b.context) :] * stride
     out[n : 2 * n] = np.arange(n) * stride
-    out[2 * n : 3 * n] = b.gen_beam_width * config.max_attention_window
+    out[2 * n : 3 * n] = b.gen_beam_width * max_attention_window
     return 3 * n
 
 
-def cache_indirection_decoder_copies(out: np.ndarray, b: Batch, config: Any) -> int:
+def cache_indirection_decoder_copies(
+    out: np.ndarray, b: Batch, *, max_beam_width: int, max_attention_window: int
+) -> int:
     """[src, dst, size] of each request's copy of the decoder's cache indirection from its
     output to its input, after the step: src = dst = slot * max_beam_width * window."""
     n = len(b.context) + len(b.generation)
-    aw = config.max_attention_window
+    aw = max_attention_window
     widths = np.asarray([r.beam_width for r in b.context] + list(b.gen_beam_width), np.int64)
-    out[:n] = b.seq_slot * (config.max_beam_width * aw)
+    out[:n] = b.seq_slot * (max_beam_width * aw)
     out[n : 2 * n] = out[:n]
     out[2 * n : 3 * n] = widths * aw
     return 3 * n
 
 
 # -------------------------------------------------------------- encoder-decoder, decoder side
-def encoder_output_lengths(out: np.ndarray, b: Batch, config: Any = None) -> int:
+def encoder_output_lengths(out: np.ndarray, b: Batch) -> int:
     """Each sequence's request's encoder output length (every beam of a generation request)."""
     values = _per_sequence(b, [encoder_output_length(r) for r in _requests(b)])
     out[: len(values)] = values
     return len(values)
 
 
-def _encoder_output_check(b: Batch, config: Any) -> None:
+def check_encoder_outputs(b: Batch, *, encoder_hidden_size: int) -> None:
+    """Every context request has its encoder_output, [encoder_output_length, hidden]."""
     for i, r in enumerate(b.context):
         t = getattr(r, "encoder_output", None)
-        want = (encoder_output_length(r), config.encoder_hidden_size)
+        want = (encoder_output_length(r), encoder_hidden_size)
         if t is None:
             raise BatchError(f"{_where(b, i)}: a context request needs its encoder_output")
         if not _plain_tensor(t) or not t.is_floating_point():
@@ -128,9 +135,9 @@ def _encoder_output_check(b: Batch, config: Any) -> None:
             )
 
 
-def encoder_output(out: torch.Tensor, b: Batch, config: Any) -> int:
+def encoder_output(out: torch.Tensor, b: Batch, *, encoder_hidden_size: int) -> int:
     """The encoder outputs of the context requests, concatenated (device copies)."""
-    h = config.encoder_hidden_size
+    h = encoder_hidden_size
     o = 0
     for r in b.context:
         rows = r.encoder_output.shape[0]
@@ -139,28 +146,43 @@ def encoder_output(out: torch.Tensor, b: Batch, config: Any) -> int:
     return o * h
 
 
-def _cross_kv_check(b: Batch, config: Any) -> None:
-    width = config.max_cross_blocks_per_seq
+def check_cross_kv_blocks(
+    b: Batch,
+    *,
+    max_cross_blocks_per_seq: int,
+    tokens_per_block: int,
+    num_local_layers: int,
+    num_kv_blocks: int = 0,
+) -> BlockPlan:
+    """Every sequence's cross_kv_block_ids cover its request's encoder output; returns the
+    converted lists for the fill."""
+    width = max_cross_blocks_per_seq
     tokens = _per_sequence(b, [encoder_output_length(r) for r in _requests(b)])
-    b.scratch["cross_kv"] = check_block_lists(
+    return check_block_lists(
         b,
         "cross_kv_block_ids",
-        need=required_blocks(tokens.astype(np.int64), config.tokens_per_block, width),
+        need=required_blocks(tokens.astype(np.int64), tokens_per_block, width),
         width=width,
         width_name="max_cross_blocks_per_seq",
-        limit=id_limit(config),
+        limit=id_limit(num_local_layers, num_kv_blocks),
         what="cross KV",
     )
 
 
-def cross_kv_cache_block_offsets(out: np.ndarray, b: Batch, config: Any) -> int:
+def cross_kv_cache_block_offsets(
+    out: np.ndarray,
+    b: Batch,
+    plan: BlockPlan,
+    *,
+    max_cross_blocks_per_seq: int,
+    num_local_layers: int,
+) -> int:
     """[pools=1, sequences, K/V, max_cross_blocks_per_seq] cross-attention block indices, with
     the encoding of kv_cache_block_offsets; columns past a sequence's blocks hold 0."""
-    width = config.max_cross_blocks_per_seq
+    width = max_cross_blocks_per_seq
     n = b.sizes.num_sequences
     rows = out[: n * 2 * width].reshape(n, 2, width)
-    plan = b.scratch["cross_kv"]
-    write_kv_rows(rows, plan.blocks, plan.lengths, config.num_local_layers)
+    write_kv_rows(rows, plan.blocks, plan.lengths, num_local_layers)
     return rows.size
 
 
@@ -173,7 +195,8 @@ def _token_positions(b: Batch) -> np.ndarray:
     return np.repeat(first - starts, counts) + np.arange(int(counts.sum()))
 
 
-def _cross_mask_check(b: Batch, config: Any) -> None:
+def check_cross_attention_masks(b: Batch) -> None:
+    """Each request's cross_attention_mask, if any: booleans, [rows >= 1, <= longest input]."""
     width = b.sizes.max_encoder_input_length
     for i, r in enumerate(_requests(b)):
         m = getattr(r, "cross_attention_mask", None)
@@ -189,7 +212,7 @@ def _cross_mask_check(b: Batch, config: Any) -> None:
             )
 
 
-def cross_attention_mask(out: np.ndarray, b: Batch, config: Any = None) -> int:
+def cross_attention_mask(out: np.ndarray, b: Batch) -> int:
     """[tokens, longest encoder input] mask. Every row starts all true; a context request
     without a mask gets the padding mask (its encoder input positions only); a request with a
     mask gives each of its tokens the mask row of the token's position (clamped to the last
@@ -216,7 +239,7 @@ def cross_attention_mask(out: np.ndarray, b: Batch, config: Any = None) -> int:
     return rows.size
 
 
-def skip_cross_attn_blocks(out: np.ndarray, b: Batch, config: Any = None) -> int:
+def skip_cross_attn_blocks(out: np.ndarray, b: Batch) -> int:
     """True when every scheduled request skips the cross-attention blocks (a request without
     the field does not; an empty step skips nothing)."""
     requests = _requests(b)
@@ -225,7 +248,8 @@ def skip_cross_attn_blocks(out: np.ndarray, b: Batch, config: Any = None) -> int
 
 
 # ------------------------------------------------------------------ encoder engine inputs
-def _encoder_ids_check(b: Batch, config: Any) -> None:
+def check_encoder_inputs(b: Batch) -> None:
+    """The encoder engine runs context requests only, each with its encoder_input_ids."""
     if b.generation:
         raise BatchError(
             "the encoder engine runs context requests only; got "
@@ -243,7 +267,7 @@ def _encoder_ids_check(b: Batch, config: Any) -> None:
             )
 
 
-def encoder_input_ids(out: np.ndarray, b: Batch, config: Any = None) -> int:
+def encoder_input_ids(out: np.ndarray, b: Batch) -> int:
     o = 0
     for r in b.context:
         ids = r.encoder_input_ids
@@ -252,26 +276,34 @@ def encoder_input_ids(out: np.ndarray, b: Batch, config: Any = None) -> int:
     return o
 
 
-def encoder_position_ids(out: np.ndarray, b: Batch, config: Any = None) -> int:
+def encoder_position_ids(out: np.ndarray, b: Batch) -> int:
     lengths = np.asarray([encoder_input_length(r) for r in b.context], np.int64)
     n = int(lengths.sum())
     out[:n] = np.arange(n) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     return n
 
 
-def encoder_input_lengths(out: np.ndarray, b: Batch, config: Any = None) -> int:
+def encoder_input_lengths(out: np.ndarray, b: Batch) -> int:
     values = [encoder_input_length(r) for r in _requests(b)]
     out[: len(values)] = values
     return len(values)
 
 
 # ------------------------------------------------------------------------------------ LoRA
-def _parse_lora(b: Batch, i: int, rows: Any, config: Any) -> np.ndarray:
+def _parse_lora(
+    b: Batch,
+    i: int,
+    rows: Any,
+    lora_modules: tuple[str, ...],
+    first_local_layer: int,
+    num_local_layers: int,
+    num_layers: int,
+) -> np.ndarray:
     """One request's adapter rows as an [n, 6] array (module index, local layer, A, B, scale,
     rank), keeping the rows of this pipeline rank's layers; raises on a bad row."""
     w = _where(b, i)
-    modules = {m: k for k, m in enumerate(config.lora_modules)}
-    first, count = config.first_local_layer, config.num_local_layers
+    modules = {m: k for k, m in enumerate(lora_modules)}
+    first, count = first_local_layer, num_local_layers
     if len(rows) == 0:
         raise BatchError(f"{w}: lora_weights is empty; give None for no adapter")
     parsed = []
@@ -285,9 +317,9 @@ def _parse_lora(b: Batch, i: int, rows: Any, config: Any) -> np.ndarray:
         if not isinstance(module, str) or module not in modules:
             raise BatchError(
                 f"{w}: LoRA module {show(module)} is not one of the engine's "
-                f"lora_modules ({', '.join(config.lora_modules)})"
+                f"lora_modules ({', '.join(lora_modules)})"
             )
-        check_int(layer, "LoRA layer", w, 0, config.num_layers, f"num_layers={config.num_layers}")
+        check_int(layer, "LoRA layer", w, 0, num_layers, f"num_layers={num_layers}")
         for what, address in (("A", a), ("B", weights), ("DoRA scale", scale or 0)):
             check_int(address, f"LoRA {what} address", w, 0, INT64_MAX + 1)
         check_int(rank, "LoRA rank", w, 0, INT32_MAX + 1)
@@ -296,7 +328,36 @@ def _parse_lora(b: Batch, i: int, rows: Any, config: Any) -> np.ndarray:
     return np.asarray(parsed, dtype=np.int64).reshape(-1, 6)
 
 
-def _lora_check(b: Batch, config: Any) -> None:
+@dataclasses.dataclass
+class LoraMemo:
+    """Each scheduled request's parsed adapter rows, by request, with the snapshot of its
+    lora_weights they were parsed from (kept between steps)."""
+
+    rows: dict[int, tuple[Any, np.ndarray]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraRows:
+    """The step's adapter rows, one per (sequence, module, layer), as columns."""
+
+    seq: np.ndarray
+    module: np.ndarray
+    layer: np.ndarray
+    a: np.ndarray
+    b: np.ndarray
+    scale: np.ndarray
+    rank: np.ndarray
+
+
+def check_lora(
+    b: Batch,
+    memo: LoraMemo,
+    *,
+    lora_modules: tuple[str, ...],
+    first_local_layer: int,
+    num_local_layers: int,
+    num_layers: int,
+) -> LoraRows:
     """Every request's adapter rows, one row per sequence, as (sequence, module, layer, a, b,
     scale, rank) columns. A request's parsed rows are memoised while its lora_weights compare
     equal to the copy they were parsed from, so steady steps convert nothing."""
@@ -304,21 +365,25 @@ def _lora_check(b: Batch, config: Any) -> None:
         (np.arange(len(b.context)), len(b.context) + np.cumsum(b.gen_beam_width) - b.gen_beam_width)
     ).astype(np.int64)
     widths = np.concatenate((np.ones(len(b.context), np.int64), b.gen_beam_width))
-    memo = b.carry.setdefault("lora", {})
     seen = {}
     parts = []
     for i, r in enumerate(_requests(b)):
         rows = getattr(r, "lora_weights", None)
         if rows is None:
             continue
-        kept = memo.get(id(r))
+        kept = memo.rows.get(id(r))
         try:  # a deep copy of the rows with each value's type, so that a row edited in place
             # is seen, even to an equal value of another type (8.0 == 8)
             snapshot = tuple(tuple((type(v), v) for v in row) for row in rows)
         except TypeError:
             snapshot = None  # not rows at all: _parse_lora names the problem
         if kept is None or snapshot is None or kept[0] != snapshot:
-            kept = (snapshot, _parse_lora(b, i, rows, config))
+            kept = (
+                snapshot,
+                _parse_lora(
+                    b, i, rows, lora_modules, first_local_layer, num_local_layers, num_layers
+                ),
+            )
         seen[id(r)] = kept
         parsed = kept[1]
         # One row per sequence: the reference indexes the rows by request, so the beams of a
@@ -327,39 +392,51 @@ def _lora_check(b: Batch, config: Any) -> None:
             parts.append(
                 np.column_stack((np.full(len(parsed), seq_of_request[i] + k, np.int64), parsed))
             )
-    memo.clear()
-    memo.update(seen)  # requests no longer scheduled are forgotten
     table = np.concatenate(parts) if parts else np.zeros((0, 7), np.int64)
-    b.scratch["lora"] = tuple(table[:, j] for j in range(7))
+    memo.rows = seen  # requests no longer scheduled are forgotten (every row parsed)
+    return LoraRows(*(table[:, j] for j in range(7)))
 
 
-def lora_weights_pointers(out: np.ndarray, b: Batch, config: Any) -> int:
+def lora_weights_pointers(
+    out: np.ndarray, b: Batch, lora: LoraRows, *, num_lora_modules: int, num_local_layers: int
+) -> int:
     """[modules, local layers, sequences, 3]: (A, B, DoRA scale or 0) of each adapter row;
     zero where a sequence has no adapter for that module and layer."""
     s = b.sizes.num_sequences
-    view = out[: config.num_lora_modules * config.num_local_layers * s * 3].reshape(
-        config.num_lora_modules, config.num_local_layers, s, 3
+    view = out[: num_lora_modules * num_local_layers * s * 3].reshape(
+        num_lora_modules, num_local_layers, s, 3
     )
     view[:] = 0
-    seq, module, layer, a, w, scale, _ = b.scratch["lora"]
-    view[module, layer, seq] = np.stack((a, w, scale), axis=-1) if len(seq) else 0
+    if len(lora.seq):
+        view[lora.module, lora.layer, lora.seq] = np.stack((lora.a, lora.b, lora.scale), axis=-1)
     return view.size
 
 
-def lora_ranks(out: np.ndarray, b: Batch, config: Any) -> int:
+def lora_ranks(
+    out: np.ndarray, b: Batch, lora: LoraRows, *, num_lora_modules: int, num_local_layers: int
+) -> int:
     """[modules, local layers, sequences]: the adapter rank, 0 without an adapter."""
     s = b.sizes.num_sequences
-    view = out[: config.num_lora_modules * config.num_local_layers * s].reshape(
-        config.num_lora_modules, config.num_local_layers, s
+    view = out[: num_lora_modules * num_local_layers * s].reshape(
+        num_lora_modules, num_local_layers, s
     )
     view[:] = 0
-    seq, module, layer, _, _, _, rank = b.scratch["lora"]
-    view[module, layer, seq] = rank
+    view[lora.module, lora.layer, lora.seq] = lora.rank
     return view.size
 
 
 # ---------------------------------------------------------------------------- prompt tuning
-def _prompt_check(b: Batch, config: Any) -> None:
+def check_prompt_tables(
+    b: Batch,
+    *,
+    hidden_size: int,
+    max_prompt_vocab_size: int,
+    model_dtype: torch.dtype,
+    vocab_size: int,
+) -> None:
+    """Each prompt_table is a dense [rows <= max_prompt_vocab_size, hidden_size] tensor of the
+    model dtype, and every token id past the vocabulary names a row of its own request's
+    table."""
     for i, r in enumerate(_requests(b)):
         t = getattr(r, "prompt_table", None)
         if t is None:
@@ -368,23 +445,23 @@ def _prompt_check(b: Batch, config: Any) -> None:
             raise BatchError(
                 f"{_where(b, i)}: prompt_table must be a dense torch.Tensor, got {type(t).__name__}"
             )
-        if t.dim() != 2 or t.shape[1] != config.hidden_size:
+        if t.dim() != 2 or t.shape[1] != hidden_size:
             raise BatchError(
-                f"{_where(b, i)}: prompt_table must be [vocab, hidden_size={config.hidden_size}], "
+                f"{_where(b, i)}: prompt_table must be [vocab, hidden_size={hidden_size}], "
                 f"got {list(t.shape)}"
             )
-        if t.shape[0] > config.max_prompt_vocab_size:
+        if t.shape[0] > max_prompt_vocab_size:
             raise BatchError(
                 f"{_where(b, i)}: its prompt table has {t.shape[0]} rows, more than "
-                f"max_prompt_vocab_size={config.max_prompt_vocab_size}"
+                f"max_prompt_vocab_size={max_prompt_vocab_size}"
             )
-        if t.dtype != config.model_dtype:
+        if t.dtype != model_dtype:
             raise BatchError(
-                f"{_where(b, i)}: prompt_table is {t.dtype}, the model dtype is {config.model_dtype}"
+                f"{_where(b, i)}: prompt_table is {t.dtype}, the model dtype is {model_dtype}"
             )
     # a token id v >= vocab_size reads row v - vocab_size of its own request's table: the row
     # must exist (a request without a table would read another request's rows)
-    vocab = config.vocab_size
+    vocab = vocab_size
     for i, largest in enumerate(_largest_input_tokens(b)):
         if largest < vocab:
             continue
@@ -413,10 +490,12 @@ def _largest_input_tokens(b: Batch) -> list[int]:
     return out
 
 
-def prompt_embedding_table(out: torch.Tensor, b: Batch, config: Any) -> int:
+def prompt_embedding_table(
+    out: torch.Tensor, b: Batch, *, hidden_size: int, max_prompt_vocab_size: int
+) -> int:
     """Request b's table at rows [b * max_prompt_vocab_size, ...) (b counts requests, context
     first); the rows of requests without a table are left as they are (no task reads them)."""
-    h, v = config.hidden_size, config.max_prompt_vocab_size
+    h, v = hidden_size, max_prompt_vocab_size
     for i, r in enumerate(_requests(b)):
         t = getattr(r, "prompt_table", None)
         if t is not None:
@@ -425,7 +504,7 @@ def prompt_embedding_table(out: torch.Tensor, b: Batch, config: Any) -> int:
     return out.numel()
 
 
-def prompt_tasks(out: np.ndarray, b: Batch, config: Any = None) -> int:
+def prompt_tasks(out: np.ndarray, b: Batch) -> int:
     """The task of every input token: request b's index if it has a prompt table, else 0. The
     reference gives generation draft tokens no entry (the tensor is then shorter than the
     tokens); every token gets its request's task here."""
@@ -442,7 +521,7 @@ def prompt_tasks(out: np.ndarray, b: Batch, config: Any = None) -> int:
 
 
 # --------------------------------------------------------------------------- recurrent state
-def _recurrent_check(b: Batch, config: Any = None) -> None:
+def check_recurrent(b: Batch) -> None:
     """The batches a recurrent model takes (TensorRT-LLM's batch manager and Mamba plugins):
     a prompt in one context step (a state is started from zero with the whole prompt), and
     context and generation in separate steps (the plugin picks one kernel for the step from
@@ -461,7 +540,7 @@ def _recurrent_check(b: Batch, config: Any = None) -> None:
         )
 
 
-def slot_mapping(out: np.ndarray, b: Batch, config: Any = None) -> int:
+def slot_mapping(out: np.ndarray, b: Batch) -> int:
     """Each sequence's state slot: its request's seq_slot (every family bounds it by
     max_batch_size, the state pools' rows)."""
     values = _per_sequence(b, b.seq_slot)
@@ -470,8 +549,9 @@ def slot_mapping(out: np.ndarray, b: Batch, config: Any = None) -> int:
 
 
 # ------------------------------------------------------------------------------------ M-RoPE
-def _mrope_check(b: Batch, config: Any) -> None:
-    width = config.max_position_embeddings * config.rotary_embedding_dim
+def check_mrope(b: Batch, *, max_position_embeddings: int, rotary_embedding_dim: int) -> None:
+    """Each context request's cos/sin table, each generation request's position delta."""
+    width = max_position_embeddings * rotary_embedding_dim
     for i, r in enumerate(b.context):
         t = getattr(r, "mrope_rotary_cos_sin", None)
         if t is not None and not _plain_tensor(t):
@@ -496,10 +576,12 @@ def _mrope_check(b: Batch, config: Any) -> None:
         )
 
 
-def mrope_rotary_cos_sin(out: torch.Tensor, b: Batch, config: Any) -> int:
+def mrope_rotary_cos_sin(
+    out: torch.Tensor, b: Batch, *, max_position_embeddings: int, rotary_embedding_dim: int
+) -> int:
     """Row i <- context request i's cos/sin table (device copies). Generation rows are not
     written: the engine reads them only in context steps."""
-    width = config.max_position_embeddings * config.rotary_embedding_dim
+    width = max_position_embeddings * rotary_embedding_dim
     for i, r in enumerate(b.context):
         out[i * width : (i + 1) * width].copy_(
             r.mrope_rotary_cos_sin.reshape(-1), non_blocking=True
@@ -507,7 +589,7 @@ def mrope_rotary_cos_sin(out: torch.Tensor, b: Batch, config: Any) -> int:
     return b.sizes.num_sequences * width
 
 
-def mrope_position_deltas(out: np.ndarray, b: Batch, config: Any = None) -> int:
+def mrope_position_deltas(out: np.ndarray, b: Batch) -> int:
     """Each generation sequence's delta from row 0 (generation sequence j, counting generation
     sequences only, in row j), then one 0 row per context request, as the reference writes
     them. TensorRT-LLM's attention plugin reads generation request j's delta at row j of the
@@ -529,14 +611,13 @@ def mrope_position_deltas(out: np.ndarray, b: Batch, config: Any = None) -> int:
 
 
 # -------------------------------------------------------------------------- language adapter
-def _language_check(b: Batch, config: Any) -> None:
+def check_language_adapters(b: Batch, *, num_languages: int) -> None:
+    """Every request's language_adapter_uid is below num_languages."""
     for i, uid in enumerate(_field(b, "language_adapter_uid", "the language adapter")):
-        check_int(
-            uid, "language_adapter_uid", _where(b, i), 0, config.num_languages, "num_languages"
-        )
+        check_int(uid, "language_adapter_uid", _where(b, i), 0, num_languages, "num_languages")
 
 
-def language_adapter_routings(out: np.ndarray, b: Batch, config: Any) -> int:
+def language_adapter_routings(out: np.ndarray, b: Batch) -> int:
     """The request's adapter for every input token. The reference writes none for draft
     tokens, so the tensor is short of the tokens; every token gets its request's adapter."""
     uids = np.asarray([r.language_adapter_uid for r in _requests(b)], np.int64)
@@ -553,7 +634,8 @@ def _thresholds(b: Batch) -> np.ndarray:
     )
 
 
-def _threshold_check(b: Batch, config: Any) -> None:
+def check_posterior_thresholds(b: Batch) -> None:
+    """Each eagle_posterior_threshold, if any, is a number >= 0, finite in float32."""
     for i, r in enumerate(_requests(b)):
         v = getattr(r, "eagle_posterior_threshold", None)
         if v is None:
@@ -569,19 +651,19 @@ def _threshold_check(b: Batch, config: Any) -> None:
             )
 
 
-def posterior_thresholds(out: np.ndarray, b: Batch, config: Any = None) -> int:
+def posterior_thresholds(out: np.ndarray, b: Batch) -> int:
     values = _thresholds(b)
     out[: len(values)] = values
     return len(values)
 
 
-def posterior_alphas(out: np.ndarray, b: Batch, config: Any = None) -> int:
+def posterior_alphas(out: np.ndarray, b: Batch) -> int:
     values = np.sqrt(_thresholds(b))
     out[: len(values)] = values
     return len(values)
 
 
-def chunked_context_next_tokens(out: np.ndarray, b: Batch, config: Any = None) -> int:
+def chunked_context_next_tokens(out: np.ndarray, b: Batch) -> int:
     """For a context request on a chunk that is not its last, the prompt token right after the
     chunk; -1 on a last chunk and for every generation sequence."""
     s = b.sizes.num_sequences
@@ -592,23 +674,3 @@ def chunked_context_next_tokens(out: np.ndarray, b: Batch, config: Any = None) -
         if begin + chunk < plen:
             out[i] = r.prompt[begin + chunk]
     return s
-
-
-CHECKS: dict[str, Callable[[Batch, Any], None]] = {
-    "encoder_output": _encoder_output_check,
-    "cross_kv_cache_block_offsets": _cross_kv_check,
-    "cross_attention_mask": _cross_mask_check,
-    "encoder_input_ids": _encoder_ids_check,
-    "encoder_position_ids": _encoder_ids_check,
-    "encoder_input_lengths": _encoder_ids_check,
-    "lora_weights_pointers": _lora_check,
-    "lora_ranks": _lora_check,
-    "prompt_embedding_table": _prompt_check,
-    "prompt_tasks": _prompt_check,
-    "slot_mapping": _recurrent_check,
-    "mrope_rotary_cos_sin": _mrope_check,
-    "mrope_position_deltas": _mrope_check,
-    "language_adapter_routings": _language_check,
-    "posterior_thresholds": _threshold_check,
-    "posterior_alphas": _threshold_check,
-}

@@ -20,21 +20,20 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from ..runtime.errors import BatchError
+from ..runtime.values import INT32_MAX, in_range, int_array, is_int, show
 from .batch import Batch
-from .errors import BatchError
-from .values import INT32_MAX, in_range, int_array, is_int, show
 
 _FIRST = itemgetter(0)
 
 
-def id_limit(config: Any) -> tuple[int, str]:
-    """Block ids lie in 0 .. limit - 1: the pool's blocks, and at most what the int32 index
-    (id * num_local_layers * 2 + 1) can encode."""
-    encodable = (INT32_MAX - 1) // (2 * config.num_local_layers) + 1
-    pool = getattr(config, "num_kv_blocks", 0)
-    if pool and pool <= encodable:
-        return pool, f"num_kv_blocks={pool}"
-    return encodable, f"the int32 block index with num_local_layers={config.num_local_layers}"
+def id_limit(num_local_layers: int, num_kv_blocks: int) -> tuple[int, str]:
+    """Block ids lie in 0 .. limit - 1: the pool's blocks (0: unbounded), and at most what the
+    int32 index (id * num_local_layers * 2 + 1) can encode."""
+    encodable = (INT32_MAX - 1) // (2 * num_local_layers) + 1
+    if num_kv_blocks and num_kv_blocks <= encodable:
+        return num_kv_blocks, f"num_kv_blocks={num_kv_blocks}"
+    return encodable, f"the int32 block index with num_local_layers={num_local_layers}"
 
 
 def required_blocks(tokens: np.ndarray, tokens_per_block: int, width: int) -> np.ndarray:
@@ -42,13 +41,16 @@ def required_blocks(tokens: np.ndarray, tokens_per_block: int, width: int) -> np
     return np.minimum(-(-tokens // tokens_per_block), width)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class KeptRows:
-    """Generation rows kept from step to step, with a copy of the block lists they came from
-    (compared by value, so a list changed in place is seen)."""
+    """The self-attention KV rows' state between steps: the generation rows of the last step
+    with a copy of the block lists they came from (compared by value, so a list changed in
+    place is seen; None before the first step), and the blocks that advance() entered in the
+    last decode step (a buffer half two steps behind still lacks them)."""
 
-    snapshot: list
-    table: np.ndarray
+    snapshot: list | None = None
+    table: np.ndarray | None = None
+    entered: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,7 @@ class BlockPlan:
     blocks: np.ndarray
     lengths: np.ndarray
     changed: list[int] | None
+    kept: KeptRows | None = None  # the state the fill updates (self-attention rows)
 
 
 def _block_lists(b: Batch, field: str) -> list | None:
@@ -108,6 +111,7 @@ def check_block_lists(
     `need[i]` and at most `width` blocks, every id converted is an integer in 0 .. limit - 1.
     Of the generation lists, only those that differ from `kept`'s snapshot are converted (the
     others were checked when they were). A BatchError names the first bad request."""
+    snapshot = kept.snapshot if kept is not None else None
     lists = _block_lists(b, field)
     if lists is None:
         _diagnose(b, field, need, width, width_name, limit, what)
@@ -117,12 +121,12 @@ def check_block_lists(
     n_ctx = b.sizes.num_context_requests
     gen = lists[n_ctx:]
     changed: list[int] | None
-    if kept is None or len(kept.snapshot) != len(gen):
+    if snapshot is None or len(snapshot) != len(gen):
         changed, convert = None, lists
-    elif kept.snapshot == gen:
+    elif snapshot == gen:
         changed, convert = [], lists[:n_ctx]
     else:
-        changed = [i for i, (now, then) in enumerate(zip(gen, kept.snapshot)) if now != then]
+        changed = [i for i, (now, then) in enumerate(zip(gen, snapshot)) if now != then]
         convert = lists[:n_ctx] + [gen[i] for i in changed]
     blocks = int_array(list(itertools.chain.from_iterable(convert)))
     if blocks is None or not in_range(blocks, 0, limit[0]):
@@ -130,7 +134,7 @@ def check_block_lists(
     sub = (
         lengths if changed is None else np.concatenate((lengths[:n_ctx], lengths[n_ctx:][changed]))
     )
-    return BlockPlan(lists, blocks, sub, changed)
+    return BlockPlan(lists, blocks, sub, changed, kept)
 
 
 def _diagnose(

@@ -1,0 +1,59 @@
+"""The decode step advance() writes: every sequence of the last step one token longer."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..runtime.errors import BatchError
+from ..runtime.values import in_range, int_array
+from .batch import Batch, Limits
+
+
+@dataclasses.dataclass(frozen=True)
+class Decode:
+    """A decode step that follows a generation-only step without draft tokens.
+
+    `seq_tokens` is each sequence's token count after this step (its KV length), `tokens` its
+    new input token; `batch` is the last step prepared in full (requests, beams). `holds_run`
+    says the buffer half being written already holds this run of decode steps two steps back,
+    so values that stay fixed over the run are there."""
+
+    batch: Batch
+    tokens: np.ndarray
+    seq_tokens: np.ndarray
+    holds_run: bool = False
+
+
+def start(b: Batch) -> Decode | None:
+    """The state advance() continues from after step `b`: only a generation-only step without
+    draft tokens can be followed by one."""
+    s = b.sizes
+    if not s.num_sequences or s.num_context_requests or b.gen_drafts.any():
+        return None
+    return Decode(b, b.seq_last_token, b.seq_num_tokens)
+
+
+def next_step(d: Decode, tokens: Any, limits: Limits, holds_run: bool) -> Decode:
+    """The decode step after `d` with the sampled `tokens`, one per sequence: integers in the
+    vocabulary (BatchError otherwise)."""
+    count = len(d.tokens)
+    if isinstance(tokens, torch.Tensor):
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.layout != torch.strided:
+            raise BatchError(f"advance() needs integer tokens, got a {tokens.dtype} tensor")
+        tokens = tokens.detach().cpu().numpy()
+    a = int_array(np.ravel(tokens) if isinstance(tokens, np.ndarray) else tokens)
+    if a is None:
+        raise BatchError("advance() needs integer tokens, one per sequence")
+    if a.size != count:
+        raise BatchError(f"advance() needs {count} tokens, one per sequence, got {a.size}")
+    if not in_range(a, 0, limits.token_limit):
+        i = int(np.flatnonzero((a < 0) | (a >= limits.token_limit))[0])
+        raise BatchError(
+            f"advance(): token {a[i]} of sequence {i} is outside 0 .. "
+            f"{limits.token_limit - 1} ({limits.token_limit_text})"
+        )
+    return Decode(d.batch, a, d.seq_tokens + 1, holds_run)

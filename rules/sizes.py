@@ -1,0 +1,62 @@
+"""The step sizes the batch builder computes: the one list of their names.
+
+Plain Python (no numpy, no torch), so that the generator reads the same names the runtime
+computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepSizes:
+    """The sizes of one step (the reference's setBufferSizes)."""
+
+    num_context_requests: int
+    num_context_tokens: int
+    num_generation_requests: int
+    num_generation_sequences: int
+    num_generation_tokens: int
+    num_logits: int
+    num_sequences: int
+    num_tokens: int
+    num_requests: int
+    max_context_length: int
+    # computed only for families that read them (encoder-decoder models)
+    num_encoder_tokens: int = 0
+    num_encoder_input_tokens: int = 0
+    max_encoder_input_length: int = 0
+
+    def generation_bucket(self, rows: int) -> StepSizes:
+        """The sizes of a generation-only step (one token per sequence) padded to `rows`
+        sequences: the shapes a CUDA graph for that batch bucket is captured with."""
+        if (
+            self.num_context_requests
+            or self.num_tokens != self.num_sequences
+            or rows < self.num_sequences
+        ):
+            raise ValueError(
+                "a generation bucket needs a generation-only step without draft tokens, "
+                f"padded to at least its {self.num_sequences} sequences"
+            )
+        return dataclasses.replace(
+            self,
+            num_generation_requests=rows,
+            num_generation_sequences=rows,
+            num_generation_tokens=rows,
+            num_logits=rows,
+            num_sequences=rows,
+            num_tokens=rows,
+            num_requests=rows,
+        )
+
+
+STEP_SIZES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepSizes))
+"""Every step size, in declaration order."""
+
+ENCODER_SIZES: frozenset[str] = frozenset(
+    {"num_encoder_tokens", "num_encoder_input_tokens", "max_encoder_input_length"}
+)
+"""Computed only for families whose shapes or rules read them: they read request fields
+(encoder lengths) that other families' requests do not have."""

@@ -1,0 +1,106 @@
+"""The staging machinery every family shares: the double-buffered host arena that the step's
+one host-to-device copy reads, and the fill targets the generated step program writes.
+
+Host tensors that are mirrored to the device live in one staging arena at fixed, aligned
+offsets (smallest first), their device mirrors in one device arena with the same layout: one
+copy per step moves them all, and of the largest member only its used part. The arena is
+double-buffered (pinned on CUDA): step t writes half t % 2, and before writing a half the host
+waits on the event recorded after that half's last copy, so a copy still in flight is never
+overwritten while the host runs a step ahead of the GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+ALIGN = 256  # bytes; every arena member starts on this boundary
+HALVES = 2
+
+
+class Target:
+    """One rule tensor's storage in one half: `out` (a flat numpy view of host memory, or the
+    flat device tensor of a rule that copies request tensors), its pad value, and how many
+    elements the last fill of this storage wrote (a one-item list, shared by the halves where
+    the storage is), so that the rows past a shorter step are re-padded."""
+
+    __slots__ = ("out", "pad", "written")
+
+    def __init__(self, out: Any, pad: int | float | None, written: list[int]) -> None:
+        self.out, self.pad, self.written = out, pad, written
+
+    def fill(self, rule: Callable[..., int], *args: Any, **kwargs: Any) -> None:
+        """rule(out, *args, **kwargs) writes the step and returns the elements written."""
+        self._wrote(rule(self.out, *args, **kwargs))
+
+    def keep(self, prev: Target, holds_run: bool) -> None:
+        """The last step's values, from the other half `prev` (unless this half already holds
+        them: it was written two steps back in the same run of decode steps)."""
+        n = prev.written[0]
+        if not holds_run:
+            self.out[:n] = prev.out[:n]
+        self._wrote(n)
+
+    def _wrote(self, n: int) -> None:
+        w = self.written
+        if self.pad is not None and w[0] > n:
+            self.out[n : w[0]] = self.pad  # rows past this step hold the pad value
+        w[0] = n
+
+
+class Targets:
+    """One half's fill targets, one attribute per rule tensor of the family (those whose
+    construct-time condition held)."""
+
+    def __init__(self, targets: dict[str, Target]) -> None:
+        self.__dict__.update(targets)
+
+    def __getattr__(self, name: str) -> Target:  # only for a tensor the Config left out
+        raise AttributeError(f"this family's Config allocates no tensor {name!r}")
+
+
+class Staging:
+    """The double-buffered host staging arena and the device arena it is copied into.
+
+    `layout` gives each member's (offset, bytes); members are laid out smallest first, so the
+    step's copy ends inside the last, largest one."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.nbytes = nbytes
+        self.host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(HALVES)]
+        self.device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        # a CPU "device": the copy is a numpy memcpy on the calling thread (torch's copy_
+        # hands a large copy to its intra-op thread pool, which stalls on a loaded host)
+        self._numpy = (
+            (self.device.numpy(), [a.numpy() for a in self.host]) if device.type == "cpu" else None
+        )
+        self._done = [torch.cuda.Event() for _ in range(HALVES)] if pin else None
+
+    def view(self, half: int | None, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """A member's flat storage in host half `half`, or in the device arena (None)."""
+        arena = self.device if half is None else self.host[half]
+        return arena[offset : offset + nbytes].view(dtype)
+
+    def start(self) -> None:
+        """The device arena starts with the pads written into half 0."""
+        if self.nbytes:
+            self.device.copy_(self.host[0])
+
+    def wait(self, half: int) -> None:
+        """Before writing `half`: its last copy has left it."""
+        if self._done is not None:
+            self._done[half].synchronize()
+
+    def copy(self, half: int, span: int) -> None:
+        """The step's one host-to-device copy: the first `span` bytes of `half`."""
+        if self._numpy is not None:
+            device, hosts = self._numpy
+            np.copyto(device[:span], hosts[half][:span])
+            return
+        self.device[:span].copy_(self.host[half][:span], non_blocking=True)
+        if self._done is not None:
+            self._done[half].record()
