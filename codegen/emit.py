@@ -100,10 +100,12 @@ def _file_label(file: str) -> str:
     return "".join(ch if " " <= ch <= "~" else "?" for ch in label)
 
 
-def _tensor_context(pt: PlannedTensor, sizes: set[str]) -> dict[str, Any]:
+def _tensor_context(
+    pt: PlannedTensor, sizes: set[str], rules: dict[str, str]
+) -> dict[str, Any]:
     dtype = f"lambda c: c.{pt.dtype}" if pt.dtype_is_param else f"torch.{vocab.DTYPES[pt.dtype]}"
     if pt.fill_kind == "rule":
-        fill = f"rt.Rule({pt.fill_target!r})"
+        fill = f"rt.Rule({rules[pt.name]})"
     elif pt.fill_kind == "mirror":
         fill = f"rt.Mirror({pt.fill_target!r})"
     elif pt.fill_kind == "constant":
@@ -260,14 +262,12 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
         for z in plan.sizes
         if z.bound is not None
     ]
-    guards = [
+    guards = [  # a tensor the Config leaves out is not checked (check_shape knows)
         line
         for pt in plan.tensors
         if pt.checked and pt.fill_kind != "mirror"
-        for line in _guarded(
-            pt.when,
-            "self.check_shape",
-            [repr(pt.name), _tuple([_step(e, sizes) for e in pt.shape])],
+        for line in _lines(
+            "self.check_shape", [repr(pt.name), _tuple([_step(e, sizes) for e in pt.shape])], 8
         )
     ]
     checks = []
@@ -292,12 +292,7 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
     fills = []
     for f in program.fills:
         args = [alias(f.impl), "b", *([f"k.{f.check}"] if f.check else []), *_kwargs(f.reads)]
-        fills.append(
-            {
-                "doc": f"{f.tensor}: {_comment(f.doc)}",
-                "lines": _guarded(f.guard, f"t.{f.tensor}.fill", args),
-            }
-        )
+        fills.append({"doc": _fill_doc(f), "lines": _lines(f"t.{f.tensor}.fill", args, 8)})
     advance = not program.no_advance
     advance_checks, advance_results, advances = [], [], []
     for f in program.fills if advance else ():
@@ -363,9 +358,16 @@ def _construction(cls: str, first: str, results: list[dict[str, Any]]) -> list[s
     return [f"return {cls}(", f"    {first},", *(f"    {x}" for r in results for x in r["lines"]), ")"]
 
 
+def _fill_doc(f: PlannedFill) -> str:
+    """The comment above a tensor's fill: its name, the construct-time condition of its
+    existence (where the Config leaves it out, its target does nothing), and its doc."""
+    where = f" (where {_construct(f.guard)})" if f.guard is not None else ""
+    return f"{f.tensor}{where}: {_comment(f.doc)}"
+
+
 def _advance_lines(f: PlannedFill, alias: _Aliases) -> list[str]:
     if f.advance == "same":
-        return _guarded(f.guard, f"t.{f.tensor}.keep", [f"p.{f.tensor}", "d.holds_run"])
+        return _lines(f"t.{f.tensor}.keep", [f"p.{f.tensor}", "d.holds_run"], 8)
     assert isinstance(f.advance, Impl)
     args = [
         alias(f.advance),
@@ -374,7 +376,7 @@ def _advance_lines(f: PlannedFill, alias: _Aliases) -> list[str]:
         *([f"a.{f.tensor}"] if f.advance_check is not None and f.advance_check_result else []),
         *_kwargs(f.advance_reads),
     ]
-    return _guarded(f.guard, f"t.{f.tensor}.fill", args)
+    return _lines(f"t.{f.tensor}.fill", args, 8)
 
 
 def render_family(plan: FamilyPlan, file: str) -> str:
@@ -428,7 +430,10 @@ def render_family(plan: FamilyPlan, file: str) -> str:
             }
             for c in plan.checks
         ],
-        "tensors": [_tensor_context(pt, sizes) for pt in plan.tensors],
+        "tensors": [
+            _tensor_context(pt, sizes, {f.tensor: alias(f.impl) for f in plan.program.fills})
+            for pt in plan.tensors
+        ],
         "index_sets": [_index_set(x) for x in plan.index_sets],
     }
     source = _template().render(**context)

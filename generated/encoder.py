@@ -94,7 +94,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_batch_size * c.max_input_length,),
         shape=lambda c, s: (s.num_encoder_input_tokens,),
-        fill=rt.Rule('encoder_input_ids'),
+        fill=rt.Rule(features.encoder_input_ids),
         pad=0,
     ),
     # Encoder input tokens.
@@ -115,7 +115,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_batch_size * c.max_input_length,),
         shape=lambda c, s: (s.num_encoder_input_tokens,),
-        fill=rt.Rule('encoder_position_ids'),
+        fill=rt.Rule(features.encoder_position_ids),
         pad=0,
     ),
     # Positions of the encoder input tokens.
@@ -136,7 +136,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_batch_size,),
         shape=lambda c, s: (s.num_requests,),
-        fill=rt.Rule('encoder_input_lengths'),
+        fill=rt.Rule(features.encoder_input_lengths),
         pad=0,
     ),
     # Encoder input length of each request.

@@ -139,7 +139,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_tokens,),
         shape=lambda c, s: (s.num_tokens,),
-        fill=rt.Rule('token_ids'),
+        fill=rt.Rule(core.token_ids),
         pad=0,
     ),
     # Token ids of the packed batch; context chunks first, then each generation beam.
@@ -160,7 +160,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_tokens,),
         shape=lambda c, s: (s.num_context_tokens + s.num_generation_sequences,),
-        fill=rt.Rule('position_ids'),
+        fill=rt.Rule(core.position_ids),
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
@@ -183,7 +183,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=rt.Rule('context_lengths'),
+        fill=rt.Rule(core.context_lengths),
         pad=0,
         inputs=(rt.Bind('host_context_lengths'),),
     ),
@@ -205,7 +205,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=rt.Rule('sequence_lengths'),
+        fill=rt.Rule(core.sequence_lengths),
         pad=0,
     ),
     # Tokens of each sequence once this step's inputs are appended.
@@ -226,7 +226,7 @@ TENSORS = (
         memory=rt.HOST,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=rt.Rule('request_types'),
+        fill=rt.Rule(core.request_types),
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
@@ -237,7 +237,7 @@ TENSORS = (
         memory=rt.HOST,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=rt.Rule('past_key_value_lengths'),
+        fill=rt.Rule(core.past_key_value_lengths),
         pad=0,
         inputs=(rt.Bind('host_past_key_value_lengths'),),
     ),
@@ -248,7 +248,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_logits,),
         shape=lambda c, s: (s.num_logits,),
-        fill=rt.Rule('last_token_ids'),
+        fill=rt.Rule(core.last_token_ids),
         pad=0,
     ),
     # Device copy of host_last_token_ids; the engine gathers logits at these tokens.
@@ -333,7 +333,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (1, c.max_num_sequences, 2, c.max_blocks_per_seq),
         shape=lambda c, s: (1, s.num_sequences, 2, c.max_blocks_per_seq),
-        fill=rt.Rule('kv_cache_block_offsets'),
+        fill=rt.Rule(core.kv_cache_block_offsets),
         pad=0,
         inputs=(rt.Bind('host_kv_cache_block_offsets'),),
     ),
@@ -385,7 +385,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (3, c.max_batch_size),
         shape=lambda c, s: (3, s.num_generation_requests),
-        fill=rt.Rule('cache_indirection_copies'),
+        fill=rt.Rule(features.cache_indirection_copies),
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
@@ -407,7 +407,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (3, c.max_batch_size),
         shape=lambda c, s: (3, s.num_requests),
-        fill=rt.Rule('cache_indirection_decoder_copies'),
+        fill=rt.Rule(features.cache_indirection_decoder_copies),
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
@@ -429,7 +429,7 @@ TENSORS = (
         memory=rt.HOST,
         capacity=lambda c: (c.max_batch_size,),
         shape=lambda c, s: (s.num_generation_requests,),
-        fill=rt.Rule('generation_beam_widths'),
+        fill=rt.Rule(core.generation_beam_widths),
         pad=0,
         when=lambda c: c.max_beam_width > 1,
         inputs=(rt.Bind('host_beam_widths'),),
@@ -494,7 +494,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_batch_size,),
         shape=lambda c, s: (s.num_requests,),
-        fill=rt.Rule('seq_slots'),
+        fill=rt.Rule(core.seq_slots),
         pad=0,
     ),
     # Device copy of host_seq_slots, for decoder-side gathers.
@@ -514,7 +514,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.num_lora_modules, c.num_local_layers, c.max_num_sequences, 3),
         shape=lambda c, s: (c.num_lora_modules, c.num_local_layers, s.num_sequences, 3),
-        fill=rt.Rule('lora_weights_pointers'),
+        fill=rt.Rule(features.lora_weights_pointers),
         pad=0,
         inputs=(rt.Bind('{lora_module}_lora_weights_pointers_{local_layer}', each=(SET_LORA_MODULE, SET_LOCAL_LAYER)),),
     ),
@@ -525,7 +525,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.num_lora_modules, c.num_local_layers, c.max_num_sequences),
         shape=lambda c, s: (c.num_lora_modules, c.num_local_layers, s.num_sequences),
-        fill=rt.Rule('lora_ranks'),
+        fill=rt.Rule(features.lora_ranks),
         pad=0,
         inputs=(rt.Bind('{lora_module}_lora_ranks_{local_layer}', each=(SET_LORA_MODULE, SET_LOCAL_LAYER)),),
     ),
@@ -638,25 +638,22 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             max_blocks_per_seq=c.max_blocks_per_seq,
             num_local_layers=c.num_local_layers,
         )
-        # host_cache_indirection_copies: Source, destination and size of the copy of each generation request's cache indirection.
-        if c.max_beam_width > 1:
-            t.host_cache_indirection_copies.fill(
-                features.cache_indirection_copies,
-                b,
-                max_beam_width=c.max_beam_width,
-                max_attention_window=c.max_attention_window,
-            )
-        # host_cache_indirection_decoder_copies: Source, destination and size of each request's decoder output-to-input indirection copy.
-        if c.max_beam_width > 1:
-            t.host_cache_indirection_decoder_copies.fill(
-                features.cache_indirection_decoder_copies,
-                b,
-                max_beam_width=c.max_beam_width,
-                max_attention_window=c.max_attention_window,
-            )
-        # host_generation_beam_widths: Beam width of each generation request (its sequences are consecutive rows).
-        if c.max_beam_width > 1:
-            t.host_generation_beam_widths.fill(core.generation_beam_widths, b)
+        # host_cache_indirection_copies (where c.max_beam_width > 1): Source, destination and size of the copy of each generation request's cache indirection.
+        t.host_cache_indirection_copies.fill(
+            features.cache_indirection_copies,
+            b,
+            max_beam_width=c.max_beam_width,
+            max_attention_window=c.max_attention_window,
+        )
+        # host_cache_indirection_decoder_copies (where c.max_beam_width > 1): Source, destination and size of each request's decoder output-to-input indirection copy.
+        t.host_cache_indirection_decoder_copies.fill(
+            features.cache_indirection_decoder_copies,
+            b,
+            max_beam_width=c.max_beam_width,
+            max_attention_window=c.max_attention_window,
+        )
+        # host_generation_beam_widths (where c.max_beam_width > 1): Beam width of each generation request (its sequences are consecutive rows).
+        t.host_generation_beam_widths.fill(core.generation_beam_widths, b)
         # host_seq_slots: Decoder slot of each request, context requests first.
         t.host_seq_slots.fill(core.seq_slots, b)
         # host_lora_weights_pointers: (A, B, DoRA scale or 0) adapter weight addresses per module, layer and sequence.

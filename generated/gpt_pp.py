@@ -131,7 +131,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_tokens,),
         shape=lambda c, s: (s.num_tokens,),
-        fill=rt.Rule('token_ids'),
+        fill=rt.Rule(core.token_ids),
         pad=0,
         when=lambda c: c.pp_rank == 0,
     ),
@@ -154,7 +154,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_tokens,),
         shape=lambda c, s: (s.num_context_tokens + s.num_generation_sequences,),
-        fill=rt.Rule('position_ids'),
+        fill=rt.Rule(core.position_ids),
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
@@ -177,7 +177,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=rt.Rule('context_lengths'),
+        fill=rt.Rule(core.context_lengths),
         pad=0,
         inputs=(rt.Bind('host_context_lengths'),),
     ),
@@ -199,7 +199,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=rt.Rule('sequence_lengths'),
+        fill=rt.Rule(core.sequence_lengths),
         pad=0,
     ),
     # Tokens of each sequence once this step's inputs are appended.
@@ -220,7 +220,7 @@ TENSORS = (
         memory=rt.HOST,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=rt.Rule('request_types'),
+        fill=rt.Rule(core.request_types),
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
@@ -231,7 +231,7 @@ TENSORS = (
         memory=rt.HOST,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=rt.Rule('past_key_value_lengths'),
+        fill=rt.Rule(core.past_key_value_lengths),
         pad=0,
         inputs=(rt.Bind('host_past_key_value_lengths'),),
     ),
@@ -242,7 +242,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_logits,),
         shape=lambda c, s: (s.num_logits,),
-        fill=rt.Rule('last_token_ids'),
+        fill=rt.Rule(core.last_token_ids),
         pad=0,
     ),
     # Device copy of host_last_token_ids; the engine gathers logits at these tokens.
@@ -327,7 +327,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (1, c.max_num_sequences, 2, c.max_blocks_per_seq),
         shape=lambda c, s: (1, s.num_sequences, 2, c.max_blocks_per_seq),
-        fill=rt.Rule('kv_cache_block_offsets'),
+        fill=rt.Rule(core.kv_cache_block_offsets),
         pad=0,
         inputs=(rt.Bind('host_kv_cache_block_offsets'),),
     ),
@@ -379,7 +379,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (3, c.max_batch_size),
         shape=lambda c, s: (3, s.num_generation_requests),
-        fill=rt.Rule('cache_indirection_copies'),
+        fill=rt.Rule(features.cache_indirection_copies),
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
@@ -401,7 +401,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (3, c.max_batch_size),
         shape=lambda c, s: (3, s.num_requests),
-        fill=rt.Rule('cache_indirection_decoder_copies'),
+        fill=rt.Rule(features.cache_indirection_decoder_copies),
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
@@ -423,7 +423,7 @@ TENSORS = (
         memory=rt.HOST,
         capacity=lambda c: (c.max_batch_size,),
         shape=lambda c, s: (s.num_generation_requests,),
-        fill=rt.Rule('generation_beam_widths'),
+        fill=rt.Rule(core.generation_beam_widths),
         pad=0,
         when=lambda c: c.max_beam_width > 1,
         inputs=(rt.Bind('host_beam_widths'),),
@@ -488,7 +488,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_batch_size,),
         shape=lambda c, s: (s.num_requests,),
-        fill=rt.Rule('seq_slots'),
+        fill=rt.Rule(core.seq_slots),
         pad=0,
     ),
     # Device copy of host_seq_slots, for decoder-side gathers.
@@ -597,9 +597,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         """Write every rule tensor of the step (every check has passed); return the state
         advance() continues from."""
         c, b = self.config, k.batch
-        # host_input_ids: Token ids of the packed batch, staged on the host.
-        if c.pp_rank == 0:
-            t.host_input_ids.fill(core.token_ids, b)
+        # host_input_ids (where c.pp_rank == 0): Token ids of the packed batch, staged on the host.
+        t.host_input_ids.fill(core.token_ids, b)
         # host_position_ids: Position of every input token (one per generation beam), staged on the host.
         t.host_position_ids.fill(core.position_ids, b)
         # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
@@ -620,25 +619,22 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             max_blocks_per_seq=c.max_blocks_per_seq,
             num_local_layers=c.num_local_layers,
         )
-        # host_cache_indirection_copies: Source, destination and size of the copy of each generation request's cache indirection.
-        if c.max_beam_width > 1:
-            t.host_cache_indirection_copies.fill(
-                features.cache_indirection_copies,
-                b,
-                max_beam_width=c.max_beam_width,
-                max_attention_window=c.max_attention_window,
-            )
-        # host_cache_indirection_decoder_copies: Source, destination and size of each request's decoder output-to-input indirection copy.
-        if c.max_beam_width > 1:
-            t.host_cache_indirection_decoder_copies.fill(
-                features.cache_indirection_decoder_copies,
-                b,
-                max_beam_width=c.max_beam_width,
-                max_attention_window=c.max_attention_window,
-            )
-        # host_generation_beam_widths: Beam width of each generation request (its sequences are consecutive rows).
-        if c.max_beam_width > 1:
-            t.host_generation_beam_widths.fill(core.generation_beam_widths, b)
+        # host_cache_indirection_copies (where c.max_beam_width > 1): Source, destination and size of the copy of each generation request's cache indirection.
+        t.host_cache_indirection_copies.fill(
+            features.cache_indirection_copies,
+            b,
+            max_beam_width=c.max_beam_width,
+            max_attention_window=c.max_attention_window,
+        )
+        # host_cache_indirection_decoder_copies (where c.max_beam_width > 1): Source, destination and size of each request's decoder output-to-input indirection copy.
+        t.host_cache_indirection_decoder_copies.fill(
+            features.cache_indirection_decoder_copies,
+            b,
+            max_beam_width=c.max_beam_width,
+            max_attention_window=c.max_attention_window,
+        )
+        # host_generation_beam_widths (where c.max_beam_width > 1): Beam width of each generation request (its sequences are consecutive rows).
+        t.host_generation_beam_widths.fill(core.generation_beam_widths, b)
         # host_seq_slots: Decoder slot of each request, context requests first.
         t.host_seq_slots.fill(core.seq_slots, b)
         return decode.start(b)
@@ -664,8 +660,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         """Write the decode step from the last step's values `p` (every check has passed)."""
         c, d = self.config, a.decode
         # host_input_ids: Token ids of the packed batch, staged on the host.
-        if c.pp_rank == 0:
-            t.host_input_ids.fill(core.advance_tokens, p.host_input_ids.out, d)
+        t.host_input_ids.fill(core.advance_tokens, p.host_input_ids.out, d)
         # host_position_ids: Position of every input token (one per generation beam), staged on the host.
         t.host_position_ids.fill(core.advance_plus_one, p.host_position_ids.out, d)
         # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
@@ -691,16 +686,13 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             max_blocks_per_seq=c.max_blocks_per_seq,
         )
         # host_cache_indirection_copies: Source, destination and size of the copy of each generation request's cache indirection.
-        if c.max_beam_width > 1:
-            t.host_cache_indirection_copies.keep(p.host_cache_indirection_copies, d.holds_run)
+        t.host_cache_indirection_copies.keep(p.host_cache_indirection_copies, d.holds_run)
         # host_cache_indirection_decoder_copies: Source, destination and size of each request's decoder output-to-input indirection copy.
-        if c.max_beam_width > 1:
-            t.host_cache_indirection_decoder_copies.keep(
-                p.host_cache_indirection_decoder_copies,
-                d.holds_run,
-            )
+        t.host_cache_indirection_decoder_copies.keep(
+            p.host_cache_indirection_decoder_copies,
+            d.holds_run,
+        )
         # host_generation_beam_widths: Beam width of each generation request (its sequences are consecutive rows).
-        if c.max_beam_width > 1:
-            t.host_generation_beam_widths.keep(p.host_generation_beam_widths, d.holds_run)
+        t.host_generation_beam_widths.keep(p.host_generation_beam_widths, d.holds_run)
         # host_seq_slots: Decoder slot of each request, context requests first.
         t.host_seq_slots.keep(p.host_seq_slots, d.holds_run)

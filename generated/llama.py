@@ -126,7 +126,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_tokens,),
         shape=lambda c, s: (s.num_tokens,),
-        fill=rt.Rule('token_ids'),
+        fill=rt.Rule(core.token_ids),
         pad=0,
     ),
     # Token ids of the packed batch; context chunks first, then each generation beam.
@@ -147,7 +147,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_tokens,),
         shape=lambda c, s: (s.num_context_tokens + s.num_generation_sequences,),
-        fill=rt.Rule('position_ids'),
+        fill=rt.Rule(core.position_ids),
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
@@ -170,7 +170,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=rt.Rule('context_lengths'),
+        fill=rt.Rule(core.context_lengths),
         pad=0,
         inputs=(rt.Bind('host_context_lengths'),),
     ),
@@ -192,7 +192,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=rt.Rule('sequence_lengths'),
+        fill=rt.Rule(core.sequence_lengths),
         pad=0,
     ),
     # Tokens of each sequence once this step's inputs are appended.
@@ -213,7 +213,7 @@ TENSORS = (
         memory=rt.HOST,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=rt.Rule('request_types'),
+        fill=rt.Rule(core.request_types),
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
@@ -224,7 +224,7 @@ TENSORS = (
         memory=rt.HOST,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=rt.Rule('past_key_value_lengths'),
+        fill=rt.Rule(core.past_key_value_lengths),
         pad=0,
         inputs=(rt.Bind('host_past_key_value_lengths'),),
     ),
@@ -235,7 +235,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_logits,),
         shape=lambda c, s: (s.num_logits,),
-        fill=rt.Rule('last_token_ids'),
+        fill=rt.Rule(core.last_token_ids),
         pad=0,
     ),
     # Device copy of host_last_token_ids; the engine gathers logits at these tokens.
@@ -320,7 +320,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (1, c.max_num_sequences, 2, c.max_blocks_per_seq),
         shape=lambda c, s: (1, s.num_sequences, 2, c.max_blocks_per_seq),
-        fill=rt.Rule('kv_cache_block_offsets'),
+        fill=rt.Rule(core.kv_cache_block_offsets),
         pad=0,
         inputs=(rt.Bind('host_kv_cache_block_offsets'),),
     ),
@@ -372,7 +372,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (3, c.max_batch_size),
         shape=lambda c, s: (3, s.num_generation_requests),
-        fill=rt.Rule('cache_indirection_copies'),
+        fill=rt.Rule(features.cache_indirection_copies),
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
@@ -394,7 +394,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (3, c.max_batch_size),
         shape=lambda c, s: (3, s.num_requests),
-        fill=rt.Rule('cache_indirection_decoder_copies'),
+        fill=rt.Rule(features.cache_indirection_decoder_copies),
         pad=0,
         when=lambda c: c.max_beam_width > 1,
     ),
@@ -416,7 +416,7 @@ TENSORS = (
         memory=rt.HOST,
         capacity=lambda c: (c.max_batch_size,),
         shape=lambda c, s: (s.num_generation_requests,),
-        fill=rt.Rule('generation_beam_widths'),
+        fill=rt.Rule(core.generation_beam_widths),
         pad=0,
         when=lambda c: c.max_beam_width > 1,
         inputs=(rt.Bind('host_beam_widths'),),
@@ -481,7 +481,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_batch_size,),
         shape=lambda c, s: (s.num_requests,),
-        fill=rt.Rule('seq_slots'),
+        fill=rt.Rule(core.seq_slots),
         pad=0,
     ),
     # Device copy of host_seq_slots, for decoder-side gathers.
@@ -601,25 +601,22 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             max_blocks_per_seq=c.max_blocks_per_seq,
             num_local_layers=c.num_local_layers,
         )
-        # host_cache_indirection_copies: Source, destination and size of the copy of each generation request's cache indirection.
-        if c.max_beam_width > 1:
-            t.host_cache_indirection_copies.fill(
-                features.cache_indirection_copies,
-                b,
-                max_beam_width=c.max_beam_width,
-                max_attention_window=c.max_attention_window,
-            )
-        # host_cache_indirection_decoder_copies: Source, destination and size of each request's decoder output-to-input indirection copy.
-        if c.max_beam_width > 1:
-            t.host_cache_indirection_decoder_copies.fill(
-                features.cache_indirection_decoder_copies,
-                b,
-                max_beam_width=c.max_beam_width,
-                max_attention_window=c.max_attention_window,
-            )
-        # host_generation_beam_widths: Beam width of each generation request (its sequences are consecutive rows).
-        if c.max_beam_width > 1:
-            t.host_generation_beam_widths.fill(core.generation_beam_widths, b)
+        # host_cache_indirection_copies (where c.max_beam_width > 1): Source, destination and size of the copy of each generation request's cache indirection.
+        t.host_cache_indirection_copies.fill(
+            features.cache_indirection_copies,
+            b,
+            max_beam_width=c.max_beam_width,
+            max_attention_window=c.max_attention_window,
+        )
+        # host_cache_indirection_decoder_copies (where c.max_beam_width > 1): Source, destination and size of each request's decoder output-to-input indirection copy.
+        t.host_cache_indirection_decoder_copies.fill(
+            features.cache_indirection_decoder_copies,
+            b,
+            max_beam_width=c.max_beam_width,
+            max_attention_window=c.max_attention_window,
+        )
+        # host_generation_beam_widths (where c.max_beam_width > 1): Beam width of each generation request (its sequences are consecutive rows).
+        t.host_generation_beam_widths.fill(core.generation_beam_widths, b)
         # host_seq_slots: Decoder slot of each request, context requests first.
         t.host_seq_slots.fill(core.seq_slots, b)
         return decode.start(b)
@@ -671,16 +668,13 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             max_blocks_per_seq=c.max_blocks_per_seq,
         )
         # host_cache_indirection_copies: Source, destination and size of the copy of each generation request's cache indirection.
-        if c.max_beam_width > 1:
-            t.host_cache_indirection_copies.keep(p.host_cache_indirection_copies, d.holds_run)
+        t.host_cache_indirection_copies.keep(p.host_cache_indirection_copies, d.holds_run)
         # host_cache_indirection_decoder_copies: Source, destination and size of each request's decoder output-to-input indirection copy.
-        if c.max_beam_width > 1:
-            t.host_cache_indirection_decoder_copies.keep(
-                p.host_cache_indirection_decoder_copies,
-                d.holds_run,
-            )
+        t.host_cache_indirection_decoder_copies.keep(
+            p.host_cache_indirection_decoder_copies,
+            d.holds_run,
+        )
         # host_generation_beam_widths: Beam width of each generation request (its sequences are consecutive rows).
-        if c.max_beam_width > 1:
-            t.host_generation_beam_widths.keep(p.host_generation_beam_widths, d.holds_run)
+        t.host_generation_beam_widths.keep(p.host_generation_beam_widths, d.holds_run)
         # host_seq_slots: Decoder slot of each request, context requests first.
         t.host_seq_slots.keep(p.host_seq_slots, d.holds_run)

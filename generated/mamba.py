@@ -117,7 +117,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_tokens,),
         shape=lambda c, s: (s.num_tokens,),
-        fill=rt.Rule('token_ids'),
+        fill=rt.Rule(core.token_ids),
         pad=0,
     ),
     # Token ids of the packed batch; context chunks first, then each generation beam.
@@ -138,7 +138,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=rt.Rule('context_lengths'),
+        fill=rt.Rule(core.context_lengths),
         pad=0,
         inputs=(rt.Bind('host_context_lengths'),),
     ),
@@ -160,7 +160,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=rt.Rule('sequence_lengths'),
+        fill=rt.Rule(core.sequence_lengths),
         pad=0,
     ),
     # Tokens of each sequence once this step's inputs are appended.
@@ -181,7 +181,7 @@ TENSORS = (
         memory=rt.HOST,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=rt.Rule('request_types'),
+        fill=rt.Rule(core.request_types),
         pad=0,
         inputs=(rt.Bind('host_request_types'),),
     ),
@@ -192,7 +192,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_logits,),
         shape=lambda c, s: (s.num_logits,),
-        fill=rt.Rule('last_token_ids'),
+        fill=rt.Rule(core.last_token_ids),
         pad=0,
     ),
     # Device copy of host_last_token_ids; the engine gathers logits at these tokens.
@@ -288,7 +288,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_batch_size,),
         shape=lambda c, s: (s.num_requests,),
-        fill=rt.Rule('seq_slots'),
+        fill=rt.Rule(core.seq_slots),
         pad=0,
     ),
     # Device copy of host_seq_slots, for decoder-side gathers.
@@ -308,7 +308,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_batch_size,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=rt.Rule('slot_mapping'),
+        fill=rt.Rule(features.slot_mapping),
         pad=0,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),

@@ -17,10 +17,14 @@ ConfigFn = Callable[[Any], Any]
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """Written every step by the family's generated step program with the fill rule `name`
-    (the name is for reports and messages; the program holds the call)."""
+    """Written every step by the family's generated step program, with the rule implemented
+    by `fill` (the program holds the call; the record says which rule, for reports)."""
 
-    name: str
+    fill: Callable[..., int]
+
+    @property
+    def name(self) -> str:
+        return self.fill.__name__
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,15 +51,26 @@ class Target:
         w[0] = n
 
 
+class Absent(Target):
+    """The target of a rule tensor the Config leaves out (its construct-time condition does
+    not hold): its fill and advance do nothing."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None, [0])
+
+    def fill(self, rule: Callable[..., int], *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def keep(self, prev: Target, holds_run: bool) -> None:
+        pass
+
+
 class Targets:
-    """One half's fill targets, one attribute per rule tensor of the family (those whose
-    construct-time condition held)."""
+    """One half's fill targets, one attribute per rule tensor of the family (an ``Absent``
+    one for each tensor the Config leaves out)."""
 
     def __init__(self, targets: dict[str, Target]) -> None:
         self.__dict__.update(targets)
-
-    def __getattr__(self, name: str) -> Target:  # only for a tensor the Config left out
-        raise AttributeError(f"this family's Config allocates no tensor {name!r}")
 
 
 class Staging:

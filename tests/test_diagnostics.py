@@ -435,7 +435,7 @@ CASES = [
         "    fill: {rule: token_id}",
         [
             "buffers.yaml:20:18: unknown fill rule 'token_id' (did you mean 'token_ids'?); "
-            "docs/spec.md lists the rules"
+            "docs/spec.md lists the built-in rules, and a project declares its own under rules"
         ],
         id="unknownrule",
     ),
@@ -508,7 +508,7 @@ def test_all_errors_are_reported_sorted():
     assert diagnostics(text) == [
         "buffers.yaml:18:17: unknown name 'max_num_tokns' (did you mean 'max_num_tokens'?)",
         "buffers.yaml:20:18: unknown fill rule 'tokens' (did you mean 'token_ids'?); "
-        "docs/spec.md lists the rules",
+        "docs/spec.md lists the built-in rules, and a project declares its own under rules",
     ]
 
 

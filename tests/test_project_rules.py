@@ -1,0 +1,209 @@
+"""A project declares its own fill rule in its buffers.yaml (implementation by import path) and
+gets it validated, generated and run like a built-in one, without an edit to bufc."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from bufc.codegen import SpecError, compile_text
+
+SPEC = textwrap.dedent(
+    """\
+    version: 1
+    parameters:
+      max_batch_size: {doc: Requests., min: 1}
+      max_num_tokens: {doc: Tokens., min: 1}
+    sizes:
+      num_tokens: {doc: Tokens., max: "max_num_tokens"}
+      num_sequences: {doc: Sequences., max: "max_batch_size"}
+      num_requests: {doc: Requests., max: "max_batch_size"}
+    request_checks:
+      short_queries:
+        doc: No sequence feeds more than max_query_tokens tokens.
+        impl: mypkg.rules:check_short_queries
+        reads: [max_num_tokens]
+        result: true
+    rules:
+      query_start_loc:
+        doc: cumulative query lengths, FlashAttention's cu_seqlens_q
+        impl: mypkg.rules:query_start_loc
+        dtypes: [int32]
+        shape: ["num_sequences + 1"]
+        sizes: [num_sequences]
+        check: short_queries
+    families:
+      fam: {doc: A decoder with a FlashAttention-style input.}
+    tensors:
+      - name: host_input_ids
+        doc: Token ids.
+        dtype: int32
+        memory: pinned
+        capacity: ["max_num_tokens"]
+        shape: ["num_tokens"]
+        fill: {rule: token_ids}
+        pad: 0
+      - name: input_ids
+        doc: Token ids on the device.
+        memory: device
+        fill: {mirror: host_input_ids}
+        bind: [{input: input_ids}]
+      - name: host_query_start_loc
+        doc: Where each sequence's queries start in the packed tokens.
+        dtype: int32
+        memory: pinned
+        capacity: ["max_batch_size + 1"]
+        shape: ["num_sequences + 1"]
+        fill: {rule: query_start_loc}
+        pad: 0
+      - name: query_start_loc
+        doc: Device copy of host_query_start_loc.
+        memory: device
+        fill: {mirror: host_query_start_loc}
+        bind: [{input: cu_seqlens_q}]
+    """
+)
+
+RULES = textwrap.dedent(
+    """\
+    import numpy as np
+
+    from bufc.runtime import BatchError
+
+
+    def check_short_queries(b, *, max_num_tokens):
+        lengths = np.concatenate((b.ctx_input_len, b.per_sequence(1 + b.gen_drafts)))
+        if len(lengths) and lengths.max() > max_num_tokens:
+            raise BatchError("a query is too long")
+        return lengths
+
+
+    def query_start_loc(out, b, lengths):
+        n = b.sizes.num_sequences
+        out[0] = 0
+        np.cumsum(lengths, out=out[1 : n + 1])
+        return n + 1
+    """
+)
+
+DRIVER = textwrap.dedent(
+    """\
+    import json
+    from bufc.runtime import BatchError, Request
+    from generated import fam
+
+    buffers = fam.RuntimeBuffers(fam.Config(max_batch_size=4, max_num_tokens=64))
+    a = Request(seq_slot=0, prompt=[1, 2, 3, 4, 5])
+    b = Request(seq_slot=1, prompt=[6, 7], context_chunk_size=1)
+    step = buffers.prepare_step([a, b], [])
+    first = step.inputs["cu_seqlens_q"].tolist()
+    a.generated = [[9]]
+    step = buffers.prepare_step([], [a])
+    second = step.inputs["cu_seqlens_q"].tolist()
+    try:
+        buffers.advance([3])
+        message = None
+    except BatchError as exc:
+        message = str(exc)
+    print(json.dumps({"first": first, "second": second, "advance": message}))
+    """
+)
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "rules.py").write_text(RULES)
+    (tmp_path / "buffers.yaml").write_text(SPEC)
+    return tmp_path
+
+
+def test_a_project_rule_is_generated_and_run_like_a_built_in_one(project: Path):
+    gen = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bufc.codegen",
+            "generate",
+            "--spec",
+            "buffers.yaml",
+            "--out",
+            "generated",
+        ],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert gen.returncode == 0, gen.stderr
+    source = (project / "generated" / "fam.py").read_text()
+    assert "from mypkg import rules" in source
+    assert "t.host_query_start_loc.fill(rules.query_start_loc, b, k.short_queries)" in source
+    assert "short_queries=rules.check_short_queries(b, max_num_tokens=c.max_num_tokens)" in source
+    run = subprocess.run(
+        [sys.executable, "-c", DRIVER],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["first"] == [0, 5, 6]  # the whole prompt, then a one-token chunk
+    assert out["second"] == [0, 1]
+    # a rule without an advance form: advance() names it
+    assert out["advance"] == (
+        "advance() is not available for this family: its fill rule(s) query_start_loc have no "
+        "advance form; use prepare_step"
+    )
+
+
+def _errors(text: str) -> list[str]:
+    with pytest.raises(SpecError) as info:
+        compile_text(text, "buffers.yaml")
+    return [str(d) for d in info.value.diagnostics]
+
+
+def test_a_project_rule_gets_located_diagnostics():
+    reads = SPEC.replace(
+        "    sizes: [num_sequences]\n",
+        "    sizes: [num_sequences]\n    reads: [max_query_tokens]\n",
+    )
+    assert _errors(reads) == [
+        "buffers.yaml:46:18: fill rule 'query_start_loc' reads 'max_query_tokens' from the "
+        "Config; declare it as a parameter or derived value"
+    ]
+    check = SPEC.replace("check: short_queries", "check: short_query")
+    assert _errors(check) == [
+        "buffers.yaml:22:5: rule 'query_start_loc' names the request check 'short_query', "
+        "which is not declared (did you mean 'short_queries'?); declare it under request_checks"
+    ]
+    clash = SPEC.replace(
+        "  query_start_loc:\n    doc: cumulative", "  token_ids:\n    doc: cumulative"
+    )
+    assert _errors(clash) == [
+        "buffers.yaml:16:3: rule 'token_ids' is already declared (a built-in rule at "
+        "rules/builtin.yaml:77); choose another name"
+    ]
+    keyword = SPEC.replace("impl: mypkg.rules:query_start_loc", "impl: mypkg.class:query_start_loc")
+    assert _errors(keyword) == [
+        "buffers.yaml:18:11: 'mypkg.class:query_start_loc' cannot be imported: 'class' is a "
+        "Python keyword; rename the module or function"
+    ]
+    size = SPEC.replace("sizes: [num_sequences]", "sizes: [num_sequence]")
+    assert _errors(size) == [
+        "buffers.yaml:21:5: rule 'query_start_loc' reads the step size 'num_sequence', which "
+        "the runtime does not compute (did you mean 'num_sequences'?)"
+    ]
+
+
+def test_the_spec_schema_knows_rules_and_request_checks():
+    schema = json.loads((REPO / "schema" / "buffers.schema.json").read_text())
+    assert {"rules", "request_checks", "requests"} <= set(schema["properties"])
