@@ -100,9 +100,7 @@ def _file_label(file: str) -> str:
     return "".join(ch if " " <= ch <= "~" else "?" for ch in label)
 
 
-def _tensor_context(
-    pt: PlannedTensor, sizes: set[str], rules: dict[str, str]
-) -> dict[str, Any]:
+def _tensor_context(pt: PlannedTensor, sizes: set[str], rules: dict[str, str]) -> dict[str, Any]:
     dtype = f"lambda c: c.{pt.dtype}" if pt.dtype_is_param else f"torch.{vocab.DTYPES[pt.dtype]}"
     if pt.fill_kind == "rule":
         fill = f"rt.Rule({rules[pt.name]})"
@@ -355,7 +353,12 @@ def _construction(cls: str, first: str, results: list[dict[str, Any]]) -> list[s
     """`return CLS(first, name=value, ...)`, one value a line when there are any."""
     if not results:
         return [f"return {cls}({first})"]
-    return [f"return {cls}(", f"    {first},", *(f"    {x}" for r in results for x in r["lines"]), ")"]
+    return [
+        f"return {cls}(",
+        f"    {first},",
+        *(f"    {x}" for r in results for x in r["lines"]),
+        ")",
+    ]
 
 
 def _fill_doc(f: PlannedFill) -> str:

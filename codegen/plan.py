@@ -14,6 +14,7 @@ facts the runtime reads (the past-KV-length tensor, whether encoder sizes are co
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from ..rules.sizes import ENCODER_SIZES
 from . import expr as E
@@ -142,8 +143,8 @@ def _conj(a: E.Expr | None, b: E.Expr | None) -> E.Expr | None:
     return E.BoolOp("and", (a, b))
 
 
-def _fold(cond: E.Expr | None, flags: dict[str, str | bool]) -> E.Expr | None:
-    """Fold flags; None means 'always'; E.FALSE means 'never'."""
+def _fold(cond: E.Expr | None, flags: Mapping[str, int | str | bool]) -> E.Expr | None:
+    """Fold flags (or known values); None means 'always'; E.FALSE means 'never'."""
     if cond is None:
         return None
     folded = E.fold(cond, flags)

@@ -461,7 +461,7 @@ class RuntimeBuffers:
         c = self.config
         if not isinstance(sizes, self.sizes_type):
             raise ValueError(f"views() takes StepSizes, got {type(sizes).__name__}")
-        if any(v < 0 for v in dataclasses.astuple(sizes)):
+        if any(getattr(sizes, f.name) < 0 for f in dataclasses.fields(self.sizes_type)):
             raise ValueError(f"views(): step sizes cannot be negative: {sizes}")
         last = self._last
         if last is not None and sizes != last:
