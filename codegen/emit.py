@@ -260,12 +260,14 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
         for z in plan.sizes
         if z.bound is not None
     ]
-    guards = [  # a tensor the Config leaves out is not checked (check_shape knows)
+    guards = [
         line
         for pt in plan.tensors
         if pt.checked and pt.fill_kind != "mirror"
-        for line in _lines(
-            "self.check_shape", [repr(pt.name), _tuple([_step(e, sizes) for e in pt.shape])], 8
+        for line in _guarded(
+            pt.when,
+            "self.check_shape",
+            [repr(pt.name), _tuple([_step(e, sizes) for e in pt.shape])],
         )
     ]
     checks = []
@@ -289,8 +291,14 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
             )
     fills = []
     for f in program.fills:
-        args = [alias(f.impl), "b", *([f"k.{f.check}"] if f.check else []), *_kwargs(f.reads)]
-        fills.append({"doc": _fill_doc(f), "lines": _lines(f"t.{f.tensor}.fill", args, 8)})
+        args = [
+            f"t.{f.tensor}.out",
+            "b",
+            *([f"k.{f.check}"] if f.check else []),
+            *_kwargs(f.reads),
+        ]
+        args = [alias(f.impl), *args]
+        fills.append({"doc": _fill_doc(f), "lines": _write(f, args)})
     advance = not program.no_advance
     advance_checks, advance_results, advances = [], [], []
     for f in program.fills if advance else ():
@@ -362,24 +370,37 @@ def _construction(cls: str, first: str, results: list[dict[str, Any]]) -> list[s
 
 
 def _fill_doc(f: PlannedFill) -> str:
-    """The comment above a tensor's fill: its name, the construct-time condition of its
-    existence (where the Config leaves it out, its target does nothing), and its doc."""
-    where = f" (where {_construct(f.guard)})" if f.guard is not None else ""
-    return f"{f.tensor}{where}: {_comment(f.doc)}"
+    """The comment above a tensor's fill: its name and doc."""
+    return f"{f.tensor}: {_comment(f.doc)}"
+
+
+def _write(f: PlannedFill, call: list[str]) -> list[str]:
+    """`t.TENSOR.wrote(RULE(t.TENSOR.out, ...))` (the rule returns the elements it wrote),
+    under the tensor's construct-time condition where it has one."""
+    indent = 8 if f.guard is None else 12
+    inner = _lines(call[0], call[1:], indent + len(f"t.{f.tensor}.wrote("))
+    if len(inner) == 1:
+        lines = [f"t.{f.tensor}.wrote({inner[0]})"]
+    else:
+        lines = [f"t.{f.tensor}.wrote(", *(f"    {x}" for x in inner), ")"]
+    if f.guard is None:
+        return lines
+    return [f"if {_construct(f.guard)}:", *(f"    {x}" for x in lines)]
 
 
 def _advance_lines(f: PlannedFill, alias: _Aliases) -> list[str]:
     if f.advance == "same":
-        return _lines(f"t.{f.tensor}.keep", [f"p.{f.tensor}", "d.holds_run"], 8)
+        return _guarded(f.guard, f"t.{f.tensor}.keep", [f"p.{f.tensor}", "d.holds_run"])
     assert isinstance(f.advance, Impl)
     args = [
         alias(f.advance),
+        f"t.{f.tensor}.out",
         f"p.{f.tensor}.out",
         "d",
         *([f"a.{f.tensor}"] if f.advance_check is not None and f.advance_check_result else []),
         *_kwargs(f.advance_reads),
     ]
-    return _lines(f"t.{f.tensor}.fill", args, 8)
+    return _write(f, args)
 
 
 def render_family(plan: FamilyPlan, file: str) -> str:

@@ -665,7 +665,7 @@ class State:
     kv_blocks: kv_rows.KeptRows = dataclasses.field(default_factory=kv_rows.KeptRows)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Checked:
     """What the checks of one step hand on to its fills."""
 
@@ -750,59 +750,101 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         """Write every rule tensor of the step (every check has passed)."""
         c, b = self.config, k.batch
         # host_input_ids: Token ids of the packed batch, staged on the host.
-        t.host_input_ids.fill(core.token_ids, b)
+        t.host_input_ids.wrote(core.token_ids(t.host_input_ids.out, b))
         # host_position_ids: Position of every input token (one per generation beam), staged on the host.
-        t.host_position_ids.fill(core.position_ids, b)
+        t.host_position_ids.wrote(core.position_ids(t.host_position_ids.out, b))
         # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
-        t.host_context_lengths.fill(core.context_lengths, b)
+        t.host_context_lengths.wrote(core.context_lengths(t.host_context_lengths.out, b))
         # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended, staged on the host.
-        t.host_sequence_lengths.fill(core.sequence_lengths, b)
+        t.host_sequence_lengths.wrote(core.sequence_lengths(t.host_sequence_lengths.out, b))
         # host_request_types: Kind of each sequence, 0 for context and 1 for generation.
-        t.host_request_types.fill(core.request_types, b)
+        t.host_request_types.wrote(core.request_types(t.host_request_types.out, b))
         # host_past_key_value_lengths: KV length per sequence as the reference sets it, a context chunk's tokens through this step, a generation sequence's before it (prompt + generated - 1, no drafts).
-        t.host_past_key_value_lengths.fill(core.past_key_value_lengths, b)
+        t.host_past_key_value_lengths.wrote(
+            core.past_key_value_lengths(
+                t.host_past_key_value_lengths.out,
+                b,
+            )
+        )
         # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit row.
-        t.host_last_token_ids.fill(core.last_token_ids, b)
+        t.host_last_token_ids.wrote(core.last_token_ids(t.host_last_token_ids.out, b))
         # host_kv_cache_block_offsets: KV-cache block index of every block of each sequence, K row then V row.
-        t.host_kv_cache_block_offsets.fill(
-            core.kv_cache_block_offsets,
-            b,
-            k.kv_blocks,
-            max_blocks_per_seq=c.max_blocks_per_seq,
-            num_local_layers=c.num_local_layers,
+        t.host_kv_cache_block_offsets.wrote(
+            core.kv_cache_block_offsets(
+                t.host_kv_cache_block_offsets.out,
+                b,
+                k.kv_blocks,
+                max_blocks_per_seq=c.max_blocks_per_seq,
+                num_local_layers=c.num_local_layers,
+            )
         )
-        # host_cache_indirection_copies (where c.max_beam_width > 1): Source, destination and size of the copy of each generation request's cache indirection.
-        t.host_cache_indirection_copies.fill(
-            features.cache_indirection_copies,
-            b,
-            max_beam_width=c.max_beam_width,
-            max_attention_window=c.max_attention_window,
-        )
-        # host_cache_indirection_decoder_copies (where c.max_beam_width > 1): Source, destination and size of each request's decoder output-to-input indirection copy.
-        t.host_cache_indirection_decoder_copies.fill(
-            features.cache_indirection_decoder_copies,
-            b,
-            max_beam_width=c.max_beam_width,
-            max_attention_window=c.max_attention_window,
-        )
-        # host_generation_beam_widths (where c.max_beam_width > 1): Beam width of each generation request (its sequences are consecutive rows).
-        t.host_generation_beam_widths.fill(core.generation_beam_widths, b)
+        # host_cache_indirection_copies: Source, destination and size of the copy of each generation request's cache indirection.
+        if c.max_beam_width > 1:
+            t.host_cache_indirection_copies.wrote(
+                features.cache_indirection_copies(
+                    t.host_cache_indirection_copies.out,
+                    b,
+                    max_beam_width=c.max_beam_width,
+                    max_attention_window=c.max_attention_window,
+                )
+            )
+        # host_cache_indirection_decoder_copies: Source, destination and size of each request's decoder output-to-input indirection copy.
+        if c.max_beam_width > 1:
+            t.host_cache_indirection_decoder_copies.wrote(
+                features.cache_indirection_decoder_copies(
+                    t.host_cache_indirection_decoder_copies.out,
+                    b,
+                    max_beam_width=c.max_beam_width,
+                    max_attention_window=c.max_attention_window,
+                )
+            )
+        # host_generation_beam_widths: Beam width of each generation request (its sequences are consecutive rows).
+        if c.max_beam_width > 1:
+            t.host_generation_beam_widths.wrote(
+                core.generation_beam_widths(
+                    t.host_generation_beam_widths.out,
+                    b,
+                )
+            )
         # host_seq_slots: Decoder slot of each request, context requests first.
-        t.host_seq_slots.fill(core.seq_slots, b)
+        t.host_seq_slots.wrote(core.seq_slots(t.host_seq_slots.out, b))
         # host_encoder_input_lengths: Encoder output length of each sequence's request, staged on the host.
-        t.host_encoder_input_lengths.fill(features.encoder_output_lengths, b)
+        t.host_encoder_input_lengths.wrote(
+            features.encoder_output_lengths(
+                t.host_encoder_input_lengths.out,
+                b,
+            )
+        )
         # encoder_output: Encoder outputs of this step's context requests, concatenated.
-        t.encoder_output.fill(features.encoder_output, b, encoder_hidden_size=c.encoder_hidden_size)
+        t.encoder_output.wrote(
+            features.encoder_output(
+                t.encoder_output.out,
+                b,
+                encoder_hidden_size=c.encoder_hidden_size,
+            )
+        )
         # host_cross_kv_cache_block_offsets: Cross-attention KV-cache block index of every block of each sequence, K then V.
-        t.host_cross_kv_cache_block_offsets.fill(
-            features.cross_kv_cache_block_offsets,
-            b,
-            k.cross_kv_blocks,
-            max_cross_blocks_per_seq=c.max_cross_blocks_per_seq,
-            num_local_layers=c.num_local_layers,
+        t.host_cross_kv_cache_block_offsets.wrote(
+            features.cross_kv_cache_block_offsets(
+                t.host_cross_kv_cache_block_offsets.out,
+                b,
+                k.cross_kv_blocks,
+                max_cross_blocks_per_seq=c.max_cross_blocks_per_seq,
+                num_local_layers=c.num_local_layers,
+            )
         )
         # host_cross_attention_mask: Which encoder positions each token attends to, staged on the host.
-        t.host_cross_attention_mask.fill(features.cross_attention_mask, b)
+        t.host_cross_attention_mask.wrote(
+            features.cross_attention_mask(
+                t.host_cross_attention_mask.out,
+                b,
+            )
+        )
         # host_skip_cross_attn_blocks: Whether every scheduled request skips the cross-attention blocks.
-        t.host_skip_cross_attn_blocks.fill(features.skip_cross_attn_blocks, b)
+        t.host_skip_cross_attn_blocks.wrote(
+            features.skip_cross_attn_blocks(
+                t.host_skip_cross_attn_blocks.out,
+                b,
+            )
+        )
         return None

@@ -453,14 +453,14 @@ class State:
     batch: batch.Memo = dataclasses.field(default_factory=batch.Memo)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Checked:
     """What the checks of one step hand on to its fills."""
 
     batch: batch.Batch
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Advancing:
     """A checked decode step, and what its checks hand on to the advance forms."""
 
@@ -514,37 +514,54 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         advance() continues from."""
         c, b = self.config, k.batch
         # host_input_ids: Token ids of the packed batch, staged on the host.
-        t.host_input_ids.fill(core.token_ids, b)
+        t.host_input_ids.wrote(core.token_ids(t.host_input_ids.out, b))
         # host_position_ids: Position of every input token (one per generation beam), staged on the host.
-        t.host_position_ids.fill(core.position_ids, b)
+        t.host_position_ids.wrote(core.position_ids(t.host_position_ids.out, b))
         # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
-        t.host_context_lengths.fill(core.context_lengths, b)
+        t.host_context_lengths.wrote(core.context_lengths(t.host_context_lengths.out, b))
         # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended, staged on the host.
-        t.host_sequence_lengths.fill(core.sequence_lengths, b)
+        t.host_sequence_lengths.wrote(core.sequence_lengths(t.host_sequence_lengths.out, b))
         # host_request_types: Kind of each sequence, 0 for context and 1 for generation.
-        t.host_request_types.fill(core.request_types, b)
+        t.host_request_types.wrote(core.request_types(t.host_request_types.out, b))
         # host_past_key_value_lengths: KV length per sequence as the reference sets it, a context chunk's tokens through this step, a generation sequence's before it (prompt + generated - 1, no drafts).
-        t.host_past_key_value_lengths.fill(core.past_key_value_lengths, b)
+        t.host_past_key_value_lengths.wrote(
+            core.past_key_value_lengths(
+                t.host_past_key_value_lengths.out,
+                b,
+            )
+        )
         # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit row.
-        t.host_last_token_ids.fill(core.last_token_ids, b)
-        # host_cache_indirection_copies (where c.max_beam_width > 1): Source, destination and size of the copy of each generation request's cache indirection.
-        t.host_cache_indirection_copies.fill(
-            features.cache_indirection_copies,
-            b,
-            max_beam_width=c.max_beam_width,
-            max_attention_window=c.max_attention_window,
-        )
-        # host_cache_indirection_decoder_copies (where c.max_beam_width > 1): Source, destination and size of each request's decoder output-to-input indirection copy.
-        t.host_cache_indirection_decoder_copies.fill(
-            features.cache_indirection_decoder_copies,
-            b,
-            max_beam_width=c.max_beam_width,
-            max_attention_window=c.max_attention_window,
-        )
-        # host_generation_beam_widths (where c.max_beam_width > 1): Beam width of each generation request (its sequences are consecutive rows).
-        t.host_generation_beam_widths.fill(core.generation_beam_widths, b)
+        t.host_last_token_ids.wrote(core.last_token_ids(t.host_last_token_ids.out, b))
+        # host_cache_indirection_copies: Source, destination and size of the copy of each generation request's cache indirection.
+        if c.max_beam_width > 1:
+            t.host_cache_indirection_copies.wrote(
+                features.cache_indirection_copies(
+                    t.host_cache_indirection_copies.out,
+                    b,
+                    max_beam_width=c.max_beam_width,
+                    max_attention_window=c.max_attention_window,
+                )
+            )
+        # host_cache_indirection_decoder_copies: Source, destination and size of each request's decoder output-to-input indirection copy.
+        if c.max_beam_width > 1:
+            t.host_cache_indirection_decoder_copies.wrote(
+                features.cache_indirection_decoder_copies(
+                    t.host_cache_indirection_decoder_copies.out,
+                    b,
+                    max_beam_width=c.max_beam_width,
+                    max_attention_window=c.max_attention_window,
+                )
+            )
+        # host_generation_beam_widths: Beam width of each generation request (its sequences are consecutive rows).
+        if c.max_beam_width > 1:
+            t.host_generation_beam_widths.wrote(
+                core.generation_beam_widths(
+                    t.host_generation_beam_widths.out,
+                    b,
+                )
+            )
         # host_seq_slots: Decoder slot of each request, context requests first.
-        t.host_seq_slots.fill(core.seq_slots, b)
+        t.host_seq_slots.wrote(core.seq_slots(t.host_seq_slots.out, b))
         return decode.start(b)
 
     def _advance_check(self, last: decode.Decode, tokens: typing.Any, holds_run: bool) -> Advancing:
@@ -558,31 +575,48 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         """Write the decode step from the last step's values `p` (every check has passed)."""
         c, d = self.config, a.decode
         # host_input_ids: Token ids of the packed batch, staged on the host.
-        t.host_input_ids.fill(core.advance_tokens, p.host_input_ids.out, d)
+        t.host_input_ids.wrote(core.advance_tokens(t.host_input_ids.out, p.host_input_ids.out, d))
         # host_position_ids: Position of every input token (one per generation beam), staged on the host.
-        t.host_position_ids.fill(core.advance_plus_one, p.host_position_ids.out, d)
+        t.host_position_ids.wrote(
+            core.advance_plus_one(
+                t.host_position_ids.out,
+                p.host_position_ids.out,
+                d,
+            )
+        )
         # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
         t.host_context_lengths.keep(p.host_context_lengths, d.holds_run)
         # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended, staged on the host.
-        t.host_sequence_lengths.fill(core.advance_plus_one, p.host_sequence_lengths.out, d)
+        t.host_sequence_lengths.wrote(
+            core.advance_plus_one(
+                t.host_sequence_lengths.out,
+                p.host_sequence_lengths.out,
+                d,
+            )
+        )
         # host_request_types: Kind of each sequence, 0 for context and 1 for generation.
         t.host_request_types.keep(p.host_request_types, d.holds_run)
         # host_past_key_value_lengths: KV length per sequence as the reference sets it, a context chunk's tokens through this step, a generation sequence's before it (prompt + generated - 1, no drafts).
-        t.host_past_key_value_lengths.fill(
-            core.advance_plus_one,
-            p.host_past_key_value_lengths.out,
-            d,
+        t.host_past_key_value_lengths.wrote(
+            core.advance_plus_one(
+                t.host_past_key_value_lengths.out,
+                p.host_past_key_value_lengths.out,
+                d,
+            )
         )
         # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit row.
         t.host_last_token_ids.keep(p.host_last_token_ids, d.holds_run)
         # host_cache_indirection_copies: Source, destination and size of the copy of each generation request's cache indirection.
-        t.host_cache_indirection_copies.keep(p.host_cache_indirection_copies, d.holds_run)
+        if c.max_beam_width > 1:
+            t.host_cache_indirection_copies.keep(p.host_cache_indirection_copies, d.holds_run)
         # host_cache_indirection_decoder_copies: Source, destination and size of each request's decoder output-to-input indirection copy.
-        t.host_cache_indirection_decoder_copies.keep(
-            p.host_cache_indirection_decoder_copies,
-            d.holds_run,
-        )
+        if c.max_beam_width > 1:
+            t.host_cache_indirection_decoder_copies.keep(
+                p.host_cache_indirection_decoder_copies,
+                d.holds_run,
+            )
         # host_generation_beam_widths: Beam width of each generation request (its sequences are consecutive rows).
-        t.host_generation_beam_widths.keep(p.host_generation_beam_widths, d.holds_run)
+        if c.max_beam_width > 1:
+            t.host_generation_beam_widths.keep(p.host_generation_beam_widths, d.holds_run)
         # host_seq_slots: Decoder slot of each request, context requests first.
         t.host_seq_slots.keep(p.host_seq_slots, d.holds_run)

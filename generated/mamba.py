@@ -355,14 +355,14 @@ class State:
     batch: batch.Memo = dataclasses.field(default_factory=batch.Memo)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Checked:
     """What the checks of one step hand on to its fills."""
 
     batch: batch.Batch
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Advancing:
     """A checked decode step, and what its checks hand on to the advance forms."""
 
@@ -418,19 +418,19 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         advance() continues from."""
         c, b = self.config, k.batch
         # host_input_ids: Token ids of the packed batch, staged on the host.
-        t.host_input_ids.fill(core.token_ids, b)
+        t.host_input_ids.wrote(core.token_ids(t.host_input_ids.out, b))
         # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
-        t.host_context_lengths.fill(core.context_lengths, b)
+        t.host_context_lengths.wrote(core.context_lengths(t.host_context_lengths.out, b))
         # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended, staged on the host.
-        t.host_sequence_lengths.fill(core.sequence_lengths, b)
+        t.host_sequence_lengths.wrote(core.sequence_lengths(t.host_sequence_lengths.out, b))
         # host_request_types: Kind of each sequence, 0 for context and 1 for generation.
-        t.host_request_types.fill(core.request_types, b)
+        t.host_request_types.wrote(core.request_types(t.host_request_types.out, b))
         # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit row.
-        t.host_last_token_ids.fill(core.last_token_ids, b)
+        t.host_last_token_ids.wrote(core.last_token_ids(t.host_last_token_ids.out, b))
         # host_seq_slots: Decoder slot of each request, context requests first.
-        t.host_seq_slots.fill(core.seq_slots, b)
+        t.host_seq_slots.wrote(core.seq_slots(t.host_seq_slots.out, b))
         # host_slot_mapping: State slot of each sequence (its request's seq_slot), staged on the host.
-        t.host_slot_mapping.fill(features.slot_mapping, b)
+        t.host_slot_mapping.wrote(features.slot_mapping(t.host_slot_mapping.out, b))
         return decode.start(b)
 
     def _advance_check(self, last: decode.Decode, tokens: typing.Any, holds_run: bool) -> Advancing:
@@ -443,11 +443,17 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         """Write the decode step from the last step's values `p` (every check has passed)."""
         c, d = self.config, a.decode
         # host_input_ids: Token ids of the packed batch, staged on the host.
-        t.host_input_ids.fill(core.advance_tokens, p.host_input_ids.out, d)
+        t.host_input_ids.wrote(core.advance_tokens(t.host_input_ids.out, p.host_input_ids.out, d))
         # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
         t.host_context_lengths.keep(p.host_context_lengths, d.holds_run)
         # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended, staged on the host.
-        t.host_sequence_lengths.fill(core.advance_plus_one, p.host_sequence_lengths.out, d)
+        t.host_sequence_lengths.wrote(
+            core.advance_plus_one(
+                t.host_sequence_lengths.out,
+                p.host_sequence_lengths.out,
+                d,
+            )
+        )
         # host_request_types: Kind of each sequence, 0 for context and 1 for generation.
         t.host_request_types.keep(p.host_request_types, d.holds_run)
         # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit row.

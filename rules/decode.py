@@ -13,7 +13,7 @@ from ..runtime.values import in_range, int_array
 from .batch import Batch, Limits
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Decode:
     """A decode step that follows a generation-only step without draft tokens.
 

@@ -22,7 +22,7 @@ import torch
 
 from .decl import DEVICE, PINNED, STATIC, Constant, Mirror, Rule, TensorDecl
 from .errors import BatchError, ConfigError
-from .staging import ALIGN, HALVES, Absent, Staging, Target, Targets
+from .staging import ALIGN, HALVES, Staging, Target, Targets
 from .values import INT32_MAX, check_int, int_array
 
 KV_CACHE_LENGTH_ROUND = 256  # the reference's CUDA-graph key rounding
@@ -132,15 +132,9 @@ class RuntimeBuffers:
         # (shared by the halves where the storage is), so rows past a shorter step are re-padded.
         rules = [d for d in decls if isinstance(d.fill, Rule)]
         written = {d.name: [0] for d in rules}
-        absent = {
-            d.name: Absent()
-            for d in self.tensor_decls
-            if isinstance(d.fill, Rule) and d.name not in self.decls
-        }
         self._targets = [
             Targets(
-                absent
-                | {
+                {
                     d.name: Target(
                         self._flat[h][d.name]
                         if d.memory == DEVICE
@@ -271,7 +265,7 @@ class RuntimeBuffers:
     def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         """A step shape within the tensor's capacity (the generated checks call this for the
         shapes the generator could not prove)."""
-        if name in self._numel and math.prod(shape) > self._numel[name]:
+        if math.prod(shape) > self._numel[name]:
             raise BatchError(
                 f"tensor {name!r} needs shape {list(shape)}, beyond its capacity of "
                 f"{self._numel[name]} elements"
@@ -415,8 +409,7 @@ class RuntimeBuffers:
         written (its high-water marks at capacity). Rule state is rebuilt from the requests."""
         self._half_run[h] = None
         for name, target in vars(self._targets[h]).items():
-            if name in self._numel:  # not an absent one
-                target.written[0] = self._numel[name]
+            target.written[0] = self._numel[name]
         self.state = self.state_type()
 
     def _copy(self, h: int, targets: Targets) -> None:

@@ -11,7 +11,6 @@ overwritten while the host runs a step ahead of the GPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -32,9 +31,13 @@ class Target:
     def __init__(self, out: Any, pad: int | float | None, written: list[int]) -> None:
         self.out, self.pad, self.written = out, pad, written
 
-    def fill(self, rule: Callable[..., int], *args: Any, **kwargs: Any) -> None:
-        """rule(out, *args, **kwargs) writes the step and returns the elements written."""
-        self._wrote(rule(self.out, *args, **kwargs))
+    def wrote(self, n: int) -> None:
+        """A rule wrote the first `n` elements of `out` (it returns that count): the rows a
+        longer step left past them get the pad value again."""
+        w = self.written
+        if self.pad is not None and w[0] > n:
+            self.out[n : w[0]] = self.pad
+        w[0] = n
 
     def keep(self, prev: Target, holds_run: bool) -> None:
         """The last step's values, from the other half `prev` (unless this half already holds
@@ -42,32 +45,15 @@ class Target:
         n = prev.written[0]
         if not holds_run:
             self.out[:n] = prev.out[:n]
-        self._wrote(n)
-
-    def _wrote(self, n: int) -> None:
         w = self.written
         if self.pad is not None and w[0] > n:
-            self.out[n : w[0]] = self.pad  # rows past this step hold the pad value
+            self.out[n : w[0]] = self.pad
         w[0] = n
 
 
-class Absent(Target):
-    """The target of a rule tensor the Config leaves out (its construct-time condition does
-    not hold): its fill and advance do nothing."""
-
-    def __init__(self) -> None:
-        super().__init__(None, None, [0])
-
-    def fill(self, rule: Callable[..., int], *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def keep(self, prev: Target, holds_run: bool) -> None:
-        pass
-
-
 class Targets:
-    """One half's fill targets, one attribute per rule tensor of the family (an ``Absent``
-    one for each tensor the Config leaves out)."""
+    """One half's fill targets, one attribute per rule tensor of the family that the Config
+    allocates (the generated program writes the others only under their conditions)."""
 
     def __init__(self, targets: dict[str, Target]) -> None:
         self.__dict__.update(targets)
