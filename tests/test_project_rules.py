@@ -145,7 +145,10 @@ def test_a_project_rule_is_generated_and_run_like_a_built_in_one(project: Path):
     assert gen.returncode == 0, gen.stderr
     source = (project / "generated" / "fam.py").read_text()
     assert "from mypkg import rules" in source
-    assert "rules.query_start_loc(\n                t.host_query_start_loc.out,\n                b,\n                k.short_queries,\n" in source
+    assert (
+        "rules.query_start_loc(\n                t.host_query_start_loc.out,\n                b,\n                k.short_queries,\n"
+        in source
+    )
     assert "short_queries=rules.check_short_queries(b, max_num_tokens=c.max_num_tokens)" in source
     run = subprocess.run(
         [sys.executable, "-c", DRIVER],
