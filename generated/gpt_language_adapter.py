@@ -523,8 +523,9 @@ TENSORS = (
 
 @dataclasses.dataclass
 class State:
-    """What the gpt_language_adapter family's checks keep between steps (written only once every check
-    of a step passed; rebuilt from the requests after a step that failed)."""
+    """What the gpt_language_adapter family's checks keep between steps, one typed field each (the
+    batch builder's first); a step that fails after its checks replaces it whole, so it is
+    rebuilt from the requests."""
 
     batch: batch.Memo = dataclasses.field(default_factory=batch.Memo)
     kv_blocks: kv_rows.KeptRows = dataclasses.field(default_factory=kv_rows.KeptRows)

@@ -17,6 +17,8 @@ from bufc.codegen import SpecError, compile_text
 SPEC = textwrap.dedent(
     """\
     version: 1
+    flags:
+      flash: {doc: The engine reads cumulative query lengths., type: bool, default: true}
     parameters:
       max_batch_size: {doc: Requests., min: 1}
       max_num_tokens: {doc: Tokens., min: 1}
@@ -30,6 +32,11 @@ SPEC = textwrap.dedent(
         impl: mypkg.rules:check_short_queries
         reads: [max_num_tokens]
         result: true
+      ages:
+        doc: Counts the steps each slot's request has been scheduled.
+        impl: mypkg.rules:count_ages
+        state: mypkg.rules:Ages
+        result: true
     rules:
       query_start_loc:
         doc: cumulative query lengths, FlashAttention's cu_seqlens_q
@@ -38,8 +45,17 @@ SPEC = textwrap.dedent(
         shape: ["num_sequences + 1"]
         sizes: [num_sequences]
         check: short_queries
+      slot_ages:
+        doc: steps each request has been scheduled, kept per slot between steps
+        impl: mypkg.rules:slot_ages
+        dtypes: [int32]
+        shape: ["num_requests"]
+        sizes: [num_requests]
+        check: ages
+        advance: mypkg.rules:advance_slot_ages
     families:
       fam: {doc: A decoder with a FlashAttention-style input.}
+      steady: {doc: The same without it (so it can advance)., flags: {flash: false}}
     tensors:
       - name: host_input_ids
         doc: Token ids.
@@ -62,11 +78,21 @@ SPEC = textwrap.dedent(
         shape: ["num_sequences + 1"]
         fill: {rule: query_start_loc}
         pad: 0
+        when: flash
       - name: query_start_loc
         doc: Device copy of host_query_start_loc.
         memory: device
         fill: {mirror: host_query_start_loc}
         bind: [{input: cu_seqlens_q}]
+      - name: host_slot_ages
+        doc: Steps each request has been scheduled.
+        dtype: int32
+        memory: host
+        capacity: ["max_batch_size"]
+        shape: ["num_requests"]
+        fill: {rule: slot_ages}
+        pad: 0
+        bind: [{input: host_slot_ages}]
     """
 )
 
@@ -89,6 +115,29 @@ RULES = textwrap.dedent(
         out[0] = 0
         np.cumsum(lengths, out=out[1 : n + 1])
         return n + 1
+
+
+    class Ages:
+        def __init__(self):
+            self.by_slot = {}
+
+
+    def count_ages(b, ages):
+        slots = b.seq_slot.tolist()
+        return [ages.by_slot.get(s, 0) + 1 for s in slots], ages
+
+
+    def slot_ages(out, b, counted):
+        values, ages = counted
+        ages.by_slot = dict(zip(slots := b.seq_slot.tolist(), values))  # every check passed
+        out[: len(slots)] = values
+        return len(slots)
+
+
+    def advance_slot_ages(out, prev, d):
+        n = len(d.tokens)
+        np.add(prev[:n], 1, out=out[:n])
+        return n
     """
 )
 
@@ -96,7 +145,7 @@ DRIVER = textwrap.dedent(
     """\
     import json
     from bufc.runtime import BatchError, Request
-    from generated import fam
+    from generated import fam, steady as fam_steady
 
     buffers = fam.RuntimeBuffers(fam.Config(max_batch_size=4, max_num_tokens=64))
     a = Request(seq_slot=0, prompt=[1, 2, 3, 4, 5])
@@ -111,7 +160,14 @@ DRIVER = textwrap.dedent(
         message = None
     except BatchError as exc:
         message = str(exc)
-    print(json.dumps({"first": first, "second": second, "advance": message}))
+    steady = fam_steady.RuntimeBuffers(fam_steady.Config(max_batch_size=4, max_num_tokens=64))
+    c = Request(seq_slot=2, prompt=[1, 2])
+    steady.prepare_step([c], [])
+    c.generated = [[4]]
+    ages = [steady.prepare_step([], [c]).inputs["host_slot_ages"].tolist()]
+    ages.append(steady.advance([5]).inputs["host_slot_ages"].tolist())
+    ages.append(steady.advance([6]).inputs["host_slot_ages"].tolist())
+    print(json.dumps({"first": first, "second": second, "advance": message, "ages": ages}))
     """
 )
 
@@ -166,6 +222,16 @@ def test_a_project_rule_is_generated_and_run_like_a_built_in_one(project: Path):
         "advance() is not available for this family: its fill rule(s) query_start_loc have no "
         "advance form; use prepare_step"
     )
+    # a family without it advances, its stateful check's state kept between steps
+    assert out["ages"] == [[2], [3], [4]]
+
+
+def _builtin_line(rule: str) -> int:
+    from bufc.codegen.pipeline import builtin_contracts
+
+    found = builtin_contracts().rule(rule)
+    assert found is not None
+    return found.loc.line
 
 
 def _errors(text: str) -> list[str]:
@@ -180,29 +246,29 @@ def test_a_project_rule_gets_located_diagnostics():
         "    sizes: [num_sequences]\n    reads: [max_query_tokens]\n",
     )
     assert _errors(reads) == [
-        "buffers.yaml:46:18: fill rule 'query_start_loc' reads 'max_query_tokens' from the "
+        "buffers.yaml:62:18: fill rule 'query_start_loc' reads 'max_query_tokens' from the "
         "Config; declare it as a parameter or derived value"
     ]
     check = SPEC.replace("check: short_queries", "check: short_query")
     assert _errors(check) == [
-        "buffers.yaml:22:5: rule 'query_start_loc' names the request check 'short_query', "
+        "buffers.yaml:29:5: rule 'query_start_loc' names the request check 'short_query', "
         "which is not declared (did you mean 'short_queries'?); declare it under request_checks"
     ]
     clash = SPEC.replace(
         "  query_start_loc:\n    doc: cumulative", "  token_ids:\n    doc: cumulative"
     )
     assert _errors(clash) == [
-        "buffers.yaml:16:3: rule 'token_ids' is already declared (a built-in rule at "
-        "rules/builtin.yaml:77); choose another name"
+        "buffers.yaml:23:3: rule 'token_ids' is already declared (a built-in rule at "
+        f"rules/builtin.yaml:{_builtin_line('token_ids')}); choose another name"
     ]
     keyword = SPEC.replace("impl: mypkg.rules:query_start_loc", "impl: mypkg.class:query_start_loc")
     assert _errors(keyword) == [
-        "buffers.yaml:18:11: 'mypkg.class:query_start_loc' cannot be imported: 'class' is a "
+        "buffers.yaml:25:11: 'mypkg.class:query_start_loc' cannot be imported: 'class' is a "
         "Python keyword; rename the module or function"
     ]
     size = SPEC.replace("sizes: [num_sequences]", "sizes: [num_sequence]")
     assert _errors(size) == [
-        "buffers.yaml:21:5: rule 'query_start_loc' reads the step size 'num_sequence', which "
+        "buffers.yaml:28:5: rule 'query_start_loc' reads the step size 'num_sequence', which "
         "the runtime does not compute (did you mean 'num_sequences'?)"
     ]
 
