@@ -14,7 +14,7 @@ check-generated: $(GEN_STAMP) ; $(PY) -m bufc.codegen check
 lint: $(STAMP) ; $(VENV)/bin/ruff check codegen runtime rules tests bufc schema bench examples && $(VENV)/bin/ruff format --check codegen runtime rules tests bufc schema bench examples && $(VENV)/bin/mypy --ignore-missing-imports codegen runtime rules
 test: $(STAMP) ; $(PY) -m pytest
 demo: $(STAMP) ; $(PY) -m bufc.codegen demo --device $(or $(DEVICE),cpu) --pp $(or $(PP),1) --tp $(or $(TP),1) --backend $(or $(BACKEND),gloo)
-bench: $(STAMP) ; $(PY) bench/prepare_step.py --device $(or $(DEVICE),cpu) --json bench/results/$(or $(DEVICE),cpu).json
+bench: $(STAMP) ; $(PY) bench/prepare_step.py --device $(or $(DEVICE),cpu) --json bench/results/$(or $(DEVICE),cpu).json && $(PY) bench/churn.py --device $(or $(DEVICE),cpu) --json bench/results/churn-$(or $(DEVICE),cpu).json
 venv: $(STAMP)
 $(GEN_STAMP): requirements-gen.txt pyproject.toml ; rm -f $(VENV)/.gen-* && (test -x $(PY) || python3 -m venv $(VENV)) && $(PY) -m pip install -q -r requirements-gen.txt && $(PY) -m pip install -q --no-deps --no-build-isolation -e . && touch $@
 $(STAMP): $(GEN_STAMP) requirements-dev.txt ; rm -f $(VENV)/.dev-* && $(PY) -m pip install -q -r requirements-dev.txt && touch $@

@@ -1,0 +1,245 @@
+"""prepare_step under serving traffic: the batch changes every step (requests finish, new ones
+arrive as 512-token prompts, the rest decode one more token and their KV block lists grow).
+
+Three implementations prepare the same llama step, timed in the same loop on the same batch:
+- bufc's `prepare_step` (the generated module);
+- the floor: a minimal hand-written numpy fill of the step's tensors (the ones bufc writes for
+  this family at these sizes) that re-reads every request, plus one pinned host-to-device copy;
+- the loop-by-loop reference (tests/reference.py) with one tensor and copy per input.
+
+    python bench/churn.py [--device cpu|cuda] [--steps N] [--json PATH]
+
+Prints medians of host microseconds per step and the ratios bufc / floor and reference / bufc,
+for B = 64, 256, 1024 requests with 1, 2 and 8 changes per step, the steady case (no change:
+prepare_step and advance) and the mixed case of bench/prepare_step.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from prepare_step import bench_buffers, mixed, plain  # noqa: E402
+
+from bufc.runtime import Request  # noqa: E402
+
+PROMPT = 512
+TPB = 64  # tokens per KV block (bench_buffers)
+
+
+class Traffic:
+    """B requests in flight; each step `changes` of the decoding ones finish and as many new
+    ones arrive with a whole 512-token prompt (their slots reused), last step's arrivals
+    decode from now on, and every decoding request gets its sampled token and, when it needs
+    one, a new KV block."""
+
+    def __init__(self, batch: int, changes: int, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+        self.changes = changes
+        self.next_block = 0
+        self.gen: list[Request] = [
+            self._request(i, generated=self.rng.randint(1, 200)) for i in range(batch)
+        ]
+        self.ctx: list[Request] = []
+
+    def _blocks(self, tokens: int) -> list[int]:
+        n = -(-tokens // TPB)
+        out = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        return out
+
+    def _request(self, slot: int, generated: int = 0) -> Request:
+        prompt = [self.rng.randrange(32000) for _ in range(PROMPT)]
+        r = Request(seq_slot=slot, prompt=prompt, generated=[[7] * generated] if generated else ())
+        r.kv_block_ids = [self._blocks(PROMPT + generated + 1)]
+        return r
+
+    def step(self) -> tuple[list, list]:
+        for r in self.ctx:  # last step's prompts now decode
+            r.generated = [[7]]
+        self.gen += self.ctx
+        self.ctx = []
+        for _ in range(self.changes):
+            done = self.gen.pop(self.rng.randrange(len(self.gen)))
+            self.ctx.append(self._request(done.seq_slot))
+        for r in self.gen:
+            r.generated[0].append(self.rng.randrange(32000))
+            need = -(-(PROMPT + len(r.generated[0]) + 1) // TPB)
+            blocks = r.kv_block_ids[0]
+            if len(blocks) < need:
+                blocks.extend(self._blocks(TPB))
+        return self.ctx, self.gen
+
+
+class Floor:
+    """A minimal hand-written numpy fill of the llama step (input ids, positions, context and
+    sequence lengths, request types, past-KV lengths, last-token ids, KV block rows, slots)
+    into one pinned buffer, and one host-to-device copy of its used part."""
+
+    def __init__(self, config, device: str) -> None:
+        self.width, self.layers = config.max_blocks_per_seq, config.num_local_layers
+        n, s = config.max_num_tokens, config.max_num_sequences
+        self.size = 3 * n + 5 * s + s * 2 * self.width + config.max_batch_size
+        pin = device.startswith("cuda")
+        self.host = torch.zeros(self.size, dtype=torch.int32, pin_memory=pin)
+        self.arena = self.host.numpy()
+        self.device = torch.zeros(self.size, dtype=torch.int32, device=device)
+
+    def __call__(self, ctx: list, gen: list) -> None:
+        a, nc = self.arena, len(ctx)
+        chunks = [r.prompt for r in ctx]
+        ctx_len = np.fromiter(map(len, chunks), np.int64, nc)
+        gen_prompt = np.fromiter((len(r.prompt) for r in gen), np.int64, len(gen))
+        gen_len = gen_prompt + np.fromiter((len(r.generated[0]) for r in gen), np.int64, len(gen))
+        last = np.fromiter((r.generated[0][-1] for r in gen), np.int64, len(gen))
+        n_tok = int(ctx_len.sum()) + len(gen)
+        s = nc + len(gen)
+        o = 0
+        ids = a[o : o + n_tok]
+        ids[: n_tok - len(gen)] = np.concatenate(chunks) if chunks else []
+        ids[n_tok - len(gen) :] = last
+        o += n_tok
+        pos = a[o : o + n_tok]
+        starts = np.repeat(np.cumsum(ctx_len) - ctx_len, ctx_len)
+        pos[: n_tok - len(gen)] = np.arange(n_tok - len(gen)) - starts
+        pos[n_tok - len(gen) :] = gen_len - 1
+        o += n_tok
+        for values in (
+            np.concatenate((ctx_len, gen_prompt)),  # context lengths
+            np.concatenate((ctx_len, gen_len)),  # sequence lengths
+            np.concatenate((np.zeros(nc), np.ones(len(gen)))),  # request types
+            np.concatenate((ctx_len, gen_len - 1)),  # past KV lengths
+            np.cumsum(np.concatenate((ctx_len, np.ones(len(gen), np.int64)))),  # last tokens
+            [r.seq_slot for r in ctx] + [r.seq_slot for r in gen],  # slots
+        ):
+            a[o : o + s] = values
+            o += s
+        rows = a[o : o + s * 2 * self.width].reshape(s, 2, self.width)
+        lists = [r.kv_block_ids[0] for r in ctx] + [r.kv_block_ids[0] for r in gen]
+        lens = np.fromiter(map(len, lists), np.int64, s)
+        flat = np.fromiter(chain.from_iterable(lists), np.int64, int(lens.sum()))
+        seq = np.repeat(np.arange(s), lens)
+        col = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
+        rows[:] = 0
+        rows[seq, 0, col] = flat * (2 * self.layers)
+        rows[seq, 1, col] = flat * (2 * self.layers) + 1
+        o += rows.size
+        self.device[:o].copy_(self.host[:o], non_blocking=True)
+
+
+def _time(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return (time.perf_counter() - t0) * 1e6
+
+
+def churn_case(buffers, floor, device: str, batch: int, changes: int, steps: int) -> dict:
+    traffic = Traffic(batch, changes, seed=batch * 10 + changes)
+    ours, low, ref = [], [], []
+    for i in range(steps + 3):
+        ctx, gen = traffic.step()
+        t_ours = _time(buffers.prepare_step, ctx, gen)
+        t_low = _time(floor, ctx, gen)
+        t_ref = _time(plain, ctx, gen, buffers.config, device) if i % 8 == 3 else None
+        if i >= 3:  # warm-up
+            ours.append(t_ours)
+            low.append(t_low)
+            if t_ref is not None:
+                ref.append(t_ref)
+    return _row(ours, low, ref)
+
+
+def steady_case(buffers, floor, device: str, batch: int, steps: int) -> dict:
+    traffic = Traffic(batch, 0, seed=batch)
+    ours, adv, low, ref = [], [], [], []
+    for i in range(steps + 3):
+        ctx, gen = traffic.step()
+        t_ours = _time(buffers.prepare_step, ctx, gen)
+        t_low = _time(floor, ctx, gen)
+        tokens = np.full(len(gen), 7, np.int64)
+        t_adv = _time(buffers.advance, tokens)
+        for r in gen:  # advance() was the next step: the requests follow it
+            r.generated[0].append(7)
+        t_ref = _time(plain, ctx, gen, buffers.config, device) if i % 8 == 3 else None
+        if i >= 3:
+            ours.append(t_ours)
+            adv.append(t_adv)
+            low.append(t_low)
+            if t_ref is not None:
+                ref.append(t_ref)
+    row = _row(ours, low, ref)
+    row["advance_us"] = statistics.median(adv)
+    row["advance_vs_floor"] = row["advance_us"] / row["floor_us"]
+    return row
+
+
+def _row(ours: list, low: list, ref: list) -> dict:
+    m_ours, m_low = statistics.median(ours), statistics.median(low)
+    m_ref = statistics.median(ref) if ref else float("nan")
+    return {
+        "bufc_us": m_ours,
+        "floor_us": m_low,
+        "reference_us": m_ref,
+        "bufc_vs_floor": m_ours / m_low,
+        "reference_vs_bufc": m_ref / m_ours,
+        "steps": len(ours),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    buffers = bench_buffers(args.device)
+    floor = Floor(buffers.config, args.device)
+    where = (
+        f"{platform.processor() or platform.machine()}, {args.device}, torch {torch.__version__}"
+    )
+    print(f"churn: host microseconds per step ({where}); {args.steps} steps, medians")
+    print(
+        f"{'case':34} {'bufc':>9} {'floor':>9} {'bufc/floor':>10} {'reference':>10} {'ref/bufc':>9}"
+    )
+    rows = {}
+    for batch in (64, 256, 1024):
+        for changes in (1, 2, 8):
+            rows[f"B={batch}, {changes} changes"] = churn_case(
+                buffers, floor, args.device, batch, changes, args.steps
+            )
+        rows[f"B={batch}, steady"] = steady_case(buffers, floor, args.device, batch, args.steps)
+    ctx, gen = mixed()
+    ours = [_time(buffers.prepare_step, ctx, gen) for _ in range(args.steps)]
+    low = [_time(floor, ctx, gen) for _ in range(args.steps)]
+    ref = [_time(plain, ctx, gen, buffers.config, args.device) for _ in range(args.steps // 8)]
+    rows["mixed 8x512 ctx + 248 decode"] = _row(ours, low, ref)
+    for name, r in rows.items():
+        print(
+            f"{name:34} {r['bufc_us']:9.1f} {r['floor_us']:9.1f} {r['bufc_vs_floor']:9.2f}x "
+            f"{r['reference_us']:10.1f} {r['reference_vs_bufc']:8.1f}x"
+        )
+        if "advance_us" in r:
+            print(
+                f"{'  advance()':34} {r['advance_us']:9.1f} {r['floor_us']:9.1f} "
+                f"{r['advance_vs_floor']:9.2f}x"
+            )
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"machine": where, "cases": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
