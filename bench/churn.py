@@ -7,17 +7,21 @@ Three implementations prepare the same llama step, timed in the same loop on the
   this family at these sizes) that re-reads every request, plus one pinned host-to-device copy;
 - the loop-by-loop reference (tests/reference.py) with one tensor and copy per input.
 
-    python bench/churn.py [--device cpu|cuda] [--steps N] [--json PATH]
+    python bench/churn.py [--device cpu|cuda] [--steps N] [--busy K] [--json PATH]
 
 Prints medians of host microseconds per step and the ratios bufc / floor and reference / bufc,
 for B = 64, 256, 1024 requests with 1, 2 and 8 changes per step, the steady case (no change:
-prepare_step and advance) and the mixed case of bench/prepare_step.py.
+prepare_step and advance) and the mixed case of bench/prepare_step.py. With `--busy K`, every
+case runs again with K busy processes beside it (a loaded host), and the table adds bufc's
+median and worst step under load, as ratios to its quiet median.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing
 import platform
 import random
 import statistics
@@ -199,10 +203,52 @@ def _row(ours: list, low: list, ref: list) -> dict:
     }
 
 
+def _spin(stop) -> None:  # a busy background process
+    while not stop.is_set():
+        pass
+
+
+@contextlib.contextmanager
+def busy(k: int):
+    """`k` processes spinning on the CPU while the block runs."""
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    procs = [ctx.Process(target=_spin, args=(stop,), daemon=True) for _ in range(k)]
+    for p in procs:
+        p.start()
+    time.sleep(0.5)  # let them reach the loop
+    try:
+        yield
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(timeout=5)
+
+
+def loaded_case(buffers, device: str, batch: int, changes: int, steps: int, k: int) -> dict:
+    """bufc's churn step quiet and with `k` busy processes: medians and the worst step."""
+    out = {}
+    for label, load in (("quiet", 0), ("loaded", k)):
+        traffic = Traffic(batch, changes, seed=batch * 10 + changes)
+        times = []
+        with busy(load):
+            for i in range(steps + 3):
+                ctx, gen = traffic.step()
+                t = _time(buffers.prepare_step, ctx, gen)
+                if i >= 3:
+                    times.append(t)
+        out[label] = {"median_us": statistics.median(times), "max_us": max(times)}
+    quiet = out["quiet"]["median_us"]
+    out["loaded_median_vs_quiet"] = out["loaded"]["median_us"] / quiet
+    out["loaded_max_vs_quiet"] = out["loaded"]["max_us"] / quiet
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--busy", type=int, default=0, help="busy background processes (0: none)")
     ap.add_argument("--json")
     args = ap.parse_args()
     buffers = bench_buffers(args.device)
@@ -236,9 +282,25 @@ def main() -> None:
                 f"{'  advance()':34} {r['advance_us']:9.1f} {r['floor_us']:9.1f} "
                 f"{r['advance_vs_floor']:9.2f}x"
             )
+    loaded = {}
+    if args.busy:
+        print(f"\nbufc under load: {args.busy} busy processes beside it, against quiet")
+        print(f"{'case':34} {'quiet':>9} {'loaded':>9} {'median':>8} {'worst':>9} {'worst':>8}")
+        for batch, changes in ((64, 2), (256, 2), (1024, 4)):
+            name = f"B={batch}, {changes} changes"
+            r = loaded[name] = loaded_case(
+                buffers, args.device, batch, changes, args.steps, args.busy
+            )
+            print(
+                f"{name:34} {r['quiet']['median_us']:9.1f} {r['loaded']['median_us']:9.1f} "
+                f"{r['loaded_median_vs_quiet']:7.2f}x {r['loaded']['max_us']:9.1f} "
+                f"{r['loaded_max_vs_quiet']:7.2f}x"
+            )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"machine": where, "cases": rows}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"machine": where, "cases": rows, "loaded": loaded}, indent=2)
+        )
 
 
 if __name__ == "__main__":
