@@ -703,7 +703,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         """Every check of a enc_dec step, in order: a bad batch raises BatchError before a
         byte is written."""
         c, state = self.config, self.state
-        b = batch.build(context, generation, self.limits, memo=state.batch, encoder=True)
+        b = batch.Batch.build(
+            context, generation, self.limits, memo=state.batch, encoder=True
+        )
         s = b.sizes
         # the step sizes within their capacities
         rt.check_size('num_context_requests', s.num_context_requests, c.max_batch_size)

@@ -565,7 +565,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         """Every check of a gpt_language_adapter step, in order: a bad batch raises BatchError before a
         byte is written."""
         c, state = self.config, self.state
-        b = batch.build(context, generation, self.limits, memo=state.batch, encoder=False)
+        b = batch.Batch.build(
+            context, generation, self.limits, memo=state.batch, encoder=False
+        )
         s = b.sizes
         # the step sizes within their capacities
         rt.check_size('num_context_requests', s.num_context_requests, c.max_batch_size)

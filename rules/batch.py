@@ -644,15 +644,3 @@ def _check_request(r: Any, w: str, limits: Limits, is_context: bool) -> None:
         check_int(g[-1], f"the last token of beam {k}", w, *vocab)
     if r.position_ids is not None and r.position_ids[-1] + lengths[0] > INT32_MAX:
         raise BatchError(f"{w}: its generated tokens' positions run past the int32 range")
-
-
-def build(
-    context: Sequence[Any],
-    generation: Sequence[Any],
-    limits: Limits,
-    *,
-    memo: Memo | None = None,
-    encoder: bool = False,
-) -> Batch:
-    """``Batch.build``: the first check of every step (see there)."""
-    return Batch.build(context, generation, limits, memo=memo, encoder=encoder)
