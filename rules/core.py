@@ -24,6 +24,7 @@ from .kv_rows import (
     check_block_lists,
     id_limit,
     required_blocks,
+    sequence_keys,
     write_at,
     write_kv_rows,
 )
@@ -303,7 +304,9 @@ def kv_cache_block_offsets(
 
     The generation rows are kept from step to step with a copy of the block lists they were
     built from: a list equal to its copy (compared by value, so a list changed in place is
-    seen) keeps its row, so steady decoding converts only the lists that changed.
+    seen) keeps its row, so steady decoding converts only the lists that changed; when
+    requests finish or arrive, a kept row moves with its sequence, and only the rows of new
+    sequences and of changed lists are built.
     """
     width, layers = max_blocks_per_seq, num_local_layers
     rows = out[: b.sizes.num_sequences * 2 * width].reshape(b.sizes.num_sequences, 2, width)
@@ -318,6 +321,19 @@ def kv_cache_block_offsets(
         kept.snapshot = [x if type(x) is tuple else list(x) for x in gen]
         kept.table = np.empty_like(rows[n_ctx:])
         write_kv_rows(kept.table, plan.blocks[k:], plan.lengths[n_ctx:], layers)
+        kept.requests, kept.keys = b.generation, sequence_keys(b)
+    elif plan.moved is not None:  # the requests changed: kept rows follow their sequences
+        src = np.asarray(plan.moved, dtype=np.int64)
+        table = np.empty_like(rows[n_ctx:])
+        held = src >= 0
+        table[held] = kept.table[src[held]]
+        old = kept.snapshot
+        snapshot = [old[j] if j >= 0 else None for j in plan.moved]
+        for i in plan.changed:
+            snapshot[i] = gen[i] if type(gen[i]) is tuple else list(gen[i])
+        write_at(table, plan.changed, plan.blocks[k:], plan.lengths[n_ctx:], layers)
+        kept.table, kept.snapshot = table, snapshot
+        kept.requests, kept.keys = b.generation, plan.keys
     elif plan.changed:
         for i in plan.changed:
             kept.snapshot[i] = gen[i] if type(gen[i]) is tuple else list(gen[i])

@@ -51,6 +51,18 @@ class KeptRows:
     snapshot: list | None = None
     table: np.ndarray | None = None
     entered: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    # the generation requests the rows were last laid out for, and each row's sequence key
+    # (request, beam): when the requests change (finishes, arrivals), a kept row follows its
+    # sequence to its new position instead of being rebuilt
+    requests: tuple[Any, ...] = ()
+    keys: list | None = None
+
+
+def sequence_keys(b: Batch) -> list:
+    """A key per generation sequence, in row order: its request (by identity) and beam."""
+    if b.sizes.num_generation_sequences == len(b.generation):
+        return list(map(id, b.generation))
+    return [(id(r), k) for r, w in zip(b.generation, b.gen_beam_width.tolist()) for k in range(w)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +76,10 @@ class BlockPlan:
     lengths: np.ndarray
     changed: list[int] | None
     kept: KeptRows | None = None  # the state the fill updates (self-attention rows)
+    # where the generation requests changed: each generation row's position in the kept table
+    # (-1: a sequence the table does not hold), and the rows' sequence keys
+    moved: list[int] | None = None
+    keys: list | None = None
 
 
 def _block_lists(b: Batch, field: str) -> list | None:
@@ -121,12 +137,21 @@ def check_block_lists(
     n_ctx = b.sizes.num_context_requests
     gen = lists[n_ctx:]
     changed: list[int] | None
-    if snapshot is None or len(snapshot) != len(gen):
+    moved = keys = None
+    same_requests = kept is not None and kept.requests == b.generation  # identity, then eq
+    if snapshot is None:
         changed, convert = None, lists
-    elif snapshot == gen:
+    elif same_requests and snapshot == gen:
         changed, convert = [], lists[:n_ctx]
-    else:
+    elif same_requests:
         changed = [i for i, (now, then) in enumerate(zip(gen, snapshot)) if now != then]
+        convert = lists[:n_ctx] + [gen[i] for i in changed]
+    else:  # finishes and arrivals: match the rows to their sequences by key
+        assert kept is not None and kept.keys is not None
+        keys = sequence_keys(b)
+        position = {key: i for i, key in enumerate(kept.keys)}
+        moved = [position.get(key, -1) for key in keys]
+        changed = [i for i, (j, now) in enumerate(zip(moved, gen)) if j < 0 or snapshot[j] != now]
         convert = lists[:n_ctx] + [gen[i] for i in changed]
     blocks = int_array(list(itertools.chain.from_iterable(convert)))
     if blocks is None or not in_range(blocks, 0, limit[0]):
@@ -134,7 +159,7 @@ def check_block_lists(
     sub = (
         lengths if changed is None else np.concatenate((lengths[:n_ctx], lengths[n_ctx:][changed]))
     )
-    return BlockPlan(lists, blocks, sub, changed, kept)
+    return BlockPlan(lists, blocks, sub, changed, kept, moved, keys)
 
 
 def _diagnose(

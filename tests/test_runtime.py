@@ -7,6 +7,8 @@ import dataclasses
 import pytest
 import torch
 from conftest import BASE, family, make_buffers, make_config
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from bufc import runtime as rt
 from bufc.runtime import BatchError, ConfigError, Request
@@ -557,3 +559,43 @@ def test_cuda_graph_preparation_and_views_check_their_arguments():
         b.views(dataclasses.replace(step.sizes, num_tokens=-1))
     with pytest.raises(ValueError, match="takes StepSizes"):
         b.views({"num_tokens": 1})
+
+
+# ------------------------------------------------------------- KV rows under churn
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_kept_kv_rows_follow_their_sequences_when_requests_finish_and_arrive(data):
+    """Requests finish, arrive and grow blocks every step, with beams and shared lists: the
+    buffers that kept rows from earlier steps write what fresh buffers write for the step."""
+    kept = make_buffers("llama", tokens_per_block=4)
+    draw = data.draw
+    live: list[Request] = []
+    free = list(range(8))
+    next_block = 0
+    for _ in range(draw(st.integers(2, 7), label="steps")):
+        for r in list(live):  # finishes
+            if draw(st.booleans(), label="finish"):
+                live.remove(r)
+                free.append(r.seq_slot)
+        for _ in range(draw(st.integers(0, min(3, len(free))), label="arrivals")):
+            beams = draw(st.integers(1, 3), label="beams")
+            prompt = draw(st.integers(1, 9), label="prompt")
+            shared = draw(st.booleans(), label="shared")
+            r = Request(seq_slot=free.pop(0), prompt=[1] * prompt, beam_width=beams, generated=[])
+            n = -(-(prompt + 1) // 4) + 1
+            ids = list(range(next_block, next_block + n))
+            next_block += n
+            r.kv_block_ids = [ids] if shared else [ids[:] for _ in range(beams)]
+            live.append(r)
+        for r in live:  # every in-flight request one token longer, blocks as needed
+            r.generated = [list(g) + [5] for g in r.generated] or [[5] for _ in range(r.beam_width)]
+            need = -(-(len(r.prompt) + len(r.generated[0]) + 1) // 4)
+            for ids in r.kv_block_ids:
+                while len(ids) < need:
+                    ids.append(next_block)
+                    next_block += 1
+        order = draw(st.permutations(live), label="order") if live else []
+        got = kept.prepare_step([], order)
+        want = make_buffers("llama", tokens_per_block=4).prepare_step([], order)
+        for name, t in want.inputs.items():
+            assert torch.equal(got.inputs[name], t), name
