@@ -292,12 +292,12 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
     fills = []
     for f in program.fills:
         args = [
+            alias(f.impl),
             f"t.{f.tensor}.out",
             "b",
             *([f"k.{f.check}"] if f.check else []),
             *_kwargs(f.reads),
         ]
-        args = [alias(f.impl), *args]
         fills.append({"doc": _fill_doc(f), "lines": _write(f, args)})
     advance = not program.no_advance
     advance_checks, advance_results, advances = [], [], []
@@ -318,9 +318,7 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
                 )
             else:
                 advance_checks.extend(_guarded(f.guard, alias(f.advance_check), args))
-        advances.append(
-            {"doc": f"{f.tensor}: {_comment(f.doc)}", "lines": _advance_lines(f, alias)}
-        )
+        advances.append({"doc": _fill_doc(f), "lines": _advance_lines(f, alias)})
     return {
         "limits": limits,
         "encoder_sizes": program.encoder_sizes,
@@ -330,7 +328,6 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
         "results": results,
         "checked_lines": _construction("Checked", "b", results),
         "fills": fills,
-        "fill_returns": "decode.Decode | None",
         "advance": advance,
         "advance_checks": advance_checks,
         "advance_results": advance_results,

@@ -686,6 +686,7 @@ class Checker:
         s = self.spec
         seen: dict[str, Location] = {}
         for c in s.request_checks:
+            self.check_name(c.name, c.loc, "request check")  # a field of the generated Checked
             self.contract_name(c.name, c.loc, "request check", seen, c.builtin)
             self.impl(c.impl)
             if c.state is not None:

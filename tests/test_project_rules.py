@@ -273,6 +273,15 @@ def test_a_project_rule_gets_located_diagnostics():
     ]
 
 
+def test_a_request_check_name_must_be_usable_in_generated_code():
+    text = SPEC.replace("  short_queries:\n", "  class:\n").replace(
+        "check: short_queries", "check: class"
+    )
+    assert _errors(text) == [
+        "buffers.yaml:12:3: request check name 'class' is reserved; choose another name"
+    ]
+
+
 def test_the_spec_schema_knows_rules_and_request_checks():
     schema = json.loads((REPO / "schema" / "buffers.schema.json").read_text())
     assert {"rules", "request_checks", "requests"} <= set(schema["properties"])
