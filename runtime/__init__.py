@@ -46,7 +46,9 @@ def check_format_version(version: int) -> None:
     if version != FORMAT_VERSION:
         raise ImportError(
             f"this generated module was written for bufc runtime format {version}, but the "
-            f"installed bufc.runtime implements format {FORMAT_VERSION}; run 'make generate'"
+            f"installed bufc.runtime implements format {FORMAT_VERSION}; regenerate it with the "
+            "installed bufc (bufc generate --spec SPEC --out FOLDER; bufc check prints the exact "
+            "command)"
         )
 
 
