@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import functools
 import shlex
+import textwrap
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -279,7 +280,7 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
                 {
                     "name": chk.name,
                     "lines": [
-                        f"# {_comment(chk.doc)}",
+                        *(f"# {x}" for x in _wrapped(_comment(chk.doc))),
                         *_value(chk.name, alias(chk.impl), args, chk.guard),
                     ],
                     "guarded": chk.guard is not None,
@@ -287,7 +288,10 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
             )
         else:
             checks.append(
-                {"doc": _comment(chk.doc), "lines": _guarded(chk.guard, alias(chk.impl), args)}
+                {
+                    "doc": _wrapped(_comment(chk.doc)),
+                    "lines": _guarded(chk.guard, alias(chk.impl), args),
+                }
             )
     fills = []
     for f in program.fills:
@@ -366,9 +370,14 @@ def _construction(cls: str, first: str, results: list[dict[str, Any]]) -> list[s
     ]
 
 
-def _fill_doc(f: PlannedFill) -> str:
+def _wrapped(text: str) -> list[str]:
+    """A comment's lines inside a method body (at most 100 columns)."""
+    return textwrap.wrap(text, width=90, break_long_words=False, break_on_hyphens=False)
+
+
+def _fill_doc(f: PlannedFill) -> list[str]:
     """The comment above a tensor's fill: its name and doc."""
-    return f"{f.tensor}: {_comment(f.doc)}"
+    return _wrapped(f"{f.tensor}: {_comment(f.doc)}")
 
 
 def _write(f: PlannedFill, call: list[str]) -> list[str]:

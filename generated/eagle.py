@@ -940,7 +940,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         features.check_posterior_thresholds(b)
         return Checked(
             b,
-            # Every sequence's kv_block_ids cover its tokens after the step, within max_blocks_per_seq, with ids in the pool.
+            # Every sequence's kv_block_ids cover its tokens after the step, within max_blocks_per_seq,
+            # with ids in the pool.
             kv_blocks=core.check_kv_blocks(
                 b,
                 state.kv_blocks,
@@ -956,24 +957,31 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         c, b = self.config, k.batch
         # host_input_ids: Token ids of the packed batch, staged on the host.
         t.host_input_ids.wrote(core.token_ids(t.host_input_ids.out, b))
-        # host_position_ids: Position of every input token (one per generation beam), staged on the host.
+        # host_position_ids: Position of every input token (one per generation beam), staged on the
+        # host.
         t.host_position_ids.wrote(core.position_ids(t.host_position_ids.out, b))
-        # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+        # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or
+        # prompt plus drafts).
         t.host_context_lengths.wrote(core.context_lengths(t.host_context_lengths.out, b))
-        # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended, staged on the host.
+        # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended,
+        # staged on the host.
         t.host_sequence_lengths.wrote(core.sequence_lengths(t.host_sequence_lengths.out, b))
         # host_request_types: Kind of each sequence, 0 for context and 1 for generation.
         t.host_request_types.wrote(core.request_types(t.host_request_types.out, b))
-        # host_past_key_value_lengths: KV length per sequence as the reference sets it, a context chunk's tokens through this step, a generation sequence's before it (prompt + generated - 1, no drafts).
+        # host_past_key_value_lengths: KV length per sequence as the reference sets it, a context
+        # chunk's tokens through this step, a generation sequence's before it (prompt + generated -
+        # 1, no drafts).
         t.host_past_key_value_lengths.wrote(
             core.past_key_value_lengths(
                 t.host_past_key_value_lengths.out,
                 b,
             )
         )
-        # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit row.
+        # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit
+        # row.
         t.host_last_token_ids.wrote(core.last_token_ids(t.host_last_token_ids.out, b))
-        # host_kv_cache_block_offsets: KV-cache block index of every block of each sequence, K row then V row.
+        # host_kv_cache_block_offsets: KV-cache block index of every block of each sequence, K row
+        # then V row.
         t.host_kv_cache_block_offsets.wrote(
             core.kv_cache_block_offsets(
                 t.host_kv_cache_block_offsets.out,
@@ -985,21 +993,24 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         )
         # host_seq_slots: Decoder slot of each request, context requests first.
         t.host_seq_slots.wrote(core.seq_slots(t.host_seq_slots.out, b))
-        # host_eagle_posterior_thresholds: Posterior threshold of each request (its own or 0.09), staged on the host.
+        # host_eagle_posterior_thresholds: Posterior threshold of each request (its own or 0.09),
+        # staged on the host.
         t.host_eagle_posterior_thresholds.wrote(
             features.posterior_thresholds(
                 t.host_eagle_posterior_thresholds.out,
                 b,
             )
         )
-        # host_eagle_posterior_alphas: Square root of each request's posterior threshold, staged on the host.
+        # host_eagle_posterior_alphas: Square root of each request's posterior threshold, staged on
+        # the host.
         t.host_eagle_posterior_alphas.wrote(
             features.posterior_alphas(
                 t.host_eagle_posterior_alphas.out,
                 b,
             )
         )
-        # host_chunked_context_next_tokens: The token after each context request's chunk (-1 on a last chunk and for generation).
+        # host_chunked_context_next_tokens: The token after each context request's chunk (-1 on a
+        # last chunk and for generation).
         t.host_chunked_context_next_tokens.wrote(
             features.chunked_context_next_tokens(
                 t.host_chunked_context_next_tokens.out,

@@ -724,13 +724,15 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         self.check_shape('encoder_max_input_length', (s.max_encoder_input_length,))
         self.check_shape('host_cross_attention_mask', (s.num_tokens, s.max_encoder_input_length))
         self.check_shape('cross_attention_packed_mask', (s.num_tokens, c.packed_mask_words))
-        # Every context request carries its encoder_output, [encoder_output_length, encoder_hidden_size].
+        # Every context request carries its encoder_output, [encoder_output_length,
+        # encoder_hidden_size].
         features.check_encoder_outputs(b, encoder_hidden_size=c.encoder_hidden_size)
         # Each cross_attention_mask holds booleans, [rows >= 1, at most the longest encoder input].
         features.check_cross_attention_masks(b)
         return Checked(
             b,
-            # Every sequence's kv_block_ids cover its tokens after the step, within max_blocks_per_seq, with ids in the pool.
+            # Every sequence's kv_block_ids cover its tokens after the step, within max_blocks_per_seq,
+            # with ids in the pool.
             kv_blocks=core.check_kv_blocks(
                 b,
                 state.kv_blocks,
@@ -739,7 +741,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 num_local_layers=c.num_local_layers,
                 num_kv_blocks=c.num_kv_blocks,
             ),
-            # Every sequence's cross_kv_block_ids cover its request's encoder output, with ids in the pool.
+            # Every sequence's cross_kv_block_ids cover its request's encoder output, with ids in the
+            # pool.
             cross_kv_blocks=features.check_cross_kv_blocks(
                 b,
                 max_cross_blocks_per_seq=c.max_cross_blocks_per_seq,
@@ -754,24 +757,31 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         c, b = self.config, k.batch
         # host_input_ids: Token ids of the packed batch, staged on the host.
         t.host_input_ids.wrote(core.token_ids(t.host_input_ids.out, b))
-        # host_position_ids: Position of every input token (one per generation beam), staged on the host.
+        # host_position_ids: Position of every input token (one per generation beam), staged on the
+        # host.
         t.host_position_ids.wrote(core.position_ids(t.host_position_ids.out, b))
-        # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+        # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or
+        # prompt plus drafts).
         t.host_context_lengths.wrote(core.context_lengths(t.host_context_lengths.out, b))
-        # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended, staged on the host.
+        # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended,
+        # staged on the host.
         t.host_sequence_lengths.wrote(core.sequence_lengths(t.host_sequence_lengths.out, b))
         # host_request_types: Kind of each sequence, 0 for context and 1 for generation.
         t.host_request_types.wrote(core.request_types(t.host_request_types.out, b))
-        # host_past_key_value_lengths: KV length per sequence as the reference sets it, a context chunk's tokens through this step, a generation sequence's before it (prompt + generated - 1, no drafts).
+        # host_past_key_value_lengths: KV length per sequence as the reference sets it, a context
+        # chunk's tokens through this step, a generation sequence's before it (prompt + generated -
+        # 1, no drafts).
         t.host_past_key_value_lengths.wrote(
             core.past_key_value_lengths(
                 t.host_past_key_value_lengths.out,
                 b,
             )
         )
-        # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit row.
+        # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit
+        # row.
         t.host_last_token_ids.wrote(core.last_token_ids(t.host_last_token_ids.out, b))
-        # host_kv_cache_block_offsets: KV-cache block index of every block of each sequence, K row then V row.
+        # host_kv_cache_block_offsets: KV-cache block index of every block of each sequence, K row
+        # then V row.
         t.host_kv_cache_block_offsets.wrote(
             core.kv_cache_block_offsets(
                 t.host_kv_cache_block_offsets.out,
@@ -781,7 +791,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 num_local_layers=c.num_local_layers,
             )
         )
-        # host_cache_indirection_copies: Source, destination and size of the copy of each generation request's cache indirection.
+        # host_cache_indirection_copies: Source, destination and size of the copy of each generation
+        # request's cache indirection.
         if c.max_beam_width > 1:
             t.host_cache_indirection_copies.wrote(
                 features.cache_indirection_copies(
@@ -791,7 +802,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                     max_attention_window=c.max_attention_window,
                 )
             )
-        # host_cache_indirection_decoder_copies: Source, destination and size of each request's decoder output-to-input indirection copy.
+        # host_cache_indirection_decoder_copies: Source, destination and size of each request's
+        # decoder output-to-input indirection copy.
         if c.max_beam_width > 1:
             t.host_cache_indirection_decoder_copies.wrote(
                 features.cache_indirection_decoder_copies(
@@ -801,7 +813,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                     max_attention_window=c.max_attention_window,
                 )
             )
-        # host_generation_beam_widths: Beam width of each generation request (its sequences are consecutive rows).
+        # host_generation_beam_widths: Beam width of each generation request (its sequences are
+        # consecutive rows).
         if c.max_beam_width > 1:
             t.host_generation_beam_widths.wrote(
                 core.generation_beam_widths(
@@ -811,7 +824,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             )
         # host_seq_slots: Decoder slot of each request, context requests first.
         t.host_seq_slots.wrote(core.seq_slots(t.host_seq_slots.out, b))
-        # host_encoder_input_lengths: Encoder output length of each sequence's request, staged on the host.
+        # host_encoder_input_lengths: Encoder output length of each sequence's request, staged on
+        # the host.
         t.host_encoder_input_lengths.wrote(
             features.encoder_output_lengths(
                 t.host_encoder_input_lengths.out,
@@ -826,7 +840,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 encoder_hidden_size=c.encoder_hidden_size,
             )
         )
-        # host_cross_kv_cache_block_offsets: Cross-attention KV-cache block index of every block of each sequence, K then V.
+        # host_cross_kv_cache_block_offsets: Cross-attention KV-cache block index of every block of
+        # each sequence, K then V.
         t.host_cross_kv_cache_block_offsets.wrote(
             features.cross_kv_cache_block_offsets(
                 t.host_cross_kv_cache_block_offsets.out,
@@ -836,14 +851,16 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 num_local_layers=c.num_local_layers,
             )
         )
-        # host_cross_attention_mask: Which encoder positions each token attends to, staged on the host.
+        # host_cross_attention_mask: Which encoder positions each token attends to, staged on the
+        # host.
         t.host_cross_attention_mask.wrote(
             features.cross_attention_mask(
                 t.host_cross_attention_mask.out,
                 b,
             )
         )
-        # host_skip_cross_attn_blocks: Whether every scheduled request skips the cross-attention blocks.
+        # host_skip_cross_attn_blocks: Whether every scheduled request skips the cross-attention
+        # blocks.
         t.host_skip_cross_attn_blocks.wrote(
             features.skip_cross_attn_blocks(
                 t.host_skip_cross_attn_blocks.out,

@@ -243,16 +243,19 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     def _fill(self, t: rt.Targets, k: Checked) -> decode.Decode | None:
         """Write every rule tensor of the step (every check has passed)."""
         c, b = self.config, k.batch
-        # host_encoder_input_ids: Encoder input tokens of each request, concatenated, staged on the host.
+        # host_encoder_input_ids: Encoder input tokens of each request, concatenated, staged on the
+        # host.
         t.host_encoder_input_ids.wrote(features.encoder_input_ids(t.host_encoder_input_ids.out, b))
-        # host_encoder_position_ids: Position of every encoder input token (0 .. length - 1 per request), staged on the host.
+        # host_encoder_position_ids: Position of every encoder input token (0 .. length - 1 per
+        # request), staged on the host.
         t.host_encoder_position_ids.wrote(
             features.encoder_position_ids(
                 t.host_encoder_position_ids.out,
                 b,
             )
         )
-        # host_encoder_request_input_lengths: Encoder input length of each request, staged on the host.
+        # host_encoder_request_input_lengths: Encoder input length of each request, staged on the
+        # host.
         t.host_encoder_request_input_lengths.wrote(
             features.encoder_input_lengths(
                 t.host_encoder_request_input_lengths.out,

@@ -513,7 +513,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             'host_glm_position_ids',
             (2, s.num_context_tokens + s.num_generation_sequences),
         )
-        # GLM-10B's two-row positions take no explicit position ids and no chunked prompt; generation requests carry their mask_position.
+        # GLM-10B's two-row positions take no explicit position ids and no chunked prompt;
+        # generation requests carry their mask_position.
         core.check_glm(b)
         return Checked(b)
 
@@ -523,24 +524,31 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         c, b = self.config, k.batch
         # host_input_ids: Token ids of the packed batch, staged on the host.
         t.host_input_ids.wrote(core.token_ids(t.host_input_ids.out, b))
-        # host_glm_position_ids: GLM-10B two-row positions with the mask position, staged on the host.
+        # host_glm_position_ids: GLM-10B two-row positions with the mask position, staged on the
+        # host.
         t.host_glm_position_ids.wrote(core.glm_position_ids(t.host_glm_position_ids.out, b))
-        # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+        # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or
+        # prompt plus drafts).
         t.host_context_lengths.wrote(core.context_lengths(t.host_context_lengths.out, b))
-        # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended, staged on the host.
+        # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended,
+        # staged on the host.
         t.host_sequence_lengths.wrote(core.sequence_lengths(t.host_sequence_lengths.out, b))
         # host_request_types: Kind of each sequence, 0 for context and 1 for generation.
         t.host_request_types.wrote(core.request_types(t.host_request_types.out, b))
-        # host_past_key_value_lengths: KV length per sequence as the reference sets it, a context chunk's tokens through this step, a generation sequence's before it (prompt + generated - 1, no drafts).
+        # host_past_key_value_lengths: KV length per sequence as the reference sets it, a context
+        # chunk's tokens through this step, a generation sequence's before it (prompt + generated -
+        # 1, no drafts).
         t.host_past_key_value_lengths.wrote(
             core.past_key_value_lengths(
                 t.host_past_key_value_lengths.out,
                 b,
             )
         )
-        # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit row.
+        # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit
+        # row.
         t.host_last_token_ids.wrote(core.last_token_ids(t.host_last_token_ids.out, b))
-        # host_cache_indirection_copies: Source, destination and size of the copy of each generation request's cache indirection.
+        # host_cache_indirection_copies: Source, destination and size of the copy of each generation
+        # request's cache indirection.
         if c.max_beam_width > 1:
             t.host_cache_indirection_copies.wrote(
                 features.cache_indirection_copies(
@@ -550,7 +558,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                     max_attention_window=c.max_attention_window,
                 )
             )
-        # host_cache_indirection_decoder_copies: Source, destination and size of each request's decoder output-to-input indirection copy.
+        # host_cache_indirection_decoder_copies: Source, destination and size of each request's
+        # decoder output-to-input indirection copy.
         if c.max_beam_width > 1:
             t.host_cache_indirection_decoder_copies.wrote(
                 features.cache_indirection_decoder_copies(
@@ -560,7 +569,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                     max_attention_window=c.max_attention_window,
                 )
             )
-        # host_generation_beam_widths: Beam width of each generation request (its sequences are consecutive rows).
+        # host_generation_beam_widths: Beam width of each generation request (its sequences are
+        # consecutive rows).
         if c.max_beam_width > 1:
             t.host_generation_beam_widths.wrote(
                 core.generation_beam_widths(
@@ -583,7 +593,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         c, d = self.config, a.decode
         # host_input_ids: Token ids of the packed batch, staged on the host.
         t.host_input_ids.wrote(core.advance_tokens(t.host_input_ids.out, p.host_input_ids.out, d))
-        # host_glm_position_ids: GLM-10B two-row positions with the mask position, staged on the host.
+        # host_glm_position_ids: GLM-10B two-row positions with the mask position, staged on the
+        # host.
         t.host_glm_position_ids.wrote(
             core.advance_two_rows(
                 t.host_glm_position_ids.out,
@@ -591,9 +602,11 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 d,
             )
         )
-        # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+        # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or
+        # prompt plus drafts).
         t.host_context_lengths.keep(p.host_context_lengths, d.holds_run)
-        # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended, staged on the host.
+        # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended,
+        # staged on the host.
         t.host_sequence_lengths.wrote(
             core.advance_plus_one(
                 t.host_sequence_lengths.out,
@@ -603,7 +616,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         )
         # host_request_types: Kind of each sequence, 0 for context and 1 for generation.
         t.host_request_types.keep(p.host_request_types, d.holds_run)
-        # host_past_key_value_lengths: KV length per sequence as the reference sets it, a context chunk's tokens through this step, a generation sequence's before it (prompt + generated - 1, no drafts).
+        # host_past_key_value_lengths: KV length per sequence as the reference sets it, a context
+        # chunk's tokens through this step, a generation sequence's before it (prompt + generated -
+        # 1, no drafts).
         t.host_past_key_value_lengths.wrote(
             core.advance_plus_one(
                 t.host_past_key_value_lengths.out,
@@ -611,18 +626,22 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 d,
             )
         )
-        # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit row.
+        # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit
+        # row.
         t.host_last_token_ids.keep(p.host_last_token_ids, d.holds_run)
-        # host_cache_indirection_copies: Source, destination and size of the copy of each generation request's cache indirection.
+        # host_cache_indirection_copies: Source, destination and size of the copy of each generation
+        # request's cache indirection.
         if c.max_beam_width > 1:
             t.host_cache_indirection_copies.keep(p.host_cache_indirection_copies, d.holds_run)
-        # host_cache_indirection_decoder_copies: Source, destination and size of each request's decoder output-to-input indirection copy.
+        # host_cache_indirection_decoder_copies: Source, destination and size of each request's
+        # decoder output-to-input indirection copy.
         if c.max_beam_width > 1:
             t.host_cache_indirection_decoder_copies.keep(
                 p.host_cache_indirection_decoder_copies,
                 d.holds_run,
             )
-        # host_generation_beam_widths: Beam width of each generation request (its sequences are consecutive rows).
+        # host_generation_beam_widths: Beam width of each generation request (its sequences are
+        # consecutive rows).
         if c.max_beam_width > 1:
             t.host_generation_beam_widths.keep(p.host_generation_beam_widths, d.holds_run)
         # host_seq_slots: Decoder slot of each request, context requests first.

@@ -585,7 +585,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         self.check_shape('host_position_ids', (s.num_context_tokens + s.num_generation_sequences,))
         return Checked(
             b,
-            # Every sequence's kv_block_ids cover its tokens after the step, within max_blocks_per_seq, with ids in the pool.
+            # Every sequence's kv_block_ids cover its tokens after the step, within max_blocks_per_seq,
+            # with ids in the pool.
             kv_blocks=core.check_kv_blocks(
                 b,
                 state.kv_blocks,
@@ -603,24 +604,31 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # host_input_ids: Token ids of the packed batch, staged on the host.
         if c.pp_rank == 0:
             t.host_input_ids.wrote(core.token_ids(t.host_input_ids.out, b))
-        # host_position_ids: Position of every input token (one per generation beam), staged on the host.
+        # host_position_ids: Position of every input token (one per generation beam), staged on the
+        # host.
         t.host_position_ids.wrote(core.position_ids(t.host_position_ids.out, b))
-        # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+        # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or
+        # prompt plus drafts).
         t.host_context_lengths.wrote(core.context_lengths(t.host_context_lengths.out, b))
-        # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended, staged on the host.
+        # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended,
+        # staged on the host.
         t.host_sequence_lengths.wrote(core.sequence_lengths(t.host_sequence_lengths.out, b))
         # host_request_types: Kind of each sequence, 0 for context and 1 for generation.
         t.host_request_types.wrote(core.request_types(t.host_request_types.out, b))
-        # host_past_key_value_lengths: KV length per sequence as the reference sets it, a context chunk's tokens through this step, a generation sequence's before it (prompt + generated - 1, no drafts).
+        # host_past_key_value_lengths: KV length per sequence as the reference sets it, a context
+        # chunk's tokens through this step, a generation sequence's before it (prompt + generated -
+        # 1, no drafts).
         t.host_past_key_value_lengths.wrote(
             core.past_key_value_lengths(
                 t.host_past_key_value_lengths.out,
                 b,
             )
         )
-        # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit row.
+        # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit
+        # row.
         t.host_last_token_ids.wrote(core.last_token_ids(t.host_last_token_ids.out, b))
-        # host_kv_cache_block_offsets: KV-cache block index of every block of each sequence, K row then V row.
+        # host_kv_cache_block_offsets: KV-cache block index of every block of each sequence, K row
+        # then V row.
         t.host_kv_cache_block_offsets.wrote(
             core.kv_cache_block_offsets(
                 t.host_kv_cache_block_offsets.out,
@@ -630,7 +638,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 num_local_layers=c.num_local_layers,
             )
         )
-        # host_cache_indirection_copies: Source, destination and size of the copy of each generation request's cache indirection.
+        # host_cache_indirection_copies: Source, destination and size of the copy of each generation
+        # request's cache indirection.
         if c.max_beam_width > 1:
             t.host_cache_indirection_copies.wrote(
                 features.cache_indirection_copies(
@@ -640,7 +649,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                     max_attention_window=c.max_attention_window,
                 )
             )
-        # host_cache_indirection_decoder_copies: Source, destination and size of each request's decoder output-to-input indirection copy.
+        # host_cache_indirection_decoder_copies: Source, destination and size of each request's
+        # decoder output-to-input indirection copy.
         if c.max_beam_width > 1:
             t.host_cache_indirection_decoder_copies.wrote(
                 features.cache_indirection_decoder_copies(
@@ -650,7 +660,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                     max_attention_window=c.max_attention_window,
                 )
             )
-        # host_generation_beam_widths: Beam width of each generation request (its sequences are consecutive rows).
+        # host_generation_beam_widths: Beam width of each generation request (its sequences are
+        # consecutive rows).
         if c.max_beam_width > 1:
             t.host_generation_beam_widths.wrote(
                 core.generation_beam_widths(
@@ -691,7 +702,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                     d,
                 )
             )
-        # host_position_ids: Position of every input token (one per generation beam), staged on the host.
+        # host_position_ids: Position of every input token (one per generation beam), staged on the
+        # host.
         t.host_position_ids.wrote(
             core.advance_plus_one(
                 t.host_position_ids.out,
@@ -699,9 +711,11 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 d,
             )
         )
-        # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+        # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or
+        # prompt plus drafts).
         t.host_context_lengths.keep(p.host_context_lengths, d.holds_run)
-        # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended, staged on the host.
+        # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended,
+        # staged on the host.
         t.host_sequence_lengths.wrote(
             core.advance_plus_one(
                 t.host_sequence_lengths.out,
@@ -711,7 +725,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         )
         # host_request_types: Kind of each sequence, 0 for context and 1 for generation.
         t.host_request_types.keep(p.host_request_types, d.holds_run)
-        # host_past_key_value_lengths: KV length per sequence as the reference sets it, a context chunk's tokens through this step, a generation sequence's before it (prompt + generated - 1, no drafts).
+        # host_past_key_value_lengths: KV length per sequence as the reference sets it, a context
+        # chunk's tokens through this step, a generation sequence's before it (prompt + generated -
+        # 1, no drafts).
         t.host_past_key_value_lengths.wrote(
             core.advance_plus_one(
                 t.host_past_key_value_lengths.out,
@@ -719,9 +735,11 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 d,
             )
         )
-        # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit row.
+        # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit
+        # row.
         t.host_last_token_ids.keep(p.host_last_token_ids, d.holds_run)
-        # host_kv_cache_block_offsets: KV-cache block index of every block of each sequence, K row then V row.
+        # host_kv_cache_block_offsets: KV-cache block index of every block of each sequence, K row
+        # then V row.
         t.host_kv_cache_block_offsets.wrote(
             core.advance_kv(
                 t.host_kv_cache_block_offsets.out,
@@ -731,16 +749,19 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 max_blocks_per_seq=c.max_blocks_per_seq,
             )
         )
-        # host_cache_indirection_copies: Source, destination and size of the copy of each generation request's cache indirection.
+        # host_cache_indirection_copies: Source, destination and size of the copy of each generation
+        # request's cache indirection.
         if c.max_beam_width > 1:
             t.host_cache_indirection_copies.keep(p.host_cache_indirection_copies, d.holds_run)
-        # host_cache_indirection_decoder_copies: Source, destination and size of each request's decoder output-to-input indirection copy.
+        # host_cache_indirection_decoder_copies: Source, destination and size of each request's
+        # decoder output-to-input indirection copy.
         if c.max_beam_width > 1:
             t.host_cache_indirection_decoder_copies.keep(
                 p.host_cache_indirection_decoder_copies,
                 d.holds_run,
             )
-        # host_generation_beam_widths: Beam width of each generation request (its sequences are consecutive rows).
+        # host_generation_beam_widths: Beam width of each generation request (its sequences are
+        # consecutive rows).
         if c.max_beam_width > 1:
             t.host_generation_beam_widths.keep(p.host_generation_beam_widths, d.holds_run)
         # host_seq_slots: Decoder slot of each request, context requests first.

@@ -422,17 +422,21 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         c, b = self.config, k.batch
         # host_input_ids: Token ids of the packed batch, staged on the host.
         t.host_input_ids.wrote(core.token_ids(t.host_input_ids.out, b))
-        # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+        # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or
+        # prompt plus drafts).
         t.host_context_lengths.wrote(core.context_lengths(t.host_context_lengths.out, b))
-        # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended, staged on the host.
+        # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended,
+        # staged on the host.
         t.host_sequence_lengths.wrote(core.sequence_lengths(t.host_sequence_lengths.out, b))
         # host_request_types: Kind of each sequence, 0 for context and 1 for generation.
         t.host_request_types.wrote(core.request_types(t.host_request_types.out, b))
-        # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit row.
+        # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit
+        # row.
         t.host_last_token_ids.wrote(core.last_token_ids(t.host_last_token_ids.out, b))
         # host_seq_slots: Decoder slot of each request, context requests first.
         t.host_seq_slots.wrote(core.seq_slots(t.host_seq_slots.out, b))
-        # host_slot_mapping: State slot of each sequence (its request's seq_slot), staged on the host.
+        # host_slot_mapping: State slot of each sequence (its request's seq_slot), staged on the
+        # host.
         t.host_slot_mapping.wrote(features.slot_mapping(t.host_slot_mapping.out, b))
         return decode.start(b)
 
@@ -447,9 +451,11 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         c, d = self.config, a.decode
         # host_input_ids: Token ids of the packed batch, staged on the host.
         t.host_input_ids.wrote(core.advance_tokens(t.host_input_ids.out, p.host_input_ids.out, d))
-        # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts).
+        # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or
+        # prompt plus drafts).
         t.host_context_lengths.keep(p.host_context_lengths, d.holds_run)
-        # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended, staged on the host.
+        # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended,
+        # staged on the host.
         t.host_sequence_lengths.wrote(
             core.advance_plus_one(
                 t.host_sequence_lengths.out,
@@ -459,9 +465,11 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         )
         # host_request_types: Kind of each sequence, 0 for context and 1 for generation.
         t.host_request_types.keep(p.host_request_types, d.holds_run)
-        # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit row.
+        # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit
+        # row.
         t.host_last_token_ids.keep(p.host_last_token_ids, d.holds_run)
         # host_seq_slots: Decoder slot of each request, context requests first.
         t.host_seq_slots.keep(p.host_seq_slots, d.holds_run)
-        # host_slot_mapping: State slot of each sequence (its request's seq_slot), staged on the host.
+        # host_slot_mapping: State slot of each sequence (its request's seq_slot), staged on the
+        # host.
         t.host_slot_mapping.keep(p.host_slot_mapping, d.holds_run)
