@@ -20,7 +20,7 @@ from ..rules.sizes import ENCODER_SIZES
 from . import expr as E
 from . import prove, vocab
 from .errors import Location
-from .model import Check, Derived, Family, Impl, Parameter, Spec, StepSize, Tensor
+from .model import Check, Derived, Family, Formula, Impl, Parameter, Spec, StepSize, Tensor
 
 # The Config values the batch builder bounds requests by (bufc.rules.batch.limits), passed
 # where the family has them.
@@ -405,8 +405,9 @@ def _program(
     )
 
 
-def _holds(cond: object, flags: dict[str, str | bool]) -> bool:
-    return cond is not None and E.fold(cond.expr, flags) == E.TRUE  # type: ignore[attr-defined]
+def _holds(cond: Formula | None, flags: dict[str, str | bool]) -> bool:
+    """A `requests` condition (over flags alone, validated) holds in this family."""
+    return cond is not None and E.fold(cond.expr, flags) == E.TRUE
 
 
 def _disj(conds: list[E.Expr | None]) -> E.Expr | None:
