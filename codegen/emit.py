@@ -242,11 +242,16 @@ def _lines(fn: str, args: list[str], indent: int) -> list[str]:
     return [f"{fn}(", *(f"    {a}," for a in args), ")"]
 
 
-def _guarded(cond: E.Expr | None, fn: str, args: list[str], indent: int = 8) -> list[str]:
-    """The call, under the tensor's construct-time condition where it has one."""
+def _under(cond: E.Expr | None, lines: list[str]) -> list[str]:
+    """`lines`, under a construct-time condition where there is one."""
     if cond is None:
-        return _lines(fn, args, indent)
-    return [f"if {_construct(cond)}:", *(f"    {x}" for x in _lines(fn, args, indent + 4))]
+        return lines
+    return [f"if {_construct(cond)}:", *(f"    {x}" for x in lines)]
+
+
+def _guarded(cond: E.Expr | None, fn: str, args: list[str]) -> list[str]:
+    """The call, under the tensor's construct-time condition where it has one."""
+    return _under(cond, _lines(fn, args, 8 if cond is None else 12))
 
 
 def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, Any]:
@@ -386,12 +391,8 @@ def _write(f: PlannedFill, call: list[str]) -> list[str]:
     indent = 8 if f.guard is None else 12
     inner = _lines(call[0], call[1:], indent + len(f"t.{f.tensor}.wrote("))
     if len(inner) == 1:
-        lines = [f"t.{f.tensor}.wrote({inner[0]})"]
-    else:
-        lines = [f"t.{f.tensor}.wrote(", *(f"    {x}" for x in inner), ")"]
-    if f.guard is None:
-        return lines
-    return [f"if {_construct(f.guard)}:", *(f"    {x}" for x in lines)]
+        return _under(f.guard, [f"t.{f.tensor}.wrote({inner[0]})"])
+    return _under(f.guard, [f"t.{f.tensor}.wrote(", *(f"    {x}" for x in inner), ")"])
 
 
 def _advance_lines(f: PlannedFill, alias: _Aliases) -> list[str]:

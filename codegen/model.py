@@ -178,7 +178,6 @@ class RequestCheck:
     state: Impl | None
     result: bool
     loc: Location
-    builtin: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +206,6 @@ class Rule:
     kv_lengths: bool
     loc: Location
     field_locs: tuple[tuple[str, Location], ...] = ()
-    builtin: bool = False
 
     def field_loc(self, key: str) -> Location:
         return dict(self.field_locs).get(key, self.loc)
@@ -254,9 +252,8 @@ class Spec:
 
 
 class _Builder:
-    def __init__(self, doc: Document, builtin: bool = False) -> None:
+    def __init__(self, doc: Document) -> None:
         self.doc = doc
-        self.builtin = builtin
         self.errors = Collector()
 
     def formula(self, value: Any, path: Path) -> Formula:
@@ -388,7 +385,7 @@ class _Builder:
 
     def contracts(self) -> tuple[tuple[Rule, ...], tuple[RequestCheck, ...]]:
         """The rules and request checks this document declares."""
-        d, kl, builtin = self.doc.data, self.doc.key_loc, self.builtin
+        d, kl = self.doc.data, self.doc.key_loc
         checks = tuple(
             RequestCheck(
                 n,
@@ -399,7 +396,6 @@ class _Builder:
                 self.impl(r["state"], ("request_checks", n, "state")) if "state" in r else None,
                 bool(r.get("result", False)),
                 kl(("request_checks", n)),
-                builtin,
             )
             for n, r in d.get("request_checks", {}).items()
         )
@@ -435,7 +431,6 @@ class _Builder:
                     bool(r.get("kv_lengths", False)),
                     kl(path),
                     tuple((k, kl((*path, k))) for k in r),
-                    builtin,
                 )
             )
         return tuple(rules), checks
@@ -497,8 +492,3 @@ def build_spec(doc: Document, builtin: Spec | None = None) -> Spec:
         rules=builtin.rules + spec.rules,
         request_checks=builtin.request_checks + spec.request_checks,
     )
-
-
-def build_contracts(doc: Document) -> Spec:
-    """bufc's built-in rules file as a spec holding only its rules and request checks."""
-    return _Builder(doc, builtin=True).build()

@@ -9,7 +9,7 @@ from importlib import resources
 
 from . import load, schema
 from .errors import SpecError
-from .model import Spec, build_contracts, build_spec
+from .model import Spec, build_spec
 from .plan import FamilyPlan, lower_family
 from .validate import check_plans, check_spec
 
@@ -36,7 +36,7 @@ def builtin_contracts() -> Spec:
     problems = schema.check_document(doc, rules_only=True)
     if problems:
         raise SpecError(problems)
-    return build_contracts(doc)
+    return build_spec(doc)  # a spec with rules and request checks alone
 
 
 def compile_text(text: str, file: str = "buffers.yaml") -> Compiled:

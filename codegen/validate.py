@@ -687,7 +687,7 @@ class Checker:
         seen: dict[str, Location] = {}
         for c in s.request_checks:
             self.check_name(c.name, c.loc, "request check")  # a field of the generated Checked
-            self.contract_name(c.name, c.loc, "request check", seen, c.builtin)
+            self.contract_name(c.name, c.loc, "request check", seen)
             self.impl(c.impl)
             if c.state is not None:
                 self.impl(c.state)
@@ -695,7 +695,7 @@ class Checker:
         seen = {}
         checks = {c.name for c in s.request_checks}
         for r in s.rules:
-            self.contract_name(r.name, r.loc, "rule", seen, r.builtin)
+            self.contract_name(r.name, r.loc, "rule", seen)
             for impl in (r.impl, r.advance, r.advance_check.impl if r.advance_check else None):
                 if isinstance(impl, Impl):
                     self.impl(impl)
@@ -712,15 +712,15 @@ class Checker:
                     f"rule '{r.name}' has no advance form; add 'advance' or drop this key",
                 )
 
-    def contract_name(
-        self, name: str, loc: Location, what: str, seen: dict[str, Location], builtin: bool
-    ) -> None:
+    def contract_name(self, name: str, loc: Location, what: str, seen: dict[str, Location]) -> None:
+        """A spec's own names are keys of one mapping (the loader refuses a repeated key), so
+        a name seen before is a built-in one."""
         if name in seen:
-            where = "a built-in " + what if builtin or seen[name].file != loc.file else None
+            first = seen[name]
             self.errors.error(
                 loc,
-                f"{what} '{name}' is already declared ({where or 'at line ' + str(seen[name].line)}"
-                f" at {seen[name].file}:{seen[name].line}); choose another name",
+                f"{what} '{name}' is already declared (a built-in {what} at "
+                f"{first.file}:{first.line}); choose another name",
             )
             return
         seen[name] = loc
