@@ -1,8 +1,11 @@
 """prepare_step under serving traffic: the batch changes every step (requests finish, new ones
 arrive as 512-token prompts, the rest decode one more token and their KV block lists grow).
 
-Three implementations prepare the same llama step, timed in the same loop on the same batch:
-- bufc's `prepare_step` (the generated module);
+Four implementations prepare the same llama step, timed in the same loop on the same batch:
+- bufc's `prepare_step` (the generated module, stateless: it reads every request);
+- bufc's requests in flight: `finish` for the requests that left, `add` for those that arrived,
+  and `step(tokens, blocks=...)` with the sampled tokens (indexed by seq slot) and the KV
+  blocks added (what an engine loop hands it; derived from the traffic outside the timing);
 - the floor: a minimal hand-written numpy fill of the step's tensors (the ones bufc writes for
   this family at these sizes) that re-reads every request, plus one pinned host-to-device copy;
 - the loop-by-loop reference (tests/reference.py) with one tensor and copy per input.
@@ -144,6 +147,60 @@ class Floor:
         self.device[:o].copy_(self.host[:o], non_blocking=True)
 
 
+class InFlightDriver:
+    """The same traffic as the engine loop of the in-flight API sees it: the requests that
+    finished, those that arrived, the sampled tokens (indexed by seq slot) and the KV blocks
+    added per slot. Derived from consecutive steps of a Traffic outside the timed region;
+    `run` is the timed part (finish, add, step)."""
+
+    def __init__(self, buffers) -> None:
+        self.buffers = buffers
+        self.tokens = np.zeros(buffers.config.max_batch_size, np.int64)
+        self.known: dict[int, tuple[Request, int]] = {}  # slot -> (request, blocks it knows)
+
+    def changes(self, ctx: list, gen: list) -> tuple:
+        now = {r.seq_slot: r for r in chain(ctx, gen)}
+        finished = [s for s, (r, _) in self.known.items() if now.get(s) is not r]
+        for s in finished:
+            del self.known[s]
+        blocks, arrived = {}, list(ctx)
+        for r in gen:
+            held = self.known[r.seq_slot][1]
+            have = len(r.kv_block_ids[0])
+            if have > held:
+                blocks[r.seq_slot] = r.kv_block_ids[0][held:]
+            self.known[r.seq_slot] = (r, have)
+            self.tokens[r.seq_slot] = r.generated[0][-1]
+        for r in ctx:
+            self.known[r.seq_slot] = (r, len(r.kv_block_ids[0]))
+        return finished, arrived, (self.tokens if gen else None), blocks
+
+    def start(self, ctx: list, gen: list) -> None:
+        """Untimed: the traffic's first requests arrive (as prompts, with two blocks to spare:
+        their sequences start shorter than the traffic's) and run their context in chunks of
+        the step's token budget."""
+        b = self.buffers
+        for r in chain(ctx, gen):
+            blocks = [list(r.kv_block_ids[0]) + [0, 0]]
+            b.add(Request(r.seq_slot, r.prompt, kv_block_ids=blocks))
+            self.known[r.seq_slot] = (r, len(r.kv_block_ids[0]))
+        waiting = [r.seq_slot for r in chain(ctx, gen)]
+        per_step = (b.config.max_num_tokens - len(waiting)) // PROMPT
+        tokens = None
+        while waiting:
+            b.step(tokens, chunks={s: PROMPT for s in waiting[:per_step]})
+            waiting, tokens = waiting[per_step:], self.tokens
+        b.step(tokens)
+
+    def run(self, finished: list, arrived: list, tokens, blocks: dict) -> None:
+        b = self.buffers
+        for slot in finished:
+            b.finish(slot)
+        for r in arrived:
+            b.add(r)
+        b.step(tokens, blocks=blocks)
+
+
 def _time(fn, *args) -> float:
     t0 = time.perf_counter()
     fn(*args)
@@ -152,26 +209,41 @@ def _time(fn, *args) -> float:
 
 def churn_case(buffers, floor, device: str, batch: int, changes: int, steps: int) -> dict:
     traffic = Traffic(batch, changes, seed=batch * 10 + changes)
-    ours, low, ref = [], [], []
+    driver = InFlightDriver(bench_buffers(device))
+    ours, low, ref, flight = [], [], [], []
     for i in range(steps + 3):
         ctx, gen = traffic.step()
         t_ours = _time(buffers.prepare_step, ctx, gen)
+        if i == 0:
+            driver.start(ctx, gen)
+        t_flight = _time(driver.run, *driver.changes(ctx, gen)) if i else 0.0
         t_low = _time(floor, ctx, gen)
         t_ref = _time(plain, ctx, gen, buffers.config, device) if i % 8 == 3 else None
         if i >= 3:  # warm-up
             ours.append(t_ours)
+            flight.append(t_flight)
             low.append(t_low)
             if t_ref is not None:
                 ref.append(t_ref)
-    return _row(ours, low, ref)
+    return _with_flight(_row(ours, low, ref), flight)
+
+
+def _with_flight(row: dict, flight: list) -> dict:
+    row["in_flight_us"] = statistics.median(flight)
+    row["in_flight_vs_floor"] = row["in_flight_us"] / row["floor_us"]
+    return row
 
 
 def steady_case(buffers, floor, device: str, batch: int, steps: int) -> dict:
     traffic = Traffic(batch, 0, seed=batch)
-    ours, adv, low, ref = [], [], [], []
+    driver = InFlightDriver(bench_buffers(device))
+    ours, adv, low, ref, flight = [], [], [], [], []
     for i in range(steps + 3):
         ctx, gen = traffic.step()
         t_ours = _time(buffers.prepare_step, ctx, gen)
+        if i == 0:
+            driver.start(ctx, gen)
+        t_flight = _time(driver.run, *driver.changes(ctx, gen)) if i else 0.0
         t_low = _time(floor, ctx, gen)
         tokens = np.full(len(gen), 7, np.int64)
         t_adv = _time(buffers.advance, tokens)
@@ -182,9 +254,10 @@ def steady_case(buffers, floor, device: str, batch: int, steps: int) -> dict:
             ours.append(t_ours)
             adv.append(t_adv)
             low.append(t_low)
+            flight.append(t_flight)
             if t_ref is not None:
                 ref.append(t_ref)
-    row = _row(ours, low, ref)
+    row = _with_flight(_row(ours, low, ref), flight)
     row["advance_us"] = statistics.median(adv)
     row["advance_vs_floor"] = row["advance_us"] / row["floor_us"]
     return row
@@ -225,22 +298,37 @@ def busy(k: int):
             p.join(timeout=5)
 
 
-def loaded_case(buffers, device: str, batch: int, changes: int, steps: int, k: int) -> dict:
-    """bufc's churn step quiet and with `k` busy processes: medians and the worst step."""
-    out = {}
+def loaded_case(device: str, batch: int, changes: int, steps: int, k: int) -> dict:
+    """bufc's churn step (prepare_step, and in flight) quiet and with `k` busy processes:
+    medians and the worst step."""
+    out: dict = {}
     for label, load in (("quiet", 0), ("loaded", k)):
         traffic = Traffic(batch, changes, seed=batch * 10 + changes)
-        times = []
+        buffers = bench_buffers(device)
+        driver = InFlightDriver(bench_buffers(device))
+        times, flight = [], []
         with busy(load):
             for i in range(steps + 3):
                 ctx, gen = traffic.step()
                 t = _time(buffers.prepare_step, ctx, gen)
+                if i == 0:
+                    driver.start(ctx, gen)
+                    continue
+                f = _time(driver.run, *driver.changes(ctx, gen))
                 if i >= 3:
                     times.append(t)
-        out[label] = {"median_us": statistics.median(times), "max_us": max(times)}
-    quiet = out["quiet"]["median_us"]
-    out["loaded_median_vs_quiet"] = out["loaded"]["median_us"] / quiet
-    out["loaded_max_vs_quiet"] = out["loaded"]["max_us"] / quiet
+                    flight.append(f)
+        out[label] = {
+            "median_us": statistics.median(times),
+            "max_us": max(times),
+            "in_flight_median_us": statistics.median(flight),
+            "in_flight_max_us": max(flight),
+        }
+    q, lo = out["quiet"], out["loaded"]
+    out["loaded_median_vs_quiet"] = lo["median_us"] / q["median_us"]
+    out["loaded_max_vs_quiet"] = lo["max_us"] / q["median_us"]
+    out["in_flight_loaded_median_vs_quiet"] = lo["in_flight_median_us"] / q["in_flight_median_us"]
+    out["in_flight_loaded_max_vs_quiet"] = lo["in_flight_max_us"] / q["in_flight_median_us"]
     return out
 
 
@@ -262,7 +350,7 @@ def main() -> None:
     )
     rows = {}
     for batch in (64, 256, 1024):
-        for changes in (1, 2, 8):
+        for changes in (1, 2, 4, 8) if batch == 1024 else (1, 2, 8):
             rows[f"B={batch}, {changes} changes"] = churn_case(
                 buffers, floor, args.device, batch, changes, args.steps
             )
@@ -282,19 +370,28 @@ def main() -> None:
                 f"{'  advance()':34} {r['advance_us']:9.1f} {r['floor_us']:9.1f} "
                 f"{r['advance_vs_floor']:9.2f}x"
             )
+        if "in_flight_us" in r:
+            print(
+                f"{'  in flight (finish/add/step)':34} {r['in_flight_us']:9.1f} "
+                f"{r['floor_us']:9.1f} {r['in_flight_vs_floor']:9.2f}x"
+            )
     loaded = {}
     if args.busy:
         print(f"\nbufc under load: {args.busy} busy processes beside it, against quiet")
         print(f"{'case':34} {'quiet':>9} {'loaded':>9} {'median':>8} {'worst':>9} {'worst':>8}")
         for batch, changes in ((64, 2), (256, 2), (1024, 4)):
             name = f"B={batch}, {changes} changes"
-            r = loaded[name] = loaded_case(
-                buffers, args.device, batch, changes, args.steps, args.busy
+            r = loaded[name] = loaded_case(args.device, batch, changes, args.steps, args.busy)
+            q, lo = r["quiet"], r["loaded"]
+            print(
+                f"{name:34} {q['median_us']:9.1f} {lo['median_us']:9.1f} "
+                f"{r['loaded_median_vs_quiet']:7.2f}x {lo['max_us']:9.1f} "
+                f"{r['loaded_max_vs_quiet']:7.2f}x"
             )
             print(
-                f"{name:34} {r['quiet']['median_us']:9.1f} {r['loaded']['median_us']:9.1f} "
-                f"{r['loaded_median_vs_quiet']:7.2f}x {r['loaded']['max_us']:9.1f} "
-                f"{r['loaded_max_vs_quiet']:7.2f}x"
+                f"{'  in flight':34} {q['in_flight_median_us']:9.1f} "
+                f"{lo['in_flight_median_us']:9.1f} {r['in_flight_loaded_median_vs_quiet']:7.2f}x "
+                f"{lo['in_flight_max_us']:9.1f} {r['in_flight_loaded_max_vs_quiet']:7.2f}x"
             )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

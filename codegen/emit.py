@@ -422,7 +422,7 @@ def render_family(plan: FamilyPlan, file: str) -> str:
             "import typing",
             "from collections.abc import Sequence",
             "",
-            "from bufc.rules import batch, decode",
+            "from bufc.rules import batch, decode, inflight",
             *alias.imports(),
             "from bufc.rules.sizes import StepSizes",
         ],

@@ -54,6 +54,7 @@ GENERATED_NAMES = {
     "typing",
     "Sequence",
     "batch",
+    "inflight",
     "decode",
     "core",
     "features",

@@ -20,7 +20,7 @@ from bufc import runtime as rt  # first: without torch it says how to install it
 import typing
 from collections.abc import Sequence
 
-from bufc.rules import batch, decode
+from bufc.rules import batch, decode, inflight
 from bufc.rules import core
 from bufc.rules import features
 from bufc.rules import kv_rows
@@ -699,13 +699,20 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             fixed_drafts=False,
         )
 
-    def _check(self, context: Sequence[typing.Any], generation: Sequence[typing.Any]) -> Checked:
+    def _batch(self, context: Sequence[typing.Any], generation: Sequence[typing.Any]) -> batch.Batch:
+        """The scheduled requests of a stateless step, read and checked."""
+        return batch.Batch.build(
+            context, generation, self.limits, memo=self.state.batch, encoder=True
+        )
+
+    def _in_flight(self) -> inflight.InFlight:
+        """The per-slot state of the requests in flight (add, finish, step)."""
+        return inflight.InFlight(self.limits, encoder=True)
+
+    def _check(self, b: batch.Batch) -> Checked:
         """Every check of a enc_dec step, in order: a bad batch raises BatchError before a
         byte is written."""
         c, state = self.config, self.state
-        b = batch.Batch.build(
-            context, generation, self.limits, memo=state.batch, encoder=True
-        )
         s = b.sizes
         # the step sizes within their capacities
         rt.check_size('num_context_requests', s.num_context_requests, c.max_batch_size)

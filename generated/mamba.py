@@ -20,7 +20,7 @@ from bufc import runtime as rt  # first: without torch it says how to install it
 import typing
 from collections.abc import Sequence
 
-from bufc.rules import batch, decode
+from bufc.rules import batch, decode, inflight
 from bufc.rules import core
 from bufc.rules import features
 from bufc.rules.sizes import StepSizes
@@ -392,13 +392,20 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             fixed_drafts=False,
         )
 
-    def _check(self, context: Sequence[typing.Any], generation: Sequence[typing.Any]) -> Checked:
+    def _batch(self, context: Sequence[typing.Any], generation: Sequence[typing.Any]) -> batch.Batch:
+        """The scheduled requests of a stateless step, read and checked."""
+        return batch.Batch.build(
+            context, generation, self.limits, memo=self.state.batch, encoder=False
+        )
+
+    def _in_flight(self) -> inflight.InFlight:
+        """The per-slot state of the requests in flight (add, finish, step)."""
+        return inflight.InFlight(self.limits, encoder=False)
+
+    def _check(self, b: batch.Batch) -> Checked:
         """Every check of a mamba step, in order: a bad batch raises BatchError before a
         byte is written."""
         c, state = self.config, self.state
-        b = batch.Batch.build(
-            context, generation, self.limits, memo=state.batch, encoder=False
-        )
         s = b.sizes
         # the step sizes within their capacities
         rt.check_size('num_context_requests', s.num_context_requests, c.max_batch_size)
@@ -440,10 +447,12 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         t.host_slot_mapping.wrote(features.slot_mapping(t.host_slot_mapping.out, b))
         return decode.start(b)
 
-    def _advance_check(self, last: decode.Decode, tokens: typing.Any, holds_run: bool) -> Advancing:
+    def _advance_check(
+        self, last: decode.Decode, tokens: typing.Any, holds_run: bool, grown: tuple = ()
+    ) -> Advancing:
         """The checks of the decode step after `last` with the sampled `tokens`."""
         c, state = self.config, self.state
-        d = decode.next_step(last, tokens, self.limits, holds_run)
+        d = decode.next_step(last, tokens, self.limits, holds_run, grown)
         return Advancing(d)
 
     def _advance(self, t: rt.Targets, p: rt.Targets, a: Advancing) -> None:

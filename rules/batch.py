@@ -106,6 +106,20 @@ class Memo:
 
 
 @dataclasses.dataclass(frozen=True)
+class FlightRows:
+    """How a step of requests in flight continues the last full one (``inflight``): each
+    generation sequence's row among the last full step's generation rows (-1: not one of
+    them) and the sequences whose KV block lists are new or grew since, so the KV rows are
+    moved and rebuilt without comparing every list. Valid for the rows kept at step `since`;
+    the fill records `step` as this step's."""
+
+    since: int
+    step: int
+    moved: np.ndarray
+    changed: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
 class Batch:  # not slotted: cached_property needs __dict__
     context: tuple[Any, ...]
     generation: tuple[Any, ...]
@@ -128,6 +142,7 @@ class Batch:  # not slotted: cached_property needs __dict__
     explicit_positions: tuple[int, ...]  # request indices (context first) with position_ids
     limits: Limits
     prompts: dict = dataclasses.field(default_factory=dict, repr=False)  # see prompt_array
+    flight: FlightRows | None = None  # requests in flight: what changed since the last step
 
     @staticmethod
     def build(
@@ -177,6 +192,32 @@ class Batch:  # not slotted: cached_property needs __dict__
         if self.sizes.num_generation_sequences == self.sizes.num_generation_requests:
             return gen_values  # one beam each
         return np.repeat(gen_values, self.gen_beam_width)
+
+
+def step_sizes(
+    ctx_input_len: np.ndarray,
+    ctx_drafts: np.ndarray,
+    ctx_prompt_len: np.ndarray,
+    num_generation_requests: int,
+    num_generation_sequences: int,
+    generation_drafts: int,
+) -> StepSizes:
+    """The reference's setBufferSizes from the step's columns (every builder's one formula)."""
+    n_ctx = len(ctx_input_len)
+    ctx_tokens = int(ctx_input_len.sum())
+    gen_tokens = generation_drafts + num_generation_sequences
+    return StepSizes(
+        num_context_requests=n_ctx,
+        num_context_tokens=ctx_tokens,
+        num_generation_requests=num_generation_requests,
+        num_generation_sequences=num_generation_sequences,
+        num_generation_tokens=gen_tokens,
+        num_logits=n_ctx + int(ctx_drafts.sum()) + gen_tokens,
+        num_sequences=n_ctx + num_generation_sequences,
+        num_tokens=ctx_tokens + gen_tokens,
+        num_requests=n_ctx + num_generation_requests,
+        max_context_length=int(ctx_prompt_len.max()) if n_ctx else 0,
+    )
 
 
 def _i64(values: Sequence[int]) -> np.ndarray:
@@ -324,24 +365,9 @@ def _build(
         memo.generation = _Reused(
             generation, g_plen, g_bw, g_explicit, bw_list, slot_array[n_ctx:], g_explicit_at
         )
-    n_gen = len(generation)
-    n_gen_seq = len(flat)
-    ctx_tokens = int(c_input.sum())
-    gen_tokens = int(g_ndraft.sum()) + n_gen_seq
-    sizes = StepSizes(
-        num_context_requests=n_ctx,
-        num_context_tokens=ctx_tokens,
-        num_generation_requests=n_gen,
-        num_generation_sequences=n_gen_seq,
-        num_generation_tokens=gen_tokens,
-        num_logits=n_ctx + int(c_drafts.sum()) + gen_tokens,
-        num_sequences=n_ctx + n_gen_seq,
-        num_tokens=ctx_tokens + gen_tokens,
-        num_requests=n_ctx + n_gen,
-        max_context_length=int(c_plen.max()) if n_ctx else 0,
-    )
+    sizes = step_sizes(c_input, c_drafts, c_plen, len(generation), len(flat), int(g_ndraft.sum()))
     if encoder:
-        sizes = dataclasses.replace(sizes, **_encoder_sizes(context, generation, limits))
+        sizes = dataclasses.replace(sizes, **encoder_sizes(context, generation, limits))
     return Batch(
         context=context,
         generation=generation,
@@ -394,7 +420,7 @@ def _build_encoder_engine(
         or len(np.unique(slots)) != len(slots)
     ):
         _diagnose_slots(context, (), limits)
-    enc = _encoder_sizes(context, (), limits)
+    enc = encoder_sizes(context, (), limits)
     n = len(context)
     tokens = enc["num_encoder_input_tokens"]
     sizes = StepSizes(
@@ -521,7 +547,7 @@ def _encoder_lengths(r: Any, w: str, limits: Limits) -> tuple[int, int]:
     return n_in, n_out
 
 
-def _encoder_sizes(context: tuple, generation: tuple, limits: Limits) -> dict[str, int]:
+def encoder_sizes(context: tuple, generation: tuple, limits: Limits) -> dict[str, int]:
     """The reference's EncoderBuffers::setBufferSizes: sums over the context requests, the
     longest input over every request."""
     tokens = inputs = longest = 0
@@ -558,7 +584,7 @@ def _diagnose(context: Sequence[Any], generation: Sequence[Any], limits: Limits)
         for i, r in enumerate(reqs):
             w = _where(f"{kind} request {i}", r)
             try:
-                _check_request(r, w, limits, kind == "context")
+                check_request(r, w, limits, kind == "context")
             except BatchError:
                 raise
             except _MALFORMED as exc:
@@ -585,7 +611,9 @@ def _length(value: Any, what: str, w: str) -> int:
         raise BatchError(f"{w}: {what} must be a list, got {show(value)}") from None
 
 
-def _check_request(r: Any, w: str, limits: Limits, is_context: bool) -> None:
+def check_request(r: Any, w: str, limits: Limits, is_context: bool) -> None:
+    """One request's fields against the limits, as a context or a generation request; a
+    BatchError that names `w` and the field otherwise."""
     vocab = (0, limits.token_limit, limits.token_limit_text)
     prompt = r.prompt
     n = _length(prompt, "prompt", w)

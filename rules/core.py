@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..runtime.errors import BatchError
-from ..runtime.values import INT32_MAX, check_int, is_int
+from ..runtime.values import INT32_MAX, check_int, is_int, show
 from .batch import Batch
 from .decode import Decode
 from .kv_rows import (
@@ -317,6 +317,18 @@ def kv_cache_block_offsets(
     kept = plan.kept
     assert kept is not None  # check_kv_blocks hands its state on
     kept.entered = []  # advance() continues from these rows
+    if plan.hinted:  # in flight: kept rows follow their sequences; no snapshot
+        assert kept.table is not None and plan.changed is not None
+        src = np.asarray(plan.moved, dtype=np.int64)
+        table = np.empty_like(rows[n_ctx:])
+        held = src >= 0
+        table[held] = kept.table[src[held]]
+        write_at(table, plan.changed, plan.blocks[k:], plan.lengths[n_ctx:], layers)
+        kept.table, kept.snapshot, kept.flight = table, None, plan.flight
+        kept.requests, kept.keys = (), None
+        rows[n_ctx:] = table
+        return rows.size
+    kept.flight = plan.flight
     if plan.changed is None or kept.table is None or kept.snapshot is None:
         kept.snapshot = [x if type(x) is tuple else list(x) for x in gen]
         kept.table = np.empty_like(rows[n_ctx:])
@@ -433,6 +445,26 @@ def check_kv_entered(
                     f"{w}: KV block {col} is {block!r}, not an id in 0 .. {limit - 1} ({limit_text})"
                 )
             values.append((seq, col, int(block) * per_block))
+    if d.grown:  # lists grown in flight: every new block, as a full step writes them
+        b = d.batch
+        per_block = num_local_layers * 2
+        limit, limit_text = id_limit(num_local_layers, num_kv_blocks)
+        for seq, before in d.grown:
+            req = int(b.seq_request[seq])
+            r = b.generation[req]
+            ids = r.kv_block_ids
+            blocks = ids[seq - int(b.seq_first[req]) if len(ids) > 1 else 0]
+            w = f"generation request {req} (seq_slot {r.seq_slot})"
+            if len(blocks) > width:
+                raise BatchError(f"{w}: {len(blocks)} KV blocks exceed max_blocks_per_seq={width}")
+            for col in range(before, len(blocks)):
+                block = blocks[col]
+                if not is_int(block) or not 0 <= block < limit:
+                    raise BatchError(
+                        f"{w}: KV block {col} is {show(block)}, not an id in 0 .. {limit - 1} "
+                        f"({limit_text})"
+                    )
+                values.append((seq, col, int(block) * per_block))
     return KvEntered(kept, values)
 
 

@@ -26,6 +26,9 @@ class Decode:
     tokens: np.ndarray
     seq_tokens: np.ndarray
     holds_run: bool = False
+    # sequences whose KV block lists grew since the last step, with their length before: the
+    # blocks past it are written now, as a full step writes every block of a list
+    grown: tuple[tuple[int, int], ...] = ()
 
 
 def start(b: Batch) -> Decode | None:
@@ -37,9 +40,10 @@ def start(b: Batch) -> Decode | None:
     return Decode(b, b.seq_last_token, b.seq_num_tokens)
 
 
-def next_step(d: Decode, tokens: Any, limits: Limits, holds_run: bool) -> Decode:
+def next_step(d: Decode, tokens: Any, limits: Limits, holds_run: bool, grown: tuple = ()) -> Decode:
     """The decode step after `d` with the sampled `tokens`, one per sequence: integers in the
-    vocabulary (BatchError otherwise)."""
+    vocabulary (BatchError otherwise). `grown`: (sequence, list length before) of each sequence
+    whose KV block list the caller grew for this step (requests in flight)."""
     count = len(d.tokens)
     if isinstance(tokens, torch.Tensor):
         if tokens.is_floating_point() or tokens.is_complex() or tokens.layout != torch.strided:
@@ -56,4 +60,4 @@ def next_step(d: Decode, tokens: Any, limits: Limits, holds_run: bool) -> Decode
             f"advance(): token {a[i]} of sequence {i} is outside 0 .. "
             f"{limits.token_limit - 1} ({limits.token_limit_text})"
         )
-    return Decode(d.batch, a, d.seq_tokens + 1, holds_run)
+    return Decode(d.batch, a, d.seq_tokens + 1, holds_run, grown)

@@ -56,6 +56,8 @@ class KeptRows:
     # sequence to its new position instead of being rebuilt
     requests: tuple[Any, ...] = ()
     keys: list | None = None
+    # the in-flight step whose generation rows `table` holds (None: a stateless step's)
+    flight: int | None = None
 
 
 def sequence_keys(b: Batch) -> list:
@@ -78,8 +80,10 @@ class BlockPlan:
     kept: KeptRows | None = None  # the state the fill updates (self-attention rows)
     # where the generation requests changed: each generation row's position in the kept table
     # (-1: a sequence the table does not hold), and the rows' sequence keys
-    moved: list[int] | None = None
+    moved: list[int] | np.ndarray | None = None
     keys: list | None = None
+    flight: int | None = None  # requests in flight: the step the fill's rows belong to
+    hinted: bool = False  # the rows move and rebuild as the in-flight state says
 
 
 def _block_lists(b: Batch, field: str) -> list | None:
@@ -129,6 +133,9 @@ def check_block_lists(
     others were checked when they were). A BatchError names the first bad request."""
     snapshot = kept.snapshot if kept is not None else None
     lists = _block_lists(b, field)
+    hint = b.flight if kept is not None and kept.table is not None else None
+    if hint is not None and kept is not None and kept.flight != hint.since:
+        hint = None  # the kept rows are not the ones the hint continues
     if lists is None:
         _diagnose(b, field, need, width, width_name, limit, what)
     lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
@@ -137,9 +144,13 @@ def check_block_lists(
     n_ctx = b.sizes.num_context_requests
     gen = lists[n_ctx:]
     changed: list[int] | None
-    moved = keys = None
+    moved: list[int] | np.ndarray | None = None
+    keys = None
     same_requests = kept is not None and kept.requests == b.generation  # identity, then eq
-    if snapshot is None:
+    if hint is not None:  # in flight: the state says what moved and changed
+        moved, changed = hint.moved, hint.changed
+        convert = lists[:n_ctx] + [gen[i] for i in changed]
+    elif snapshot is None:
         changed, convert = None, lists
     elif same_requests and snapshot == gen:
         changed, convert = [], lists[:n_ctx]
@@ -159,7 +170,8 @@ def check_block_lists(
     sub = (
         lengths if changed is None else np.concatenate((lengths[:n_ctx], lengths[n_ctx:][changed]))
     )
-    return BlockPlan(lists, blocks, sub, changed, kept, moved, keys)
+    step = b.flight.step if b.flight is not None else None
+    return BlockPlan(lists, blocks, sub, changed, kept, moved, keys, step, hint is not None)
 
 
 def _diagnose(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -214,18 +214,26 @@ class RuntimeBuffers:
         self._half_run: list[int | None] = [None] * HALVES
         self.state = self.state_type()
         self.limits = self._limits()
+        self._flight = self._in_flight()  # the requests in flight (add, finish, step)
+        self._last_in_flight = False  # the last step was a step() of them
 
     # the step program, generated per family
     def _limits(self) -> Any:
         raise NotImplementedError
 
-    def _check(self, context: Sequence[Any], generation: Sequence[Any]) -> Any:
+    def _batch(self, context: Sequence[Any], generation: Sequence[Any]) -> Any:
+        raise NotImplementedError
+
+    def _in_flight(self) -> Any:
+        raise NotImplementedError
+
+    def _check(self, b: Any) -> Any:
         raise NotImplementedError
 
     def _fill(self, targets: Targets, checked: Any) -> Any:
         raise NotImplementedError
 
-    def _advance_check(self, last: Any, tokens: Any, holds_run: bool) -> Any:
+    def _advance_check(self, last: Any, tokens: Any, holds_run: bool, grown: tuple = ()) -> Any:
         raise NotImplementedError
 
     def _advance(self, targets: Targets, prev: Targets, advancing: Any) -> None:
@@ -319,13 +327,27 @@ class RuntimeBuffers:
     def prepare_step(
         self, context_requests: Sequence[Any], generation_requests: Sequence[Any]
     ) -> Step:
-        """Fill every buffer for one step and return the engine IO views.
+        """Fill every buffer for one step and return the engine IO views (the stateless entry
+        point: every scheduled request is read).
 
         Raises BatchError, with the buffers untouched, when the batch is invalid or over
         capacity. The engine must run on the current CUDA stream (the copy is ordered on it).
         """
+        self._not_in_flight("prepare_step")
         try:
-            checked = self._check(context_requests, generation_requests)
+            b = self._batch(context_requests, generation_requests)
+        except BatchError:
+            raise
+        except Exception as exc:  # a value a check could not even read (an odd type)
+            raise BatchError(
+                f"a request value could not be checked ({type(exc).__name__}: {exc})"
+            ) from exc
+        return self._prepare(b)
+
+    def _prepare(self, b: Any) -> Step:
+        """Check and fill the step of batch `b`, copy it, and hand out its views."""
+        try:
+            checked = self._check(b)
         except BatchError:
             raise
         except Exception as exc:  # a value a check could not even read (an odd type)
@@ -367,6 +389,10 @@ class RuntimeBuffers:
         in its kv_block_ids. The caller still appends the tokens to its requests (a later
         prepare_step reads them). Raises BatchError, with the buffers untouched, otherwise.
         """
+        self._not_in_flight("advance")
+        return self._advance_step(tokens)
+
+    def _advance_step(self, tokens: Any, grown: tuple = ()) -> Step:
         if self.no_advance:
             raise BatchError(
                 f"advance() is not available for this family: its fill rule(s) "
@@ -379,7 +405,9 @@ class RuntimeBuffers:
         prev = self._half
         h = prev ^ 1
         try:
-            advancing = self._advance_check(self._decode, tokens, self._half_run[h] == self._run)
+            advancing = self._advance_check(
+                self._decode, tokens, self._half_run[h] == self._run, grown
+            )
         except BatchError:
             raise
         except Exception as exc:  # e.g. a request's block list replaced by something odd
@@ -402,6 +430,91 @@ class RuntimeBuffers:
         self._longest += 1
         self._decode = advancing.decode
         return self._step(self._last)
+
+    # ------------------------------------------------------------- requests in flight
+    def add(self, request: Any) -> None:
+        """A request arrives, in the context phase, in its ``seq_slot``: its prompt, beam
+        width, drafts, explicit positions and KV block lists are read and checked now, once
+        (BatchError otherwise, nothing kept). Its first step is the next ``step``."""
+        self._flight.add(request)
+
+    def finish(self, seq_slot: int) -> None:
+        """The request in ``seq_slot`` leaves (finished or cancelled); the slot is free for
+        the next ``add``. The last generation row moves into its row."""
+        self._flight.finish(seq_slot)
+
+    def step(
+        self,
+        tokens: Any = None,
+        *,
+        accepted: Mapping[int, int] | None = None,
+        drafts: Mapping[int, Sequence[int]] | None = None,
+        chunks: Mapping[int, int] | None = None,
+        blocks: Mapping[int, Any] | None = None,
+        generation: bool = True,
+    ) -> Step:
+        """The next step of the requests in flight, from what changed since the last one.
+
+        - `tokens`: what the last step sampled, indexed by seq slot (``tokens[slot]``, or
+          ``tokens[slot, beam]`` with beam search: TensorRT-LLM's decoder layout), a numpy
+          array, a list or a tensor with at least max_batch_size rows. Read for the requests
+          that produced a token: the last step's generation requests and the prompts it
+          finished (which decode from this step). None when there are none.
+        - `accepted`: ``{slot: n}``, the draft tokens of the last step that slot's request
+          accepted (it grows by n + 1 tokens; default 0).
+        - `drafts`: ``{slot: tokens}``, the draft tokens each generation request verifies in
+          this step (none for the others).
+        - `chunks`: ``{slot: size}``, the prompt tokens each context-phase request computes
+          in this step; None runs every context-phase request's whole remaining prompt, and a
+          request left out of a mapping waits.
+        - `blocks`: ``{slot: ids}``, KV block ids appended to the slot's block lists (a list
+          of ids for every list of the request, or one list per list it holds).
+        - `generation`: False runs no generation request in this step (a recurrent model runs
+          context and generation requests in separate steps); they produce no token.
+
+        Rows: context requests in arrival order, then the generation requests (``finish``
+        moves the last generation row into the hole; finished prompts join at the end); the
+        engine reads each row's slot in the step's seq-slot tensor. Every value is checked
+        before a byte is written (BatchError, nothing changed). A step where only the tokens
+        changed continues the last step's buffers in place (as ``advance`` does).
+        """
+        steady = self._decode is not None and self._last_in_flight and not self.no_advance
+        try:
+            plan = self._flight.plan(
+                tokens,
+                accepted=accepted,
+                drafts=drafts,
+                chunks=chunks,
+                blocks=blocks,
+                generation=generation,
+                steady=steady,
+            )
+        except BatchError:
+            raise
+        except Exception as exc:  # a value a check could not even read (an odd type)
+            raise BatchError(
+                f"step(): a value could not be checked ({type(exc).__name__}: {exc})"
+            ) from exc
+        try:
+            if plan.batch is not None:
+                step = self._prepare(plan.batch)
+            else:
+                step = self._advance_step(plan.tokens, plan.grown)
+        except BaseException:
+            plan.undo()
+            raise
+        self._flight.commit(plan)
+        self._last_in_flight = True
+        return step
+
+    def _not_in_flight(self, what: str) -> None:
+        flight = self._flight
+        if flight.waiting or flight.n_rows or flight.completing:
+            raise BatchError(
+                f"{what}() reads every request of the step, but requests are in flight here "
+                "(add/step): finish them first, or drive these buffers with step() alone"
+            )
+        self._last_in_flight = False
 
     def _abandon_half(self, h: int) -> None:
         """Half h was partly written by a step that failed: the current half stays the last

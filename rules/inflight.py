@@ -1,0 +1,711 @@
+"""Requests in flight: per-slot state that a step updates in proportion to what changed.
+
+An engine loop drives the buffers with three calls (``RuntimeBuffers.add``, ``finish`` and
+``step``): a request is read and checked once, when it arrives; after that a step reads only
+what changed: the sampled tokens of the last step (one array indexed by seq slot, the layout of
+TensorRT-LLM's decoder outputs), the drafts accepted and the new drafts, the context chunks, the
+KV blocks added to a slot and the requests that finished. The per-slot columns (prompt length,
+tokens generated, last token per beam, beam width, drafts, explicit positions) live in numpy
+arrays here, so a step's columns are a constant number of numpy calls over them, whatever the
+batch size, and its Python work grows with the requests that changed.
+
+Rows: context requests first, in arrival order, then the generation requests. A request that
+finishes leaves a hole in the generation rows, which the last row fills (vLLM's condense), so
+every other row stays where it was and only the moved row's KV blocks follow it; a request whose
+prompt is done joins at the end.
+
+The rules read the same ``Batch`` as in a stateless step: its requests are ``Entry`` records,
+the request object for the fields fixed in flight and this state's values for those a step
+changes (the KV block lists, the step's draft tokens and context chunk).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..runtime.errors import BatchError
+from ..runtime.values import INT32_MAX, in_range, int_array, is_int, show
+from .batch import Batch, FlightRows, Limits, check_request, encoder_sizes, step_sizes
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
+
+
+class Entry:
+    """One request in flight, as the rules read it: the fields a step changes are set here,
+    every other field is the request's own (fixed while it is in flight)."""
+
+    __slots__ = (
+        "request",
+        "seq_slot",
+        "prompt",
+        "beam_width",
+        "position_ids",
+        "kv_block_ids",
+        "draft_tokens",
+        "context_position",
+        "context_chunk_size",
+        "context_drafts",
+        "__dict__",  # what a rule stores on a request (GLM's mask position)
+    )
+
+    def __init__(self, request: Any, slot: int, blocks: list[list[Any]] | None) -> None:
+        self.request = request
+        self.seq_slot = slot
+        self.prompt = request.prompt
+        self.beam_width = request.beam_width
+        self.position_ids = request.position_ids
+        self.kv_block_ids = blocks
+        drafts = request.draft_tokens
+        self.context_drafts = () if drafts is None else drafts  # ride on the last chunk
+        self.draft_tokens = self.context_drafts
+        self.context_position = request.context_position
+        self.context_chunk_size: int | None = None
+
+    def __getattr__(self, name: str) -> Any:  # a field no step changes: the request's own
+        return getattr(self.request, name)
+
+    @property
+    def generated(self) -> Any:
+        raise BatchError(
+            "a request in flight has no `generated` lists: its token counts and last tokens "
+            "are the batch columns (seq_num_tokens, seq_last_token)"
+        )
+
+
+@dataclasses.dataclass
+class Plan:
+    """One checked step of the requests in flight, not yet committed: the batch its rules
+    fill (None for a steady decode step, which continues from the last step's buffers with
+    `tokens`) and the state it leaves once it has run."""
+
+    batch: Batch | None
+    tokens: np.ndarray | None  # steady: each sequence's new input token, in row order
+    grown: tuple[tuple[int, int], ...]  # steady: (sequence, list length before) of grown lists
+    generated: np.ndarray
+    last: np.ndarray
+    ndraft: np.ndarray
+    drafted: list[int]
+    positions: list[tuple[int, int]]  # context slots and their prompt position after the step
+    promoted: list[int]  # last step's finished prompts, generation rows from this step
+    completing: list[int]  # context slots whose last chunk this step runs
+    undo_blocks: list[tuple[list, int]]
+    undo_drafts: list[tuple[Entry, Any]]
+    generation: bool = True  # the generation rows ran (and produce tokens)
+    grew: set[int] = dataclasses.field(default_factory=set)  # slots whose block lists grew
+
+    def undo(self) -> None:
+        """The step failed: the block lists and drafts it set are as they were."""
+        for blocks, n in self.undo_blocks:
+            del blocks[n:]
+        for entry, drafts in self.undo_drafts:
+            entry.draft_tokens = drafts
+
+
+class InFlight:
+    """The per-slot state of the requests in flight (see the module docstring)."""
+
+    def __init__(self, limits: Limits, *, encoder: bool = False) -> None:
+        n, w = limits.max_batch_size, limits.max_beam_width
+        self.limits, self.encoder = limits, encoder
+        self.entries: list[Entry | None] = [None] * n
+        self.serial = np.zeros(n, np.int64)  # bumped when a slot's request arrives or leaves
+        self.prompt_len = np.zeros(n, np.int64)
+        self.beam_width = np.ones(n, np.int64)
+        self.position = np.zeros(n, np.int64)  # context phase: prompt tokens computed
+        self.generated = np.zeros(n, np.int64)  # tokens generated per beam
+        self.last = np.zeros((n, w), np.int64)  # the last token of each beam
+        self.ndraft = np.zeros(n, np.int64)  # draft tokens of the last step (generation)
+        self.drafted: list[int] = []  # the slots that had drafts in the last step
+        self.explicit_last = np.full(n, -1, np.int64)  # last explicit position id (-1: none)
+        self.prompt_arrays: list[np.ndarray | None] = [None] * n
+        self.n_explicit = 0
+        self.n_wide = 0  # requests in flight with more than one beam
+        self.waiting: dict[int, None] = {}  # context phase, in arrival order
+        self.rows = np.zeros(n, np.int64)  # generation rows: their slots, rows[:n_rows]
+        self.n_rows = 0
+        self.row_entries: list[Entry] = []
+        self.row_of = np.full(n, -1, np.int64)
+        # what the last step produces tokens for: its generation rows and finished prompts,
+        # each with its slot's serial then (a slot finished or reused since produces nothing)
+        self.produced, self.produced_serial = _EMPTY, _EMPTY
+        self.completing: list[tuple[int, int]] = []
+        self.changed = True  # requests arrived or finished since the last step
+        # the KV rows the fills keep: each slot's first sequence among the generation rows of
+        # the last full step (`full`, its serial; -1: none), and the slots whose block lists
+        # grew in the steps in place since
+        self.full = 0
+        self.kept_first = np.full(n, -1, np.int64)
+        self.grown: set[int] = set()
+
+    # -------------------------------------------------------------------- arrivals, finishes
+    def add(self, request: Any) -> None:
+        """A request arrives in its seq_slot, in the context phase: every field is checked
+        now (prompt tokens, beam width, drafts, explicit positions), once."""
+        L = self.limits
+        if L.encoder_engine:
+            raise BatchError(
+                "the encoder engine runs each request once, in one step: use prepare_step"
+            )
+        given = getattr(request, "seq_slot", None)
+        w = f"request (seq_slot {show(given)})"
+        if not is_int(given) or not 0 <= given < L.max_batch_size:  # type: ignore[operator]
+            raise BatchError(f"{w}: seq_slot must be an integer in 0 .. {L.max_batch_size - 1}")
+        slot = int(given)  # type: ignore[arg-type]
+        if self.entries[slot] is not None:
+            raise BatchError(f"{w}: seq_slot {slot} already holds a request in flight")
+        try:
+            prompt = _arrival(request, L)
+            if prompt is None:  # walk the fields to name the culprit
+                check_request(request, w, L, True)
+                raise BatchError(f"{w}: the request is invalid")  # pragma: no cover
+            ids = request.kv_block_ids
+            blocks = None if ids is None else [list(x) for x in ids]
+        except BatchError:
+            raise
+        except Exception as exc:
+            raise BatchError(f"{w}: malformed request ({type(exc).__name__}: {exc})") from None
+        if request.context_chunk_size is not None:
+            raise BatchError(
+                f"{w}: in flight, context chunks are scheduled per step (step(chunks=...)); "
+                "leave context_chunk_size None"
+            )
+        entry = Entry(request, slot, blocks)
+        self.entries[slot] = entry
+        self.serial[slot] += 1
+        self.prompt_len[slot] = len(prompt)
+        self.prompt_arrays[slot] = prompt
+        self.beam_width[slot] = entry.beam_width
+        self.position[slot] = entry.context_position
+        self.generated[slot] = 0
+        if entry.position_ids is not None:
+            self.explicit_last[slot] = int(entry.position_ids[-1])
+            self.n_explicit += 1
+        self.n_wide += entry.beam_width > 1
+        self.waiting[slot] = None
+        self.changed = True
+
+    def finish(self, slot: Any) -> None:
+        """The request in `slot` leaves (finished or cancelled): its slot is free at once."""
+        if not is_int(slot) or not 0 <= slot < self.limits.max_batch_size:
+            raise BatchError(f"finish(): {show(slot)} is not a seq slot")
+        slot = int(slot)
+        entry = self.entries[slot]
+        if entry is None:
+            raise BatchError(f"finish(): seq_slot {slot} holds no request in flight")
+        row = int(self.row_of[slot])
+        if row >= 0:  # condense: the last row fills the hole
+            last = self.n_rows - 1
+            moved = int(self.rows[last])
+            self.rows[row] = moved
+            self.row_of[moved] = row
+            self.row_entries[row] = self.row_entries[last]
+            self.row_entries.pop()
+            self.n_rows = last
+            self.row_of[slot] = -1
+        self.waiting.pop(slot, None)
+        self.entries[slot] = None
+        self.prompt_arrays[slot] = None
+        self.serial[slot] += 1
+        self.kept_first[slot] = -1
+        self.grown.discard(slot)
+        if slot in self.drafted:
+            self.drafted.remove(slot)
+            self.ndraft[slot] = 0
+        self.n_explicit -= self.explicit_last[slot] >= 0
+        self.explicit_last[slot] = -1
+        self.n_wide -= entry.beam_width > 1
+        self.changed = True
+
+    # ------------------------------------------------------------------------------ a step
+    def plan(
+        self,
+        tokens: Any,
+        *,
+        accepted: Mapping[int, int] | None = None,
+        drafts: Mapping[int, Any] | None = None,
+        chunks: Mapping[int, int] | None = None,
+        blocks: Mapping[int, Any] | None = None,
+        generation: bool = True,
+        steady: bool = False,
+    ) -> Plan:
+        """Check the next step and lay it out; nothing is committed (``commit``) and only the
+        block lists and drafts are set on the entries (``Plan.undo`` restores them).
+
+        `steady`: the last step can be continued in place (generation only, no drafts); the
+        plan then has no batch when nothing but the tokens changed."""
+        L = self.limits
+        mbw = L.max_beam_width
+        undo_blocks: list[tuple[list, int]] = []
+        undo_drafts: list[tuple[Entry, Any]] = []
+        try:
+            # ---- the tokens the last step produced: its generation rows still in flight and
+            # the prompts it finished (they join the generation rows now)
+            alive = self.produced[self.serial[self.produced] == self.produced_serial]
+            promoted = [s for s, serial in self.completing if self.serial[s] == serial]
+            producers = np.concatenate((np.asarray(promoted, np.int64), alive))
+            generated, last = self.generated, self.last
+            if producers.size:
+                tok = _token_table(tokens, L.max_batch_size, mbw)
+                widths = self.beam_width[producers]
+                if self.n_wide and int(widths.max()) > tok.shape[1]:
+                    raise BatchError(
+                        f"step(): tokens has {tok.shape[1]} column(s) per slot, but a request "
+                        f"in flight has {int(widths.max())} beams"
+                    )
+                values = (
+                    tok[producers, 0] if not self.n_wide else _beam_values(tok, producers, widths)
+                )
+                if not in_range(values, 0, L.token_limit):
+                    bad = np.flatnonzero((values < 0) | (values >= L.token_limit))[0]
+                    raise BatchError(
+                        f"step(): token {values[bad]} of a request in flight is outside 0 .. "
+                        f"{L.token_limit - 1} ({L.token_limit_text})"
+                    )
+                generated = generated.copy()
+                generated[producers] += 1
+                last = last.copy()
+                k = min(tok.shape[1], mbw)
+                last[producers, :k] = tok[producers, :k]
+            elif tokens is not None and not _empty(tokens):
+                raise BatchError(
+                    "step(): no request in flight produced a token in the last step; pass "
+                    "tokens=None"
+                )
+            if accepted:
+                generated = generated if producers.size else generated.copy()
+                produced = set(producers.tolist())
+                for slot, n in accepted.items():
+                    before = self._drafts_run(slot, promoted)
+                    if slot not in produced or not before:
+                        raise BatchError(
+                            f"step(): accepted[{show(slot)}]: that slot verified no draft "
+                            "tokens in the last step"
+                        )
+                    if not is_int(n) or not 0 <= n <= before:
+                        raise BatchError(
+                            f"step(): accepted[{slot}] = {show(n)}, not a count in 0 .. {before} "
+                            "(the drafts it verified)"
+                        )
+                    generated[slot] += n
+            # ---- this step's generation rows: the rows in flight, then the promoted prompts
+            n_old = self.n_rows
+            rows = (
+                np.concatenate((self.rows[:n_old], np.asarray(promoted, np.int64)))
+                if promoted
+                else self.rows[:n_old]
+            )
+            row_entries = self.row_entries + [self._held(s) for s in promoted]
+            if not generation:  # the generation requests sit this step out
+                if drafts:
+                    raise BatchError(
+                        "step(): drafts given, but generation=False runs no generation"
+                    )
+                rows, row_entries = _EMPTY, []
+            # ---- drafts of this step's generation requests
+            ndraft, drafted = self.ndraft, self.drafted
+            given: dict[int, np.ndarray] = {}
+            if drafts or drafted or any(self.entries[s].context_drafts for s in promoted):  # type: ignore[union-attr]
+                ndraft = ndraft.copy()
+                ndraft[drafted] = 0
+                drafted = []
+                for slot, values in (drafts or {}).items():
+                    entry = self._entry(slot, "drafts")
+                    if not (promoted and slot in promoted) and self.row_of[slot] < 0:
+                        raise BatchError(
+                            f"step(): drafts[{slot}]: seq_slot {slot} is not a generation "
+                            "request in this step"
+                        )
+                    a = _drafts(values, slot, entry, L)
+                    ndraft[slot] = len(a)
+                    if len(a):
+                        drafted.append(slot)
+                        given[slot] = a
+                # the entries' drafts: this step's, none for the others (a promoted prompt's
+                # drafts rode on its last chunk)
+                for slot in dict.fromkeys(self.drafted + promoted + drafted):
+                    held = self.entries[slot]
+                    assert held is not None
+                    undo_drafts.append((held, held.draft_tokens))
+                    held.draft_tokens = given.get(slot, ())
+            if L.exact_drafts and len(rows) and (ndraft[rows] != L.max_draft_tokens).any():
+                slot = int(rows[np.flatnonzero(ndraft[rows] != L.max_draft_tokens)[0]])
+                raise BatchError(
+                    f"step(): generation request in seq_slot {slot}: Medusa verifies a "
+                    f"fixed tree, so every generation request carries max_draft_tokens="
+                    f"{L.max_draft_tokens} draft tokens; got {int(ndraft[slot])}"
+                )
+            # ---- KV blocks added to slots
+            grew: dict[int, list[int]] = {}  # slot -> its lists' lengths before
+            for slot, new in (blocks or {}).items():
+                entry = self._entry(slot, "blocks")
+                undo = _append_blocks(entry, new, slot)
+                undo_blocks += undo
+                grew[int(slot)] = [n for _, n in undo]
+            # ---- a steady decode step: only the tokens changed
+            if (
+                steady
+                and generation
+                and not self.changed
+                and not promoted
+                and not self.waiting
+                and not drafts
+                and not accepted
+                and len(rows)
+            ):
+                return Plan(
+                    None,
+                    _sequence_values(last, rows, self.beam_width[rows], self.n_wide),
+                    self._grown(grew, rows) if grew else (),
+                    generated,
+                    last,
+                    ndraft,
+                    drafted,
+                    [],
+                    [],
+                    [],
+                    undo_blocks,
+                    undo_drafts,
+                    True,
+                    set(grew),
+                )
+            # ---- this step's context chunks
+            context, positions, completing = self._context(chunks)
+            batch = self._batch(context, rows, row_entries, generated, last, ndraft, set(grew))
+            return Plan(
+                batch,
+                None,
+                (),
+                generated,
+                last,
+                ndraft,
+                drafted,
+                positions,
+                promoted,
+                completing,
+                undo_blocks,
+                undo_drafts,
+                generation,
+                set(grew),
+            )
+        except BaseException:
+            Plan(
+                None, None, (), _EMPTY, _EMPTY, _EMPTY, [], [], [], [], undo_blocks, undo_drafts
+            ).undo()
+            raise
+
+    def commit(self, plan: Plan) -> None:
+        """The planned step ran: the state is the one it leaves."""
+        self.generated, self.last, self.ndraft, self.drafted = (
+            plan.generated,
+            plan.last,
+            plan.ndraft,
+            plan.drafted,
+        )
+        for slot in plan.promoted:
+            n = self.n_rows
+            self.rows[n] = slot
+            self.row_of[slot] = n
+            self.row_entries.append(self.entries[slot])  # type: ignore[arg-type]
+            self.n_rows = n + 1
+        for slot, position in plan.positions:
+            self.position[slot] = position
+        for slot in plan.completing:
+            del self.waiting[slot]
+        self.completing = [(s, int(self.serial[s])) for s in plan.completing]
+        self.produced = self.rows[: self.n_rows].copy() if plan.generation else _EMPTY
+        self.produced_serial = self.serial[self.produced]
+        self.changed = False
+        if plan.batch is None:  # in place: the kept rows stay the last full step's
+            self.grown |= plan.grew
+            return
+        self.full += 1
+        self.grown = set()
+        self.kept_first[:] = -1
+        b = plan.batch
+        gen = b.seq_slot[b.sizes.num_context_requests :]
+        if len(gen):
+            self.kept_first[gen] = np.cumsum(b.gen_beam_width) - b.gen_beam_width
+
+    # ---------------------------------------------------------------------------- helpers
+    def _held(self, slot: int) -> Entry:
+        entry = self.entries[slot]
+        assert entry is not None
+        return entry
+
+    def _entry(self, slot: Any, what: str) -> Entry:
+        entry = (
+            self.entries[slot] if is_int(slot) and 0 <= slot < self.limits.max_batch_size else None
+        )
+        if entry is None:
+            raise BatchError(f"step(): {what}[{show(slot)}]: that seq slot holds no request")
+        return entry
+
+    def _grown(self, grew: dict[int, list[int]], rows: np.ndarray) -> tuple:
+        """(sequence, length before) for each sequence of a slot whose lists grew."""
+        widths = self.beam_width[rows]
+        first = np.cumsum(widths) - widths if self.n_wide else None
+        out = []
+        for slot, before in grew.items():
+            row = int(self.row_of[slot])
+            seq = row if first is None else int(first[row])
+            for k in range(int(self.beam_width[slot])):
+                out.append((seq + k, before[k if len(before) > 1 else 0]))
+        return tuple(out)
+
+    def _drafts_run(self, slot: Any, promoted: list[int]) -> int:
+        """The draft tokens `slot` verified in the last step (0 for an unknown slot)."""
+        if not is_int(slot) or not 0 <= slot < self.limits.max_batch_size:
+            return 0
+        entry = self.entries[slot]
+        if entry is None:
+            return 0
+        if slot in promoted:
+            return len(entry.context_drafts)
+        return int(self.ndraft[slot])
+
+    def _context(
+        self, chunks: Mapping[int, int] | None
+    ) -> tuple[list[tuple[Entry, int, int]], list[tuple[int, int]], list[int]]:
+        """This step's context requests (entry, position, chunk) in arrival order, each
+        slot's prompt position after the step, and the slots whose prompt it finishes."""
+        if chunks is None:
+            scheduled: dict[int, int | None] = {s: None for s in self.waiting}
+        else:
+            for slot in chunks:
+                if slot not in self.waiting:
+                    raise BatchError(
+                        f"step(): chunks[{show(slot)}]: that seq slot holds no request in its "
+                        "context phase"
+                    )
+            scheduled = {s: chunks[s] for s in self.waiting if s in chunks}
+        context, positions, completing = [], [], []
+        for slot, size in scheduled.items():
+            entry = self.entries[slot]
+            assert entry is not None
+            begin, n = int(self.position[slot]), int(self.prompt_len[slot])
+            if size is None:
+                size = n - begin
+            elif not is_int(size) or not 1 <= size <= n - begin:
+                raise BatchError(
+                    f"step(): chunks[{slot}] = {show(size)}, not a chunk size in 1 .. "
+                    f"{n - begin} (the prompt tokens left)"
+                )
+            size = int(size)
+            entry.context_position, entry.context_chunk_size = begin, size
+            context.append((entry, begin, size))
+            positions.append((slot, begin + size))
+            if begin + size == n:
+                completing.append(slot)
+        return context, positions, completing
+
+    def _batch(
+        self,
+        context: list[tuple[Entry, int, int]],
+        rows: np.ndarray,
+        row_entries: list[Entry],
+        generated: np.ndarray,
+        last: np.ndarray,
+        ndraft: np.ndarray,
+        grew: set[int],
+    ) -> Batch:
+        L = self.limits
+        n_ctx = len(context)
+        ctx = tuple(e for e, _, _ in context)
+        ctx_slots = np.fromiter((e.seq_slot for e in ctx), np.int64, n_ctx)
+        c_begin = np.fromiter((b for _, b, _ in context), np.int64, n_ctx)
+        c_chunk = np.fromiter((c for _, _, c in context), np.int64, n_ctx)
+        c_plen = self.prompt_len[ctx_slots]
+        c_ndraft = np.fromiter((len(e.context_drafts) for e in ctx), np.int64, n_ctx)
+        c_drafts = np.where(c_begin + c_chunk == c_plen, c_ndraft, 0)
+        c_input = c_chunk + c_drafts
+        g_bw = self.beam_width[rows]
+        g_plen = self.prompt_len[rows]
+        g_ndraft = ndraft[rows]
+        g_max = generated[rows]
+        wide = bool(self.n_wide) and bool((g_bw > 1).any())
+        seq_len = np.repeat(g_plen + g_max, g_bw) if wide else g_plen + g_max
+        explicit: tuple[int, ...] = ()
+        if self.n_explicit:
+            c_explicit = [i for i, e in enumerate(ctx) if e.position_ids is not None]
+            g_last = self.explicit_last[rows]
+            g_explicit = np.flatnonzero(g_last >= 0)
+            after = g_last[g_explicit] + g_max[g_explicit]
+            if after.size and int(after.max()) > INT32_MAX:
+                slot = int(rows[g_explicit[np.argmax(after)]])
+                raise BatchError(
+                    f"generation request in seq_slot {slot}: its generated tokens' positions "
+                    "run past the int32 range"
+                )
+            explicit = tuple(c_explicit + (g_explicit + n_ctx).tolist())
+        sizes = step_sizes(c_input, c_drafts, c_plen, len(rows), len(seq_len), int(g_ndraft.sum()))
+        generation = tuple(row_entries)
+        flight = self._flight_rows(rows, g_bw, wide, grew | self.grown)
+        if self.encoder:
+            sizes = dataclasses.replace(sizes, **encoder_sizes(ctx, generation, L))
+        prompts = {id(e): (e.prompt, self.prompt_arrays[e.seq_slot]) for e in ctx}
+        return Batch(
+            context=ctx,
+            generation=generation,
+            sizes=sizes,
+            ctx_begin=c_begin,
+            ctx_chunk=c_chunk,
+            ctx_prompt_len=c_plen,
+            ctx_drafts=c_drafts,
+            ctx_input_len=c_input,
+            gen_beam_width=g_bw,
+            gen_prompt_len=g_plen,
+            gen_drafts=g_ndraft,
+            gen_max_generated=g_max,
+            seq_num_tokens=seq_len,
+            seq_last_token=_sequence_values(last, rows, g_bw, self.n_wide),
+            seq_slot=np.concatenate((ctx_slots, rows)),
+            explicit_positions=explicit,
+            limits=L,
+            prompts=prompts,
+            flight=flight,
+        )
+
+    def _flight_rows(
+        self, rows: np.ndarray, widths: np.ndarray, wide: bool, grown: set[int]
+    ) -> FlightRows:
+        """Each generation sequence's row in the last full step (-1: not there) and the
+        sequences to rebuild: new ones and those of slots whose lists grew."""
+        if wide:
+            slots = np.repeat(rows, widths)
+            beam = np.arange(len(slots)) - np.repeat(np.cumsum(widths) - widths, widths)
+            base = self.kept_first[slots]
+            moved = np.where(base >= 0, base + beam, -1)
+        else:
+            slots, moved = rows, self.kept_first[rows]
+        rebuild = moved < 0
+        if grown:
+            rebuild |= np.isin(slots, np.fromiter(grown, np.int64, len(grown)))
+        return FlightRows(self.full, self.full + 1, moved, np.flatnonzero(rebuild).tolist())
+
+
+def _arrival(r: Any, L: Limits) -> np.ndarray | None:
+    """An arriving request's prompt as a checked int64 array, with every other field it
+    brings checked too (vectorised: a prompt is long); None if any is wrong (``check_request``
+    then names it)."""
+    prompt = int_array(r.prompt)
+    if prompt is None or not len(prompt) or not in_range(prompt, 0, L.token_limit):
+        return None
+    n, beam, begin = len(prompt), r.beam_width, r.context_position
+    if not is_int(beam) or not 1 <= beam <= L.max_beam_width:
+        return None
+    if not is_int(begin) or not 0 <= begin < n:
+        return None
+    g = r.generated
+    if g is not None and len(g) and any(map(len, g)):
+        return None
+    drafts = () if r.draft_tokens is None else r.draft_tokens
+    if len(drafts):
+        d = int_array(drafts)
+        if (
+            d is None
+            or len(d) > L.max_draft_tokens
+            or beam > 1
+            or not in_range(d, 0, L.token_limit)
+        ):
+            return None
+    if r.position_ids is not None:
+        p = int_array(r.position_ids)
+        if p is None or len(p) != n or not in_range(p, 0, INT32_MAX + 1):
+            return None
+        if int(p[-1]) + len(drafts) > INT32_MAX:
+            return None
+    return prompt
+
+
+def _empty(tokens: Any) -> bool:
+    try:
+        return len(tokens) == 0
+    except TypeError:
+        return False
+
+
+def _token_table(tokens: Any, slots: int, beams: int) -> np.ndarray:
+    """The sampled tokens as an int64 [slots, k] table (k columns per slot, one per beam)."""
+    if tokens is None:
+        raise BatchError(
+            "step(): the last step produced tokens; pass them (tokens[seq_slot], or "
+            "tokens[seq_slot, beam])"
+        )
+    if isinstance(tokens, torch.Tensor):
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.layout != torch.strided:
+            raise BatchError(f"step() needs integer tokens, got a {tokens.dtype} tensor")
+        tokens = tokens.detach().cpu().numpy()
+    try:
+        a = np.asarray(tokens)
+    except (TypeError, ValueError, OverflowError):
+        raise BatchError("step() needs integer tokens indexed by seq slot") from None
+    if a.dtype.kind not in "iu" or a.ndim not in (1, 2) or len(a) < slots:
+        raise BatchError(
+            f"step() needs integer tokens indexed by seq slot: an array of {slots} rows "
+            f"(max_batch_size), or [{slots}, beams]; got {a.dtype} of shape {list(a.shape)}"
+        )
+    if a.dtype.kind == "u" and a.size and int(a.max()) > INT32_MAX:
+        raise BatchError("step(): a token is outside the int32 range")
+    a = a.astype(np.int64, copy=False)
+    return a.reshape(len(a), 1) if a.ndim == 1 else a
+
+
+def _beam_values(tok: np.ndarray, slots: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """tok[slot, beam] for each beam of each slot."""
+    seq = np.repeat(slots, widths)
+    beam = np.arange(len(seq)) - np.repeat(np.cumsum(widths) - widths, widths)
+    return tok[seq, beam]
+
+
+def _sequence_values(
+    last: np.ndarray, rows: np.ndarray, widths: np.ndarray, wide: int
+) -> np.ndarray:
+    """Each generation sequence's last token, in row order."""
+    if not wide or not (widths > 1).any():
+        return last[rows, 0]
+    return _beam_values(last, rows, widths)
+
+
+def _drafts(values: Any, slot: int, entry: Entry, L: Limits) -> np.ndarray:
+    a = int_array(values)
+    w = f"step(): drafts[{slot}]"
+    if a is None:
+        raise BatchError(f"{w} must be a list of token ids, got {show(values)}")
+    if len(a) > L.max_draft_tokens:
+        raise BatchError(f"{w}: {len(a)} draft tokens exceed max_draft_tokens={L.max_draft_tokens}")
+    if len(a) and entry.beam_width > 1:
+        raise BatchError(f"{w}: draft tokens need beam_width 1, got {entry.beam_width}")
+    if not in_range(a, 0, L.token_limit):
+        raise BatchError(
+            f"{w}: a draft token is outside 0 .. {L.token_limit - 1} ({L.token_limit_text})"
+        )
+    return a
+
+
+def _append_blocks(entry: Entry, new: Any, slot: int) -> list[tuple[list, int]]:
+    """Append KV block ids to the slot's lists: one list of ids (every list of the request
+    gets them) or one list per list the request holds. Returns what undoes it. The ids are
+    checked with the step's other block lists, before anything is written."""
+    lists = entry.kv_block_ids
+    w = f"step(): blocks[{slot}]"
+    if lists is None:
+        raise BatchError(f"{w}: the request arrived without kv_block_ids")
+    try:
+        new = list(new)
+    except TypeError:
+        raise BatchError(f"{w} must be a list of block ids, got {show(new)}") from None
+    per_list = bool(new) and all(isinstance(x, (list, tuple)) for x in new)
+    if per_list and len(new) != len(lists):
+        raise BatchError(
+            f"{w}: {len(new)} lists of block ids for a request with {len(lists)} block lists"
+        )
+    undo = [(x, len(x)) for x in lists]
+    for i, blocks in enumerate(lists):
+        blocks.extend(new[i] if per_list else new)
+    return undo

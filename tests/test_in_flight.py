@@ -1,0 +1,319 @@
+"""Requests in flight (add, finish, step) against the stateless prepare_step and the
+loop-by-loop reference: the same random serving traffic drives both, and every tensor is
+compared after every step.
+
+The traffic: requests arrive (numpy-typed fields, explicit positions, beams with shared or
+per-beam KV lists, drafts riding on the last chunk, LoRA rows), are computed in random context
+chunks (some wait a step), decode with sampled tokens, verify drafts and accept some, grow their
+KV block lists, and finish at random, their slots reused at once. The test keeps its own model of
+the documented row order (context requests in arrival order, then the generation rows: a
+finished row is filled by the last one, finished prompts join at the end) and hands the
+stateless path the same requests in that order.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from conftest import VARIANT, assert_matches_reference
+from fuzz_batches import HISTORY, Client, make_buffers, make_config
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference import reference_step
+
+from bufc.runtime import Request
+
+FAMILIES = ("llama", "gpt", "glm", "medusa", "gpt_lora", "mamba")
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+class Traffic:
+    """The caller's side: its requests (the stateless copies) and the row order it expects."""
+
+    def __init__(self, name: str, rng: random.Random) -> None:
+        self.name, self.rng = name, rng
+        self.c = make_config(name)
+        self.client = Client(name, self.c, rng)
+        self.mbs = self.c.max_batch_size
+        self.mbw = getattr(self.c, "max_beam_width", 1)
+        self.max_drafts = getattr(self.c, "max_draft_tokens", 0)
+        self.exact = name == "medusa"
+        self.whole = name in ("glm", "mamba")  # no context chunks
+        self.separate = name == "mamba"  # context and generation in separate steps
+        self.paged = self.client.paged
+        self.shadow: dict[int, Request] = {}  # slot -> the stateless path's request
+        self.waiting: list[int] = []  # context phase, arrival order
+        self.rows: list[int] = []  # generation rows
+        self.completing: list[int] = []  # prompts the last step finished
+        self.drafts: dict[int, list[int]] = {}  # drafts verified in the last step
+        self.target: dict[int, int] = {}
+        self.generated_last = True  # the last step ran the generation rows
+
+    # ---------------------------------------------------------------- between steps
+    def finish(self, slot: int) -> None:
+        if slot in self.rows:
+            i = self.rows.index(slot)
+            self.rows[i] = self.rows[-1]
+            self.rows.pop()
+        for lst in (self.waiting, self.completing):
+            if slot in lst:
+                lst.remove(slot)
+        self.drafts.pop(slot, None)
+        del self.shadow[slot]
+
+    def arrival(self) -> Request:
+        free = [s for s in range(self.mbs) if s not in self.shadow]
+        self.client.free = free
+        self.client.live = []
+        r = self.client.new_request().req
+        r.generated = ()
+        if self.name == "glm":
+            r.position_ids = None  # GLM's two-row layout has its own positions
+        if r.position_ids is not None and max(r.position_ids) > 2**31 - 1000:
+            r.position_ids = [min(p, 5000) for p in r.position_ids]  # far from the int32 edge
+        if (
+            self.max_drafts
+            and not self.exact
+            and int(r.beam_width) == 1
+            and self.rng.random() < 0.3
+            and self.name != "glm"
+        ):
+            r.draft_tokens = [
+                self.client.token() for _ in range(self.rng.randint(1, self.max_drafts))
+            ]
+        slot = int(r.seq_slot)
+        self.shadow[slot] = copy.deepcopy(r)
+        self.waiting.append(slot)
+        self.target[slot] = self.rng.randint(1, 12)
+        return r
+
+    # ---------------------------------------------------------------- one step
+    def plan(self) -> dict:
+        """The step's arguments for step(), applying them to the stateless requests."""
+        rng = self.rng
+        tok = np.array(
+            [[self.client.token() for _ in range(self.mbw)] for _ in range(self.mbs)], np.int64
+        )
+        producers = self.completing + (self.rows if self.generated_last else [])
+        accepted = {}
+        for slot in producers:
+            r = self.shadow[slot]
+            beams = int(r.beam_width)
+            verified = self.drafts.get(slot, [])
+            n = rng.randint(0, len(verified)) if verified else 0
+            if n:
+                accepted[slot] = n
+            if slot in self.completing:
+                r.generated = [[] for _ in range(beams)]
+            for k in range(beams):
+                r.generated[k] += list(verified[:n]) + [int(tok[slot, k if self.mbw > 1 else 0])]
+            if rng.random() < 0.3 and n:
+                accepted[slot] = np.int64(n)
+        self.rows += self.completing
+        self.completing = []
+        # a recurrent model runs context and generation requests in separate steps
+        self.generation = not (self.separate and self.waiting and rng.random() < 0.5)
+        rows = self.rows if self.generation else []
+        # drafts of this step's generation requests
+        drafts: dict[int, list[int]] = {}
+        if self.max_drafts and (self.exact or rng.random() < 0.5):
+            for slot in rows:
+                if int(self.shadow[slot].beam_width) != 1:
+                    continue
+                if self.exact:
+                    k = self.max_drafts
+                elif rng.random() < 0.4:
+                    k = rng.randint(1, self.max_drafts)
+                else:
+                    continue
+                drafts[slot] = [self.client.token() for _ in range(k)]
+        for slot in rows:
+            self.shadow[slot].draft_tokens = drafts.get(slot, [])
+        # context chunks within the token budget: every waiting request's rest, or some of
+        # them in chunks
+        budget = self.c.max_num_tokens - sum(
+            int(self.shadow[s].beam_width) + len(drafts.get(s, [])) for s in rows
+        )
+
+        def cost(slot: int, chunk: int) -> int:
+            r = self.shadow[slot]
+            last = int(r.context_position) + chunk == len(r.prompt)
+            return chunk + (len(r.draft_tokens or []) if last else 0)
+
+        left = {
+            s: len(self.shadow[s].prompt) - int(self.shadow[s].context_position)
+            for s in self.waiting
+        }
+        chunks = None
+        scheduled = list(self.waiting)
+        if self.separate and rows:
+            chunks, scheduled = {}, []  # a generation step
+        elif sum(cost(s, left[s]) for s in self.waiting) > budget or rng.random() < 0.5:
+            chunks = {}
+            for slot in self.waiting:
+                if rng.random() < 0.2 and (rows or chunks):
+                    continue  # waits this step (a context-only step runs one at least)
+                chunk = min(left[slot] if self.whole else rng.randint(1, left[slot]), budget)
+                if self.whole and chunk < left[slot]:
+                    continue  # ChatGLM/GLM compute a prompt in one step
+                while chunk and cost(slot, chunk) > budget:
+                    chunk -= 1
+                if chunk:
+                    chunks[slot] = chunk
+                    budget -= cost(slot, chunk)
+            scheduled = [s for s in self.waiting if s in chunks]
+        for slot in scheduled:
+            r = self.shadow[slot]
+            r.context_chunk_size = None if chunks is None else chunks[slot]
+        # KV blocks: enough for every sequence's tokens after the step (sometimes more)
+        blocks: dict[int, list] = {}
+        if self.paged:
+            for slot, is_ctx in [(s, True) for s in scheduled] + [(s, False) for s in rows]:
+                r = self.shadow[slot]
+                before = [len(x) for x in r.kv_block_ids]
+                self.client.cover(r, is_ctx, extra=1 if rng.random() < 0.1 else 0)
+                new = [list(x[n:]) for x, n in zip(r.kv_block_ids, before)]
+                if not any(new):
+                    continue
+                if len(new) == 1 or rng.random() < 0.5:
+                    blocks[slot] = new
+                elif all(len(x) == len(new[0]) for x in new) and all(x == new[0] for x in new):
+                    blocks[slot] = new[0]  # the same ids for every list
+                else:
+                    blocks[slot] = new
+        self.ctx = [self.shadow[s] for s in scheduled]
+        self.gen = [self.shadow[s] for s in rows]
+        self.scheduled = scheduled
+        self.drafts = {s: d for s, d in drafts.items()}
+        return dict(
+            tokens=tok if producers else None,
+            accepted=accepted,
+            drafts=drafts,
+            chunks=chunks,
+            blocks=blocks,
+            generation=self.generation,
+        )
+
+    def ran(self) -> None:
+        """The step ran: the context positions move on; finished prompts produce tokens."""
+        for slot in self.scheduled:
+            r = self.shadow[slot]
+            chunk = r.context_chunk_size
+            end = len(r.prompt) if chunk is None else int(r.context_position) + chunk
+            r.context_chunk_size = None
+            if end == len(r.prompt):
+                self.waiting.remove(slot)
+                self.completing.append(slot)
+                self.drafts[slot] = list(r.draft_tokens or [])
+                r.draft_tokens = []
+            else:
+                r.context_position = end
+        for slot in self.rows:
+            self.drafts.setdefault(slot, [])
+        self.generated_last = self.generation
+
+    def done(self) -> list[int]:
+        """Slots to finish: generation requests that reached their length, and a few at random
+        (cancelled, whatever their phase)."""
+        out = [s for s in self.rows if len(self.shadow[s].generated[0]) >= self.target[s]]
+        if self.shadow and self.rng.random() < 0.1:
+            out.append(self.rng.choice(sorted(self.shadow)))
+        return list(dict.fromkeys(out))
+
+
+def _diff(a, b) -> list[str]:
+    got, want = a.tensors, b.tensors
+    return [
+        name
+        for name, d in a.decls.items()
+        if not any(d.fill is h for h in HISTORY) and not torch.equal(got[name], want[name])
+    ]
+
+
+def run_traffic(name: str, seed: int, steps: int = 40) -> Counter:
+    """Drive both paths; returns what the traffic exercised."""
+    rng = random.Random(seed)
+    traffic = Traffic(name, rng)
+    flight = make_buffers(name)
+    stateless = make_buffers(name)
+    seen: Counter = Counter()
+    in_place = flight._advance_step
+
+    def counted(*args):  # a step that continued the last one in place
+        seen["steady"] += 1
+        return in_place(*args)
+
+    flight._advance_step = counted
+    for i in range(steps):
+        for slot in traffic.done():
+            seen["moved" if slot in traffic.rows[:-1] else "finished"] += 1
+            flight.finish(slot)
+            traffic.finish(slot)
+        quiet = rng.random() < 0.5  # a step without arrivals
+        for _ in range(0 if quiet else rng.randint(0, min(3, traffic.mbs - len(traffic.shadow)))):
+            flight.add(traffic.arrival())
+        if not traffic.shadow:
+            continue
+        args = traffic.plan()
+        if not traffic.ctx and not traffic.gen:
+            traffic.ran()
+            continue  # nothing scheduled: every waiting request waits
+        want = None
+        if name in VARIANT:
+            kv = (
+                (traffic.c.max_blocks_per_seq, traffic.c.num_local_layers)
+                if traffic.paged
+                else None
+            )
+            want = reference_step(
+                VARIANT[name],
+                copy.deepcopy(traffic.ctx),
+                copy.deepcopy(traffic.gen),
+                vocab_size=traffic.c.vocab_size,
+                kv=kv,
+            )
+        seen["accepted"] += bool(args["accepted"])
+        seen["chunked"] += any(
+            r.context_chunk_size is not None and r.context_chunk_size < len(r.prompt)
+            for r in traffic.ctx
+        )
+        seen["beams"] += any(int(r.beam_width) > 1 for r in traffic.gen)
+        seen["grown"] += bool(args["blocks"])
+        step = flight.step(**args)
+        ref = stateless.prepare_step(traffic.ctx, traffic.gen)
+        traffic.ran()
+        assert step.sizes == ref.sizes, (seed, i)
+        assert _diff(flight, stateless) == [], (seed, i)
+        assert step.max_kv_cache_length_rounded == ref.max_kv_cache_length_rounded
+        n = step.sizes.num_requests
+        slots = flight.tensors["host_seq_slots"][:n].tolist()
+        assert slots == traffic.scheduled + [r.seq_slot for r in traffic.gen], (seed, i)
+        if want is not None:
+            assert_matches_reference(step, want, paged=traffic.paged, where=(seed, i))
+        kept = getattr(flight.state, "kv_blocks", None)
+        if kept is not None and kept.table is not None and kept.snapshot is None:
+            seen["rows followed"] += 1  # the KV rows moved as the in-flight state says
+        seen["steps"] += 1
+    return seen
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1))
+def test_in_flight_equals_stateless_steps(name: str, seed: int) -> None:
+    run_traffic(name, seed)
+
+
+def test_traffic_exercises_every_change() -> None:
+    """The simulation itself: steps in place and in full, rows moved by finishes, chunked
+    prompts, accepted drafts, beams and grown block lists all occur."""
+    seen = run_traffic("llama", 7, steps=80) + run_traffic("gpt", 3, steps=80)
+    kinds = ("steady", "moved", "finished", "chunked", "accepted", "beams", "grown")
+    for what in (*kinds, "rows followed"):
+        assert seen[what] >= 3, (what, seen)
+    assert seen["steps"] >= 120
