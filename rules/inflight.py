@@ -246,9 +246,14 @@ class InFlight:
         try:
             # ---- the tokens the last step produced: its generation rows still in flight and
             # the prompts it finished (they join the generation rows now)
-            alive = self.produced[self.serial[self.produced] == self.produced_serial]
+            if self.changed:  # requests left or arrived: only those still in flight produce
+                alive = self.produced[self.serial[self.produced] == self.produced_serial]
+            else:
+                alive = self.produced
             promoted = [s for s, serial in self.completing if self.serial[s] == serial]
-            producers = np.concatenate((np.asarray(promoted, np.int64), alive))
+            producers = (
+                np.concatenate((np.asarray(promoted, np.int64), alive)) if promoted else alive
+            )
             generated, last = self.generated, self.last
             if producers.size:
                 tok = _token_table(tokens, L.max_batch_size, mbw)
@@ -583,10 +588,16 @@ class InFlight:
             moved = np.where(base >= 0, base + beam, -1)
         else:
             slots, moved = rows, self.kept_first[rows]
-        rebuild = moved < 0
-        if grown:
-            rebuild |= np.isin(slots, np.fromiter(grown, np.int64, len(grown)))
-        return FlightRows(self.full, self.full + 1, moved, np.flatnonzero(rebuild).tolist())
+        changed = np.flatnonzero(moved < 0).tolist()
+        if grown:  # the sequences of kept rows whose lists grew (new rows are rebuilt anyway)
+            first = np.cumsum(widths) - widths if wide else None
+            for slot in grown:
+                row = int(self.row_of[slot])
+                if row >= 0 and moved[row if first is None else first[row]] >= 0:
+                    seq = row if first is None else int(first[row])
+                    changed.extend(range(seq, seq + int(self.beam_width[slot])))
+            changed.sort()
+        return FlightRows(self.full, self.full + 1, moved, changed)
 
 
 def _arrival(r: Any, L: Limits) -> np.ndarray | None:
@@ -637,6 +648,11 @@ def _token_table(tokens: Any, slots: int, beams: int) -> np.ndarray:
             "step(): the last step produced tokens; pass them (tokens[seq_slot], or "
             "tokens[seq_slot, beam])"
         )
+    if isinstance(tokens, np.ndarray) and tokens.dtype == np.int64 and len(tokens) >= slots:
+        if tokens.ndim == 2:  # the common cases: already a table, or one column of it
+            return tokens
+        if tokens.ndim == 1:
+            return tokens.reshape(len(tokens), 1)
     if isinstance(tokens, torch.Tensor):
         if tokens.is_floating_point() or tokens.is_complex() or tokens.layout != torch.strided:
             raise BatchError(f"step() needs integer tokens, got a {tokens.dtype} tensor")

@@ -86,8 +86,8 @@ def make_config(name: str, **overrides):
     return mod.Config(**{k: v for k, v in values.items() if k in fields})
 
 
-def make_buffers(name: str, **overrides):
-    return family(name).RuntimeBuffers(make_config(name, **overrides))
+def make_buffers(name: str, device: str = "cpu", **overrides):
+    return family(name).RuntimeBuffers(make_config(name, **overrides), device=device)
 
 
 def index_limits(config) -> tuple[int, int]:

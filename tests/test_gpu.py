@@ -131,3 +131,13 @@ def test_feature_families_on_cuda_equal_cpu(data):
             if key == "prompt_embedding_table":  # rows of requests without a table are unset
                 continue
             assert torch.equal(view.cpu(), want.inputs[key]), (name, key)
+
+
+@pytest.mark.parametrize("name", ["llama", "medusa", "gpt_lora"])
+def test_cuda_requests_in_flight_equal_cpu_steps(name):
+    """add/finish/step on CUDA, the sampled tokens a CUDA tensor, against the stateless CPU
+    path on the same traffic (every tensor, every step)."""
+    from test_in_flight import run_traffic
+
+    for seed in range(4):
+        assert run_traffic(name, seed, steps=40, device="cuda")["steps"] > 10

@@ -231,15 +231,16 @@ def _diff(a, b) -> list[str]:
     return [
         name
         for name, d in a.decls.items()
-        if not any(d.fill is h for h in HISTORY) and not torch.equal(got[name], want[name])
+        if not any(d.fill is h for h in HISTORY) and not torch.equal(got[name].cpu(), want[name])
     ]
 
 
-def run_traffic(name: str, seed: int, steps: int = 40) -> Counter:
-    """Drive both paths; returns what the traffic exercised."""
+def run_traffic(name: str, seed: int, steps: int = 40, device: str = "cpu") -> Counter:
+    """Drive both paths (the requests in flight on `device`, with the sampled tokens as a
+    tensor there off the CPU); returns what the traffic exercised."""
     rng = random.Random(seed)
     traffic = Traffic(name, rng)
-    flight = make_buffers(name)
+    flight = make_buffers(name, device=device)
     stateless = make_buffers(name)
     seen: Counter = Counter()
     in_place = flight._advance_step
@@ -284,10 +285,14 @@ def run_traffic(name: str, seed: int, steps: int = 40) -> Counter:
         )
         seen["beams"] += any(int(r.beam_width) > 1 for r in traffic.gen)
         seen["grown"] += bool(args["blocks"])
+        if device != "cpu" and args["tokens"] is not None:
+            args["tokens"] = torch.as_tensor(args["tokens"], device=device)
         step = flight.step(**args)
         ref = stateless.prepare_step(traffic.ctx, traffic.gen)
         traffic.ran()
         assert step.sizes == ref.sizes, (seed, i)
+        for key, view in step.inputs.items():  # the step's views, on their devices
+            assert torch.equal(view.cpu(), ref.inputs[key]), (key, seed, i)
         assert _diff(flight, stateless) == [], (seed, i)
         assert step.max_kv_cache_length_rounded == ref.max_kv_cache_length_rounded
         n = step.sizes.num_requests
