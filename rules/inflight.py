@@ -87,8 +87,8 @@ class Plan:
     batch: Batch | None
     tokens: np.ndarray | None  # steady: each sequence's new input token, in row order
     grown: tuple[tuple[int, int], ...]  # steady: (sequence, list length before) of grown lists
-    generated: np.ndarray
-    last: np.ndarray
+    generated: np.ndarray | None  # None: a steady step, applied to the rows at commit
+    last: np.ndarray | None
     ndraft: np.ndarray
     drafted: list[int]
     positions: list[tuple[int, int]]  # context slots and their prompt position after the step
@@ -239,6 +239,14 @@ class InFlight:
 
         `steady`: the last step can be continued in place (generation only, no drafts); the
         plan then has no batch when nothing but the tokens changed."""
+        if (
+            steady
+            and generation
+            and not (self.changed or self.completing or self.waiting or self.n_wide)
+            and not (drafts or accepted or self.drafted)
+            and self.n_rows
+        ):
+            return self._steady(tokens, blocks)
         L = self.limits
         mbw = L.max_beam_width
         undo_blocks: list[tuple[list, int]] = []
@@ -266,12 +274,7 @@ class InFlight:
                 values = (
                     tok[producers, 0] if not self.n_wide else _beam_values(tok, producers, widths)
                 )
-                if not in_range(values, 0, L.token_limit):
-                    bad = np.flatnonzero((values < 0) | (values >= L.token_limit))[0]
-                    raise BatchError(
-                        f"step(): token {values[bad]} of a request in flight is outside 0 .. "
-                        f"{L.token_limit - 1} ({L.token_limit_text})"
-                    )
+                _check_tokens(values, L)
                 generated = generated.copy()
                 generated[producers] += 1
                 last = last.copy()
@@ -404,8 +407,39 @@ class InFlight:
             ).undo()
             raise
 
+    def _steady(self, tokens: Any, blocks: Mapping[int, Any] | None) -> Plan:
+        """A step of the same generation rows (one beam each) where only the tokens changed
+        (and block lists may grow): the fewest calls, the state updated at commit."""
+        L = self.limits
+        rows = self.rows[: self.n_rows]
+        values = _token_table(tokens, L.max_batch_size, L.max_beam_width)[rows, 0]
+        _check_tokens(values, L)
+        undo: list[tuple[list, int]] = []
+        grew: dict[int, list[int]] = {}
+        try:
+            for slot, new in (blocks or {}).items():
+                done = _append_blocks(self._entry(slot, "blocks"), new, slot)
+                undo += done
+                grew[int(slot)] = [n for _, n in done]
+        except BaseException:
+            for lst, n in undo:
+                del lst[n:]
+            raise
+        grown = self._grown(grew, rows) if grew else ()
+        return Plan(
+            None, values, grown, None, None, self.ndraft, [], [], [], [], undo, [], True, set(grew)
+        )
+
     def commit(self, plan: Plan) -> None:
         """The planned step ran: the state is the one it leaves."""
+        if plan.generated is None:  # steady: the same rows, each one token longer
+            assert plan.tokens is not None
+            rows = self.rows[: self.n_rows]
+            self.generated[rows] += 1
+            self.last[rows, 0] = plan.tokens
+            self.grown |= plan.grew
+            return
+        assert plan.last is not None
         self.generated, self.last, self.ndraft, self.drafted = (
             plan.generated,
             plan.last,
@@ -632,6 +666,15 @@ def _arrival(r: Any, L: Limits) -> np.ndarray | None:
         if int(p[-1]) + len(drafts) > INT32_MAX:
             return None
     return prompt
+
+
+def _check_tokens(values: np.ndarray, L: Limits) -> None:
+    if not in_range(values, 0, L.token_limit):
+        bad = np.flatnonzero((values < 0) | (values >= L.token_limit))[0]
+        raise BatchError(
+            f"step(): token {values[bad]} of a request in flight is outside 0 .. "
+            f"{L.token_limit - 1} ({L.token_limit_text})"
+        )
 
 
 def _empty(tokens: Any) -> bool:

@@ -28,16 +28,17 @@ from reference import reference_step
 
 from bufc.runtime import Request
 
-FAMILIES = ("llama", "gpt", "glm", "medusa", "gpt_lora", "mamba")
+# "llama:1": one beam per request, so steady steps take the shortest path (with block growth)
+FAMILIES = ("llama", "llama:1", "gpt", "glm", "medusa", "gpt_lora", "mamba")
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 class Traffic:
     """The caller's side: its requests (the stateless copies) and the row order it expects."""
 
-    def __init__(self, name: str, rng: random.Random) -> None:
+    def __init__(self, name: str, rng: random.Random, **overrides) -> None:
         self.name, self.rng = name, rng
-        self.c = make_config(name)
+        self.c = make_config(name, **overrides)
         self.client = Client(name, self.c, rng)
         self.mbs = self.c.max_batch_size
         self.mbw = getattr(self.c, "max_beam_width", 1)
@@ -239,9 +240,11 @@ def run_traffic(name: str, seed: int, steps: int = 40, device: str = "cpu") -> C
     """Drive both paths (the requests in flight on `device`, with the sampled tokens as a
     tensor there off the CPU); returns what the traffic exercised."""
     rng = random.Random(seed)
-    traffic = Traffic(name, rng)
-    flight = make_buffers(name, device=device)
-    stateless = make_buffers(name)
+    name, _, beams = name.partition(":")
+    overrides = {"max_beam_width": int(beams)} if beams else {}
+    traffic = Traffic(name, rng, **overrides)
+    flight = make_buffers(name, device=device, **overrides)
+    stateless = make_buffers(name, **overrides)
     seen: Counter = Counter()
     in_place = flight._advance_step
 
@@ -318,6 +321,7 @@ def test_traffic_exercises_every_change() -> None:
     """The simulation itself: steps in place and in full, rows moved by finishes, chunked
     prompts, accepted drafts, beams and grown block lists all occur."""
     seen = run_traffic("llama", 7, steps=80) + run_traffic("gpt", 3, steps=80)
+    seen += run_traffic("llama:1", 5, steps=80)
     kinds = ("steady", "moved", "finished", "chunked", "accepted", "beams", "grown")
     for what in (*kinds, "rows followed"):
         assert seen[what] >= 3, (what, seen)
