@@ -26,3 +26,15 @@ def test_readme_usage_example_runs_and_its_comments_are_true():
     comments = [line.split("#", 1)[1] for line in block.splitlines() if line.startswith("print(")]
     for got, comment in zip(printed, comments, strict=True):
         assert comment.strip().startswith(got), (got, comment)
+
+
+def test_readme_in_flight_example_runs_and_its_comment_is_true():
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"### Requests in flight.*?```python\n(.*?)```", text, re.S).group(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(block, "README.md", "exec"), {})  # noqa: S102 - our own README
+    (printed,) = out.getvalue().splitlines()
+    assert printed == "[11, 12] [5, 2]"
+    (line,) = [line for line in block.splitlines() if line.startswith("print(")]
+    assert line.split("#", 1)[1].strip() == printed
