@@ -317,34 +317,23 @@ def kv_cache_block_offsets(
     kept = plan.kept
     assert kept is not None  # check_kv_blocks hands its state on
     kept.entered = []  # advance() continues from these rows
-    if plan.hinted:  # in flight: kept rows follow their sequences; no snapshot
-        assert kept.table is not None and plan.changed is not None
-        src = np.asarray(plan.moved, dtype=np.int64)
-        table = np.empty_like(rows[n_ctx:])
-        held = src >= 0
-        table[held] = kept.table[src[held]]
-        write_at(table, plan.changed, plan.blocks[k:], plan.lengths[n_ctx:], layers)
-        kept.table, kept.snapshot, kept.flight = table, None, plan.flight
-        kept.requests, kept.keys = (), None
-        rows[n_ctx:] = table
-        return rows.size
     kept.flight = plan.flight
-    if plan.changed is None or kept.table is None or kept.snapshot is None:
+    if plan.hinted:  # in flight: the state says which rows moved and which lists grew
+        kept.table = _follow(kept.table, plan, rows[n_ctx:], n_ctx, k, layers)
+        kept.snapshot, kept.requests, kept.keys = None, (), None
+    elif plan.changed is None or kept.table is None or kept.snapshot is None:
         kept.snapshot = [x if type(x) is tuple else list(x) for x in gen]
         kept.table = np.empty_like(rows[n_ctx:])
         write_kv_rows(kept.table, plan.blocks[k:], plan.lengths[n_ctx:], layers)
         kept.requests, kept.keys = b.generation, sequence_keys(b)
     elif plan.moved is not None:  # the requests changed: kept rows follow their sequences
-        src = np.asarray(plan.moved, dtype=np.int64)
-        table = np.empty_like(rows[n_ctx:])
-        held = src >= 0
-        table[held] = kept.table[src[held]]
+        assert plan.changed is not None
         old = kept.snapshot
         snapshot = [old[j] if j >= 0 else None for j in plan.moved]
         for i in plan.changed:
             snapshot[i] = gen[i] if type(gen[i]) is tuple else list(gen[i])
-        write_at(table, plan.changed, plan.blocks[k:], plan.lengths[n_ctx:], layers)
-        kept.table, kept.snapshot = table, snapshot
+        kept.table = _follow(kept.table, plan, rows[n_ctx:], n_ctx, k, layers)
+        kept.snapshot = snapshot
         kept.requests, kept.keys = b.generation, plan.keys
     elif plan.changed:
         for i in plan.changed:
@@ -352,6 +341,20 @@ def kv_cache_block_offsets(
         write_at(kept.table, plan.changed, plan.blocks[k:], plan.lengths[n_ctx:], layers)
     rows[n_ctx:] = kept.table
     return rows.size
+
+
+def _follow(
+    table: np.ndarray | None, plan: BlockPlan, like: np.ndarray, n_ctx: int, k: int, layers: int
+) -> np.ndarray:
+    """The generation rows of this step: each kept row where its sequence now is
+    (`plan.moved`), the rows of `plan.changed` built from their lists."""
+    assert table is not None and plan.changed is not None
+    src = np.asarray(plan.moved, dtype=np.int64)
+    out = np.empty_like(like)
+    held = src >= 0
+    out[held] = table[src[held]]
+    write_at(out, plan.changed, plan.blocks[k:], plan.lengths[n_ctx:], layers)
+    return out
 
 
 def check_chatglm(b: Batch) -> None:
@@ -419,14 +422,16 @@ def check_kv_entered(
     written."""
     width, tpb = max_blocks_per_seq, tokens_per_block
     starting = np.flatnonzero((d.seq_tokens - 1) % tpb == 0)
-    values = []
+    values: list[tuple[int, int, int]] = []
+    if not starting.size and not d.grown:
+        return KvEntered(kept, values)
+    b = d.batch
+    per_block = num_local_layers * 2
+    limit, limit_text = id_limit(num_local_layers, num_kv_blocks)
     if starting.size:
-        b = d.batch
         requests = b.seq_request[starting].tolist()
         beams = (starting - b.seq_first[b.seq_request[starting]]).tolist()
         cols = ((d.seq_tokens[starting] - 1) // tpb).tolist()
-        per_block = num_local_layers * 2
-        limit, limit_text = id_limit(num_local_layers, num_kv_blocks)
         for seq, req, beam, col in zip(starting.tolist(), requests, beams, cols):
             r = b.generation[req]
             w = f"generation request {req} (seq_slot {r.seq_slot})"
@@ -445,26 +450,23 @@ def check_kv_entered(
                     f"{w}: KV block {col} is {block!r}, not an id in 0 .. {limit - 1} ({limit_text})"
                 )
             values.append((seq, col, int(block) * per_block))
-    if d.grown:  # lists grown in flight: every new block, as a full step writes them
-        b = d.batch
-        per_block = num_local_layers * 2
-        limit, limit_text = id_limit(num_local_layers, num_kv_blocks)
-        for seq, before in d.grown:
-            req = int(b.seq_request[seq])
-            r = b.generation[req]
-            ids = r.kv_block_ids
-            blocks = ids[seq - int(b.seq_first[req]) if len(ids) > 1 else 0]
-            w = f"generation request {req} (seq_slot {r.seq_slot})"
-            if len(blocks) > width:
-                raise BatchError(f"{w}: {len(blocks)} KV blocks exceed max_blocks_per_seq={width}")
-            for col in range(before, len(blocks)):
-                block = blocks[col]
-                if not is_int(block) or not 0 <= block < limit:
-                    raise BatchError(
-                        f"{w}: KV block {col} is {show(block)}, not an id in 0 .. {limit - 1} "
-                        f"({limit_text})"
-                    )
-                values.append((seq, col, int(block) * per_block))
+    # lists grown in flight: every new block, as a full step writes them
+    for seq, before in d.grown:
+        req = int(b.seq_request[seq])
+        r = b.generation[req]
+        ids = r.kv_block_ids
+        blocks = ids[seq - int(b.seq_first[req]) if len(ids) > 1 else 0]
+        w = f"generation request {req} (seq_slot {r.seq_slot})"
+        if len(blocks) > width:
+            raise BatchError(f"{w}: {len(blocks)} KV blocks exceed max_blocks_per_seq={width}")
+        for col in range(before, len(blocks)):
+            block = blocks[col]
+            if not is_int(block) or not 0 <= block < limit:
+                raise BatchError(
+                    f"{w}: KV block {col} is {show(block)}, not an id in 0 .. {limit - 1} "
+                    f"({limit_text})"
+                )
+            values.append((seq, col, int(block) * per_block))
     return KvEntered(kept, values)
 
 

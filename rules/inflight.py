@@ -101,10 +101,14 @@ class Plan:
 
     def undo(self) -> None:
         """The step failed: the block lists and drafts it set are as they were."""
-        for blocks, n in self.undo_blocks:
-            del blocks[n:]
-        for entry, drafts in self.undo_drafts:
-            entry.draft_tokens = drafts
+        _undo(self.undo_blocks, self.undo_drafts)
+
+
+def _undo(blocks: list[tuple[list, int]], drafts: list[tuple[Entry, Any]]) -> None:
+    for ids, n in blocks:
+        del ids[n:]
+    for entry, values in drafts:
+        entry.draft_tokens = values
 
 
 class InFlight:
@@ -242,7 +246,7 @@ class InFlight:
         if (
             steady
             and generation
-            and not (self.changed or self.completing or self.waiting or self.n_wide)
+            and not (self.changed or self.completing or self.waiting)
             and not (drafts or accepted or self.drafted)
             and self.n_rows
         ):
@@ -355,33 +359,6 @@ class InFlight:
                 undo = _append_blocks(entry, new, slot)
                 undo_blocks += undo
                 grew[int(slot)] = [n for _, n in undo]
-            # ---- a steady decode step: only the tokens changed
-            if (
-                steady
-                and generation
-                and not self.changed
-                and not promoted
-                and not self.waiting
-                and not drafts
-                and not accepted
-                and len(rows)
-            ):
-                return Plan(
-                    None,
-                    _sequence_values(last, rows, self.beam_width[rows], self.n_wide),
-                    self._grown(grew, rows) if grew else (),
-                    generated,
-                    last,
-                    ndraft,
-                    drafted,
-                    [],
-                    [],
-                    [],
-                    undo_blocks,
-                    undo_drafts,
-                    True,
-                    set(grew),
-                )
             # ---- this step's context chunks
             context, positions, completing = self._context(chunks)
             batch = self._batch(context, rows, row_entries, generated, last, ndraft, set(grew))
@@ -402,17 +379,22 @@ class InFlight:
                 set(grew),
             )
         except BaseException:
-            Plan(
-                None, None, (), _EMPTY, _EMPTY, _EMPTY, [], [], [], [], undo_blocks, undo_drafts
-            ).undo()
+            _undo(undo_blocks, undo_drafts)
             raise
 
     def _steady(self, tokens: Any, blocks: Mapping[int, Any] | None) -> Plan:
-        """A step of the same generation rows (one beam each) where only the tokens changed
-        (and block lists may grow): the fewest calls, the state updated at commit."""
+        """A step of the same generation rows where only the tokens changed (and block lists
+        may grow): the fewest calls, the state updated at commit."""
         L = self.limits
         rows = self.rows[: self.n_rows]
-        values = _token_table(tokens, L.max_batch_size, L.max_beam_width)[rows, 0]
+        tok = _token_table(tokens, L.max_batch_size, L.max_beam_width)
+        widths = self.beam_width[rows]
+        if self.n_wide and int(widths.max()) > tok.shape[1]:
+            raise BatchError(
+                f"step(): tokens has {tok.shape[1]} column(s) per slot, but a request in "
+                f"flight has {int(widths.max())} beams"
+            )
+        values = _sequence_values(tok, rows, widths, self.n_wide)
         _check_tokens(values, L)
         undo: list[tuple[list, int]] = []
         grew: dict[int, list[int]] = {}
@@ -422,8 +404,7 @@ class InFlight:
                 undo += done
                 grew[int(slot)] = [n for _, n in done]
         except BaseException:
-            for lst, n in undo:
-                del lst[n:]
+            _undo(undo, [])
             raise
         grown = self._grown(grew, rows) if grew else ()
         return Plan(
@@ -436,7 +417,11 @@ class InFlight:
             assert plan.tokens is not None
             rows = self.rows[: self.n_rows]
             self.generated[rows] += 1
-            self.last[rows, 0] = plan.tokens
+            widths = self.beam_width[rows]
+            if not self.n_wide or not (widths > 1).any():
+                self.last[rows, 0] = plan.tokens
+            else:
+                self.last[_beam_index(rows, widths)] = plan.tokens
             self.grown |= plan.grew
             return
         assert plan.last is not None
@@ -616,8 +601,7 @@ class InFlight:
         """Each generation sequence's row in the last full step (-1: not there) and the
         sequences to rebuild: new ones and those of slots whose lists grew."""
         if wide:
-            slots = np.repeat(rows, widths)
-            beam = np.arange(len(slots)) - np.repeat(np.cumsum(widths) - widths, widths)
+            slots, beam = _beam_index(rows, widths)
             base = self.kept_first[slots]
             moved = np.where(base >= 0, base + beam, -1)
         else:
@@ -715,11 +699,15 @@ def _token_table(tokens: Any, slots: int, beams: int) -> np.ndarray:
     return a.reshape(len(a), 1) if a.ndim == 1 else a
 
 
+def _beam_index(slots: np.ndarray, widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(slot, beam) of each beam of each slot, for a [slots, beams] table."""
+    seq = np.repeat(slots, widths)
+    return seq, np.arange(len(seq)) - np.repeat(np.cumsum(widths) - widths, widths)
+
+
 def _beam_values(tok: np.ndarray, slots: np.ndarray, widths: np.ndarray) -> np.ndarray:
     """tok[slot, beam] for each beam of each slot."""
-    seq = np.repeat(slots, widths)
-    beam = np.arange(len(seq)) - np.repeat(np.cumsum(widths) - widths, widths)
-    return tok[seq, beam]
+    return tok[_beam_index(slots, widths)]
 
 
 def _sequence_values(

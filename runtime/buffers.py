@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -215,7 +215,6 @@ class RuntimeBuffers:
         self.state = self.state_type()
         self.limits = self._limits()
         self._flight = self._in_flight()  # the requests in flight (add, finish, step)
-        self._last_in_flight = False  # the last step was a step() of them
 
     # the step program, generated per family
     def _limits(self) -> Any:
@@ -334,20 +333,13 @@ class RuntimeBuffers:
         capacity. The engine must run on the current CUDA stream (the copy is ordered on it).
         """
         self._not_in_flight("prepare_step")
-        try:
-            b = self._batch(context_requests, generation_requests)
-        except BatchError:
-            raise
-        except Exception as exc:  # a value a check could not even read (an odd type)
-            raise BatchError(
-                f"a request value could not be checked ({type(exc).__name__}: {exc})"
-            ) from exc
-        return self._prepare(b)
+        return self._prepare(lambda: self._batch(context_requests, generation_requests))
 
-    def _prepare(self, b: Any) -> Step:
-        """Check and fill the step of batch `b`, copy it, and hand out its views."""
+    def _prepare(self, batch: Callable[[], Any]) -> Step:
+        """Check and fill the step of the batch `batch()` reads, copy it, and hand out its
+        views."""
         try:
-            checked = self._check(b)
+            checked = self._check(batch())
         except BatchError:
             raise
         except Exception as exc:  # a value a check could not even read (an odd type)
@@ -478,7 +470,9 @@ class RuntimeBuffers:
         before a byte is written (BatchError, nothing changed). A step where only the tokens
         changed continues the last step's buffers in place (as ``advance`` does).
         """
-        steady = self._decode is not None and self._last_in_flight and not self.no_advance
+        # the in-flight state continues in place only a step of its own (prepare_step and
+        # advance are refused while it holds requests)
+        steady = self._decode is not None and not self.no_advance
         try:
             plan = self._flight.plan(
                 tokens,
@@ -497,14 +491,13 @@ class RuntimeBuffers:
             ) from exc
         try:
             if plan.batch is not None:
-                step = self._prepare(plan.batch)
+                step = self._prepare(lambda: plan.batch)
             else:
                 step = self._advance_step(plan.tokens, plan.grown)
         except BaseException:
             plan.undo()
             raise
         self._flight.commit(plan)
-        self._last_in_flight = True
         return step
 
     def _not_in_flight(self, what: str) -> None:
@@ -514,7 +507,6 @@ class RuntimeBuffers:
                 f"{what}() reads every request of the step, but requests are in flight here "
                 "(add/step): finish them first, or drive these buffers with step() alone"
             )
-        self._last_in_flight = False
 
     def _abandon_half(self, h: int) -> None:
         """Half h was partly written by a step that failed: the current half stays the last
