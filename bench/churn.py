@@ -151,11 +151,17 @@ class InFlightDriver:
     """The same traffic as the engine loop of the in-flight API sees it: the requests that
     finished, those that arrived, the sampled tokens (indexed by seq slot) and the KV blocks
     added per slot. Derived from consecutive steps of a Traffic outside the timed region;
-    `run` is the timed part (finish, add, step)."""
+    `run` is the timed part (finish, add, step). `on_device`: the tokens are handed over as a
+    tensor on the buffers' device (gathered there)."""
 
-    def __init__(self, buffers) -> None:
+    def __init__(self, buffers, on_device: bool = False) -> None:
         self.buffers = buffers
         self.tokens = np.zeros(buffers.config.max_batch_size, np.int64)
+        self.on_device = (
+            torch.zeros(len(self.tokens), dtype=torch.int64, device=buffers.device)
+            if on_device
+            else None
+        )
         self.known: dict[int, tuple[Request, int]] = {}  # slot -> (request, blocks it knows)
 
     def changes(self, ctx: list, gen: list) -> tuple:
@@ -173,7 +179,13 @@ class InFlightDriver:
             self.tokens[r.seq_slot] = r.generated[0][-1]
         for r in ctx:
             self.known[r.seq_slot] = (r, len(r.kv_block_ids[0]))
-        return finished, arrived, (self.tokens if gen else None), blocks
+        return finished, arrived, (self._tokens() if gen else None), blocks
+
+    def _tokens(self):
+        if self.on_device is None:
+            return self.tokens
+        self.on_device.copy_(torch.from_numpy(self.tokens))  # untimed: what the sampler leaves
+        return self.on_device
 
     def start(self, ctx: list, gen: list) -> None:
         """Untimed: the traffic's first requests arrive (as prompts, with two blocks to spare:
@@ -189,7 +201,7 @@ class InFlightDriver:
         tokens = None
         while waiting:
             b.step(tokens, chunks={s: PROMPT for s in waiting[:per_step]})
-            waiting, tokens = waiting[per_step:], self.tokens
+            waiting, tokens = waiting[per_step:], self._tokens()
         b.step(tokens)
 
     def run(self, finished: list, arrived: list, tokens, blocks: dict) -> None:
@@ -209,41 +221,58 @@ def _time(fn, *args) -> float:
 
 def churn_case(buffers, floor, device: str, batch: int, changes: int, steps: int) -> dict:
     traffic = Traffic(batch, changes, seed=batch * 10 + changes)
-    driver = InFlightDriver(bench_buffers(device))
-    ours, low, ref, flight = [], [], [], []
+    drivers = _drivers(device)
+    ours, low, ref = [], [], []
+    flight: list[list[float]] = [[] for _ in drivers]
     for i in range(steps + 3):
         ctx, gen = traffic.step()
         t_ours = _time(buffers.prepare_step, ctx, gen)
-        if i == 0:
-            driver.start(ctx, gen)
-        t_flight = _time(driver.run, *driver.changes(ctx, gen)) if i else 0.0
+        t_flight = [_drive(d, i, ctx, gen) for d in drivers]
         t_low = _time(floor, ctx, gen)
         t_ref = _time(plain, ctx, gen, buffers.config, device) if i % 8 == 3 else None
         if i >= 3:  # warm-up
             ours.append(t_ours)
-            flight.append(t_flight)
+            for times, t in zip(flight, t_flight):
+                times.append(t)
             low.append(t_low)
             if t_ref is not None:
                 ref.append(t_ref)
     return _with_flight(_row(ours, low, ref), flight)
 
 
-def _with_flight(row: dict, flight: list) -> dict:
-    row["in_flight_us"] = statistics.median(flight)
+def _drivers(device: str) -> list[InFlightDriver]:
+    """The in-flight drivers of a case: host tokens, and on CUDA tokens on the device."""
+    drivers = [InFlightDriver(bench_buffers(device))]
+    if device.startswith("cuda"):
+        drivers.append(InFlightDriver(bench_buffers(device), on_device=True))
+    return drivers
+
+
+def _drive(driver: InFlightDriver, i: int, ctx: list, gen: list) -> float:
+    if i == 0:
+        driver.start(ctx, gen)
+        return 0.0
+    return _time(driver.run, *driver.changes(ctx, gen))
+
+
+def _with_flight(row: dict, flight: list[list[float]]) -> dict:
+    row["in_flight_us"] = statistics.median(flight[0])
     row["in_flight_vs_floor"] = row["in_flight_us"] / row["floor_us"]
+    if len(flight) > 1:
+        row["in_flight_device_us"] = statistics.median(flight[1])
+        row["in_flight_device_vs_floor"] = row["in_flight_device_us"] / row["floor_us"]
     return row
 
 
 def steady_case(buffers, floor, device: str, batch: int, steps: int) -> dict:
     traffic = Traffic(batch, 0, seed=batch)
-    driver = InFlightDriver(bench_buffers(device))
-    ours, adv, low, ref, flight = [], [], [], [], []
+    drivers = _drivers(device)
+    ours, adv, low, ref = [], [], [], []
+    flight: list[list[float]] = [[] for _ in drivers]
     for i in range(steps + 3):
         ctx, gen = traffic.step()
         t_ours = _time(buffers.prepare_step, ctx, gen)
-        if i == 0:
-            driver.start(ctx, gen)
-        t_flight = _time(driver.run, *driver.changes(ctx, gen)) if i else 0.0
+        t_flight = [_drive(d, i, ctx, gen) for d in drivers]
         t_low = _time(floor, ctx, gen)
         tokens = np.full(len(gen), 7, np.int64)
         t_adv = _time(buffers.advance, tokens)
@@ -254,7 +283,8 @@ def steady_case(buffers, floor, device: str, batch: int, steps: int) -> dict:
             ours.append(t_ours)
             adv.append(t_adv)
             low.append(t_low)
-            flight.append(t_flight)
+            for times, t in zip(flight, t_flight):
+                times.append(t)
             if t_ref is not None:
                 ref.append(t_ref)
     row = _with_flight(_row(ours, low, ref), flight)
@@ -374,6 +404,11 @@ def main() -> None:
             print(
                 f"{'  in flight (finish/add/step)':34} {r['in_flight_us']:9.1f} "
                 f"{r['floor_us']:9.1f} {r['in_flight_vs_floor']:9.2f}x"
+            )
+        if "in_flight_device_us" in r:
+            print(
+                f"{'  in flight, tokens on the device':34} {r['in_flight_device_us']:9.1f} "
+                f"{r['floor_us']:9.1f} {r['in_flight_device_vs_floor']:9.2f}x"
             )
     loaded = {}
     if args.busy:

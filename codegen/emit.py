@@ -343,6 +343,7 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
         "advancing_lines": _construction("Advancing", "d", advance_results),
         "advances": advances,
         "kv_lengths": program.kv_lengths,
+        "sampled_tokens": program.sampled_tokens,
         "no_advance": program.no_advance,
         "state": [
             {"name": chk.name, "type": alias(chk.state)}

@@ -204,6 +204,7 @@ class Rule:
     advance_reads: tuple[str, ...]
     advance_check: AdvanceCheck | None
     kv_lengths: bool
+    sampled_tokens: bool
     loc: Location
     field_locs: tuple[tuple[str, Location], ...] = ()
 
@@ -429,6 +430,7 @@ class _Builder:
                     if ac
                     else None,
                     bool(r.get("kv_lengths", False)),
+                    bool(r.get("sampled_tokens", False)),
                     kl(path),
                     tuple((k, kl((*path, k))) for k in r),
                 )

@@ -119,6 +119,9 @@ class StepProgram:
     fills: tuple[PlannedFill, ...]
     no_advance: tuple[str, ...]  # rules without an advance form: advance() names them
     kv_lengths: str | None  # the host tensor of each sequence's past KV length
+    # the host tensor whose generation rows take each sequence's sampled token (its device
+    # mirror is where step() gathers tokens that stay on the device)
+    sampled_tokens: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,6 +395,12 @@ def _program(
         for pt in tensors
         if pt.fill_kind == "rule" and getattr(spec.rule(pt.fill_target or ""), "kv_lengths", False)
     ]
+    sampled = [
+        pt.name
+        for pt in tensors
+        if pt.fill_kind == "rule"
+        and getattr(spec.rule(pt.fill_target or ""), "sampled_tokens", False)
+    ]
     requests = spec.requests
     return StepProgram(
         limits=tuple((n, n) for n in LIMIT_VALUES if n in names),
@@ -402,6 +411,7 @@ def _program(
         fills=tuple(fills),
         no_advance=tuple(dict.fromkeys(f.rule for f in fills if f.advance is None)),
         kv_lengths=kv[0] if kv else None,
+        sampled_tokens=sampled[0] if sampled else None,
     )
 
 

@@ -45,6 +45,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-batch-size", type=_at_least(1), default=12, help="most requests in flight"
     )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="drive the buffers with add/finish/step and keep the sampled tokens on the "
+        "device: the host prepares step t+1 while the device runs step t",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the workload")
     p.add_argument("--every", type=_at_least(1), default=10, help="print figures every N steps")
     # the demo model has 2 layers and 4 heads (2 KV heads): 1 or 2 ranks either way
@@ -109,6 +115,13 @@ def main(argv: list[str] | None = None) -> int:
             bar.write(line, file=sys.stdout)  # tqdm.write: printed above the bar
         bar.update(s.finished - bar.n)
 
+    if args.overlap and (world > 1 or args.token_budget < args.max_batch_size):
+        print(
+            "bufc demo: --overlap runs in one process (no --pp/--tp), every generation "
+            "request each step (--token-budget at least --max-batch-size)",
+            file=sys.stderr,
+        )
+        return 2
     if world > 1:
         from .distributed import run_world
 
@@ -123,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         result, elapsed = run.result, run.elapsed_s
     else:
-        executor = Executor(model, device=args.device, **executor_args)
+        executor = Executor(model, device=args.device, overlap=args.overlap, **executor_args)
         start = time.perf_counter()
         result = executor.run(jobs, on_step=on_step)
         elapsed = time.perf_counter() - start
@@ -152,6 +165,16 @@ def main(argv: list[str] | None = None) -> int:
         ("tokens/s (bufc executor)", f"{tokens / elapsed:.0f}"),
         ("prepare_step median", f"{statistics.median(prep) * 1e6:.0f} us"),
         ("prepare_step share of step time", f"{100 * sum(prep) / step_total:.1f} %"),
+        *(
+            [
+                (
+                    "GPU idle between steps",
+                    f"{100 * sum(result.idle_s) / (sum(result.idle_s) + sum(result.gpu_s)):.1f} %",
+                )
+            ]
+            if world == 1 and result.gpu_s
+            else []
+        ),
         ("transformers.generate, one by one", f"{ref_elapsed:.1f} s"),
         ("result", verdict),
     ]

@@ -6,6 +6,12 @@ in arrival order (chunked prefill: a chunk stops at the budget or at ``chunk_siz
 that falls in a KV block), grows each request's KV blocks to cover this step's tokens, prepares
 the step, runs the model and samples greedily. A request retires, freeing its blocks and slot,
 after ``max_new_tokens`` tokens.
+
+With ``in_flight`` the executor drives the buffers the way a serving loop does: ``add`` on
+arrival, ``finish`` on retirement and ``step`` with what changed (the chunks, the blocks added,
+the tokens the last step sampled, by seq slot). With ``overlap`` too, the sampled tokens stay on
+the device: the next step gathers them there, and the host reads them (for the results) one step
+later from a pinned copy, so it prepares and enqueues step t + 1 while the GPU still runs step t.
 """
 
 from __future__ import annotations
@@ -52,6 +58,22 @@ class Result:
     tokens: dict[int, list[int]]
     token_steps: dict[int, list[int]]  # the step that produced each generated token
     steps: list[StepStats]
+    # on CUDA: each step's GPU time (its model and sampling) and the GPU's idle time before it
+    # (from the end of the last step's work to the start of this step's model), in seconds
+    gpu_s: list[float] = dataclasses.field(default_factory=list)
+    idle_s: list[float] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(eq=False)
+class _Flight:
+    """A request in flight, as the in-flight executor tracks it: counts only (the tokens may
+    still be on the device)."""
+
+    job: Job
+    slot: int
+    blocks: list[int]
+    position: int = 0  # prompt tokens computed
+    generated: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -76,13 +98,17 @@ class Executor:
         bucketed_decode: bool = False,
         cuda_graphs: bool = False,
         parallel: Parallel | None = None,
+        in_flight: bool = False,
+        overlap: bool = False,
     ) -> None:
         """`bucketed_decode` runs generation-only steps through the fixed-shape decode over a
         power-of-two batch bucket (the padding rows are the buffers' pad values);
         `cuda_graphs` also captures one CUDA graph per bucket and replays it. With `parallel`
         (a rank of a torch.distributed world, ``parallel.init``) this rank holds its pipeline
         stage's layers and its tensor-parallel share, and its buffers are the gpt_pp family's
-        for its role; every rank runs the same schedule."""
+        for its role; every rank runs the same schedule. `in_flight` drives the buffers with
+        add/finish/step, `overlap` also keeps the sampled tokens on the device (module
+        docstring); generation-only steps then run the fixed-shape decode."""
         cfg = hf_model.config
         dtype = next(hf_model.parameters()).dtype
         par = self.parallel = parallel or Parallel()
@@ -107,7 +133,9 @@ class Executor:
             self.buffers = gpt_pp.RuntimeBuffers(self.config, device=device)
         else:
             self.config = llama.Config(**common)
-            self.buffers = llama.RuntimeBuffers(self.config, device=device)
+            self.buffers = llama.RuntimeBuffers(
+                self.config, device=device, device_tokens=overlap or None
+            )
         self.model = PackedLlama(hf_model, par, self.config.vocab_size_padded)
         blocks = (
             num_blocks or max_batch_size * self.config.max_blocks_per_seq + BlockAllocator.RESERVED
@@ -129,6 +157,16 @@ class Executor:
         self.bucketed_decode = bucketed_decode or cuda_graphs
         self.cuda_graphs = cuda_graphs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.in_flight = in_flight or overlap
+        self.overlap = overlap
+        if self.in_flight and (par.distributed or self.bucketed_decode):
+            raise ValueError("the in-flight executor runs in one process, without buckets")
+        if self.in_flight and token_budget < max_batch_size:
+            raise ValueError(
+                "in flight every generation request runs every step: token_budget must be at "
+                "least max_batch_size"
+            )
+        self.device = torch.device(device)
 
     def run(
         self,
@@ -139,6 +177,8 @@ class Executor:
     ) -> Result:
         """Serve `jobs` to completion. `mutate(step_index, step)` may alter a prepared step
         before the model runs (the tests use it to prove the comparison can fail)."""
+        if self.in_flight:
+            return self._run_in_flight(jobs, mutate, on_step)
         pending = deque(sorted(jobs, key=lambda j: (j.arrival_step, j.rid)))
         waiting: deque[Job] = deque()
         active: list[_Active] = []
@@ -213,6 +253,151 @@ class Executor:
             if on_step is not None:
                 on_step(stats)
             step_index += 1
+        return result
+
+    def _run_in_flight(
+        self,
+        jobs: Iterable[Job],
+        mutate: Callable[[int, object], None] | None,
+        on_step: Callable[[StepStats], None] | None,
+    ) -> Result:
+        buffers, mbs = self.buffers, self.config.max_batch_size
+        cuda = self.device.type == "cuda"
+        pending = deque(sorted(jobs, key=lambda j: (j.arrival_step, j.rid)))
+        waiting: deque[Job] = deque()
+        active: dict[int, _Flight] = {}  # by seq slot, in arrival order
+        free_slots = list(range(mbs - 1, -1, -1))
+        result = Result({j.rid: [] for j in pending}, {j.rid: [] for j in pending}, [])
+        # what each slot sampled in the last step, on the device; a pinned copy per step parity
+        # (read one step later with overlap, at once without)
+        sampled = torch.zeros(mbs, dtype=torch.int64, device=self.device)
+        copies = [torch.zeros(mbs, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        landed = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        seq_slots = buffers.tensors["seq_slots"]  # the device tensor (a fixed address)
+        unread: tuple[int, int, list[tuple[int, int]]] | None = None  # (parity, step, producers)
+        produced_last = False  # a request still in flight sampled a token in the last step
+        parity = 0
+        timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        step_index = finished = 0
+
+        def read(parity: int, at: int, producers: list[tuple[int, int]]) -> None:
+            event = landed[parity]
+            if event is not None:
+                event.synchronize()
+            values = copies[parity].tolist()
+            for rid, slot in producers:
+                result.tokens[rid].append(values[slot])
+                result.token_steps[rid].append(at)
+
+        while pending or waiting or active:
+            t0 = time.perf_counter()
+            while pending and pending[0].arrival_step <= step_index:
+                waiting.append(pending.popleft())
+            while waiting and free_slots:
+                job = waiting.popleft()
+                slot = free_slots.pop()
+                active[slot] = _Flight(job, slot, [])
+                buffers.add(Request(seq_slot=slot, prompt=list(job.prompt), kv_block_ids=[[]]))
+            # the schedule: every generation request one token, then prompt chunks in order
+            budget = self.token_budget
+            tpb, grown = self.config.tokens_per_block, {}
+            generation = [a for a in active.values() if a.position == len(a.job.prompt)]
+            chunks: dict[int, int] = {}
+            for a in generation:
+                budget -= 1
+                grown[a.slot] = len(a.job.prompt) + a.generated
+            for a in active.values():
+                left = len(a.job.prompt) - a.position
+                if left and budget:
+                    chunks[a.slot] = min(left, self.chunk_size, budget)
+                    budget -= chunks[a.slot]
+                    grown[a.slot] = a.position + chunks[a.slot]
+            if not chunks and not generation:
+                step_index += 1
+                continue
+            blocks = {}
+            for slot, tokens in grown.items():
+                before = len(active[slot].blocks)
+                grow_blocks(active[slot].blocks, tokens, tpb, self.allocator)
+                if len(active[slot].blocks) > before:
+                    blocks[slot] = active[slot].blocks[before:]
+            t1 = time.perf_counter()
+            if not produced_last:
+                tokens = None
+            elif self.overlap:
+                tokens = sampled
+            else:
+                tokens = copies[parity].numpy()
+            step = buffers.step(tokens, chunks=chunks, blocks=blocks)
+            t2 = time.perf_counter()
+            if mutate is not None:
+                mutate(step_index, step)
+            start = torch.cuda.Event(enable_timing=True) if cuda else None
+            if start is not None:
+                start.record()
+            if chunks:
+                self.model.forward(step, self.cache)
+            else:
+                self.model.decode(step.inputs, step.outputs, self.cache)
+            rows = step.sizes.num_logits
+            logits = step.outputs["logits"][:, : self.config.vocab_size]
+            sampled.index_copy_(0, seq_slots[:rows].long(), logits.argmax(dim=-1))
+            parity = step_index % 2
+            copies[parity].copy_(sampled, non_blocking=cuda)
+            event = landed[parity]
+            if event is not None:
+                event.record()
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                timings.append((start, end))  # type: ignore[arg-type]
+            # the counts move on now; the token values are read when they land
+            producers = [(a.job.rid, a.slot) for a in generation]
+            for a in generation:
+                a.generated += 1
+            for slot, chunk in chunks.items():
+                a = active[slot]
+                a.position += chunk
+                if a.position == len(a.job.prompt):
+                    a.generated += 1
+                    producers.append((a.job.rid, slot))
+            if unread is not None:  # the last step's tokens (with overlap: model t runs now)
+                read(*unread)
+                unread = None
+            if self.overlap:
+                unread = (parity, step_index, producers)
+            else:
+                read(parity, step_index, producers)
+            for rid, slot in producers:
+                a = active[slot]
+                if a.generated == a.job.max_new_tokens:
+                    del active[slot]
+                    buffers.finish(slot)
+                    self.allocator.release(a.blocks)
+                    free_slots.append(slot)
+                    finished += 1
+            produced_last = any(slot in active for _, slot in producers)
+            stats = StepStats(
+                step=step_index,
+                in_flight=len(chunks) + len(generation),
+                context_requests=len(chunks),
+                generation_requests=len(generation),
+                tokens=step.sizes.num_tokens,
+                prepare_s=t2 - t1,
+                step_s=time.perf_counter() - t0,
+                finished=finished,
+            )
+            result.steps.append(stats)
+            if on_step is not None:
+                on_step(stats)
+            step_index += 1
+        if unread is not None:
+            read(*unread)
+        if timings:
+            torch.cuda.synchronize()
+            result.gpu_s = [a.elapsed_time(b) / 1e3 for a, b in timings]
+            result.idle_s = [0.0] + [
+                b.elapsed_time(a) / 1e3 for (_, b), (a, _) in zip(timings, timings[1:])
+            ]
         return result
 
     def _sample(self, step) -> list[int]:

@@ -60,7 +60,10 @@ class PackedLlama:
         positions = inp["position_ids"].long()
         types = inp["host_request_types"].tolist()
         lengths = inp["host_context_lengths"].tolist()
-        seq_len = inp["sequence_length"].cpu().tolist()
+        # each sequence's KV length after the step, from host inputs (no wait on the device):
+        # a context row's past length already counts its chunk, a generation row's does not
+        past = inp["host_past_key_value_lengths"].tolist()
+        seq_len = [p if t == 0 else p + 1 for p, t in zip(past, types)]
         offsets = inp["kv_cache_block_offsets"][0]
         tokens = step.sizes.num_tokens
         # tokens of each sequence this step: its context length for a context row, one for a

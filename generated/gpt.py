@@ -476,6 +476,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     state_type = State
     tensor_decls = TENSORS
     kv_lengths = 'host_past_key_value_lengths'  # each sequence's past KV length (CUDA-graph key)
+    sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     no_advance = ()  # rules without an advance form
 
     def _limits(self) -> batch.Limits:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..runtime.errors import BatchError
+from ..runtime.tokens import Gather
 from ..runtime.values import INT32_MAX, in_range, int_array, is_int, show
 from .batch import Batch, FlightRows, Limits, check_request, encoder_sizes, step_sizes
 
@@ -98,6 +99,10 @@ class Plan:
     undo_drafts: list[tuple[Entry, Any]]
     generation: bool = True  # the generation rows ran (and produce tokens)
     grew: set[int] = dataclasses.field(default_factory=set)  # slots whose block lists grew
+    # tokens that stay on the device: the gather the step runs there, and the (slot, beam) of
+    # each value it copies back (their state entries once they land)
+    gather: Gather | None = None
+    gathered: tuple[np.ndarray, np.ndarray] | None = None
 
     def undo(self) -> None:
         """The step failed: the block lists and drafts it set are as they were."""
@@ -146,6 +151,10 @@ class InFlight:
         self.full = 0
         self.kept_first = np.full(n, -1, np.int64)
         self.grown: set[int] = set()
+        # tokens gathered on the device in the last step: (slot, beam, the slot's serial) of
+        # each value on its way back; and the slots a step sampled an out-of-range token for
+        self.pending: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.bad: dict[int, int] = {}
 
     # -------------------------------------------------------------------- arrivals, finishes
     def add(self, request: Any) -> None:
@@ -224,7 +233,23 @@ class InFlight:
         self.n_explicit -= self.explicit_last[slot] >= 0
         self.explicit_last[slot] = -1
         self.n_wide -= entry.beam_width > 1
+        self.bad.pop(slot, None)
         self.changed = True
+
+    def tokens_back(self, values: np.ndarray) -> None:
+        """The tokens the last step gathered on the device, back on the host: they become the
+        last tokens of their beams (of requests still in flight); an out-of-range one marks its
+        slot, and every step refuses until that request is finished."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        slots, beams, serials = pending
+        alive = self.serial[slots] == serials
+        self.last[slots[alive], beams[alive]] = values[alive]
+        L = self.limits
+        bad = np.flatnonzero(alive & ((values < 0) | (values >= L.token_limit)))
+        for i in bad.tolist():
+            self.bad[int(slots[i])] = int(values[i])
 
     # ------------------------------------------------------------------------------ a step
     def plan(
@@ -237,12 +262,22 @@ class InFlight:
         blocks: Mapping[int, Any] | None = None,
         generation: bool = True,
         steady: bool = False,
+        on_device: bool = False,
     ) -> Plan:
         """Check the next step and lay it out; nothing is committed (``commit``) and only the
         block lists and drafts are set on the entries (``Plan.undo`` restores them).
 
         `steady`: the last step can be continued in place (generation only, no drafts); the
-        plan then has no batch when nothing but the tokens changed."""
+        plan then has no batch when nothing but the tokens changed. `on_device`: `tokens` is
+        a tensor on the buffers' device, gathered there (``Plan.gather``), not read here."""
+        if self.bad:
+            slot, value = next(iter(self.bad.items()))
+            L = self.limits
+            raise BatchError(
+                f"step(): a step sampled token {value} for seq_slot {slot}, outside 0 .. "
+                f"{L.token_limit - 1} ({L.token_limit_text}); the device wrote the pad token "
+                f"in its place. Finish that request (finish({slot})) before the next step"
+            )
         if (
             steady
             and generation
@@ -250,7 +285,7 @@ class InFlight:
             and not (drafts or accepted or self.drafted)
             and self.n_rows
         ):
-            return self._steady(tokens, blocks)
+            return self._steady(tokens, blocks, on_device)
         L = self.limits
         mbw = L.max_beam_width
         undo_blocks: list[tuple[list, int]] = []
@@ -267,7 +302,18 @@ class InFlight:
                 np.concatenate((np.asarray(promoted, np.int64), alive)) if promoted else alive
             )
             generated, last = self.generated, self.last
-            if producers.size:
+            flat: torch.Tensor | None = None
+            if producers.size and on_device:  # the values stay there: counts only
+                flat, k = _device_table(tokens, L.max_batch_size)
+                widths = self.beam_width[producers]
+                if self.n_wide and int(widths.max()) > k:
+                    raise BatchError(
+                        f"step(): tokens has {k} column(s) per slot, but a request in flight "
+                        f"has {int(widths.max())} beams"
+                    )
+                generated = generated.copy()
+                generated[producers] += 1
+            elif producers.size:
                 tok = _token_table(tokens, L.max_batch_size, mbw)
                 widths = self.beam_width[producers]
                 if self.n_wide and int(widths.max()) > tok.shape[1]:
@@ -362,6 +408,9 @@ class InFlight:
             # ---- this step's context chunks
             context, positions, completing = self._context(chunks)
             batch = self._batch(context, rows, row_entries, generated, last, ndraft, set(grew))
+            gather, gathered = (
+                self._gather(batch, flat, k, producers) if flat is not None else (None, None)
+            )
             return Plan(
                 batch,
                 None,
@@ -377,25 +426,42 @@ class InFlight:
                 undo_drafts,
                 generation,
                 set(grew),
+                gather,
+                gathered,
             )
         except BaseException:
             _undo(undo_blocks, undo_drafts)
             raise
 
-    def _steady(self, tokens: Any, blocks: Mapping[int, Any] | None) -> Plan:
+    def _steady(self, tokens: Any, blocks: Mapping[int, Any] | None, on_device: bool) -> Plan:
         """A step of the same generation rows where only the tokens changed (and block lists
         may grow): the fewest calls, the state updated at commit."""
         L = self.limits
         rows = self.rows[: self.n_rows]
-        tok = _token_table(tokens, L.max_batch_size, L.max_beam_width)
         widths = self.beam_width[rows]
-        if self.n_wide and int(widths.max()) > tok.shape[1]:
+        flat: torch.Tensor | None = None
+        if on_device:
+            flat, k = _device_table(tokens, L.max_batch_size)
+        else:
+            tok = _token_table(tokens, L.max_batch_size, L.max_beam_width)
+            k = tok.shape[1]
+        if self.n_wide and int(widths.max()) > k:
             raise BatchError(
-                f"step(): tokens has {tok.shape[1]} column(s) per slot, but a request in "
-                f"flight has {int(widths.max())} beams"
+                f"step(): tokens has {k} column(s) per slot, but a request in flight has "
+                f"{int(widths.max())} beams"
             )
-        values = _sequence_values(tok, rows, widths, self.n_wide)
-        _check_tokens(values, L)
+        gather, gathered = None, None
+        if flat is None:
+            values = _sequence_values(tok, rows, widths, self.n_wide)
+            _check_tokens(values, L)
+        else:  # the host writes the last tokens it knows; the device then writes the new
+            values = _sequence_values(self.last, rows, widths, self.n_wide)
+            if not self.n_wide or not (widths > 1).any():
+                slots, beams = rows, np.zeros(len(rows), np.int64)
+            else:
+                slots, beams = _beam_index(rows, widths)
+            gather = Gather(flat, slots * k + beams, np.arange(len(slots)), L.token_limit)
+            gathered = (slots, beams)
         undo: list[tuple[list, int]] = []
         grew: dict[int, list[int]] = {}
         try:
@@ -408,11 +474,29 @@ class InFlight:
             raise
         grown = self._grown(grew, rows) if grew else ()
         return Plan(
-            None, values, grown, None, None, self.ndraft, [], [], [], [], undo, [], True, set(grew)
+            None,
+            values,
+            grown,
+            None,
+            None,
+            self.ndraft,
+            [],
+            [],
+            [],
+            [],
+            undo,
+            [],
+            True,
+            set(grew),
+            gather,
+            gathered,
         )
 
     def commit(self, plan: Plan) -> None:
         """The planned step ran: the state is the one it leaves."""
+        if plan.gathered is not None:
+            slots, beams = plan.gathered
+            self.pending = (slots, beams, self.serial[slots])
         if plan.generated is None:  # steady: the same rows, each one token longer
             assert plan.tokens is not None
             rows = self.rows[: self.n_rows]
@@ -457,6 +541,35 @@ class InFlight:
             self.kept_first[gen] = np.cumsum(b.gen_beam_width) - b.gen_beam_width
 
     # ---------------------------------------------------------------------------- helpers
+    def _gather(
+        self, b: Batch, flat: torch.Tensor, k: int, producers: np.ndarray
+    ) -> tuple[Gather, tuple[np.ndarray, np.ndarray]]:
+        """The device gather of a full step: each generation sequence of a producing slot
+        takes ``tokens[slot, beam]`` into its first input token (core.token_ids' layout:
+        context tokens, then per request each beam's token and the drafts); the tokens of
+        producing slots without a row this step are only taken back."""
+        n_ctx = b.sizes.num_context_requests
+        slots = b.seq_slot[n_ctx:]
+        bw, nd = b.gen_beam_width, b.gen_drafts
+        starts = b.sizes.num_context_tokens + np.cumsum(bw + nd) - (bw + nd)
+        if self.n_wide and (bw > 1).any():
+            seq_slots, beams = _beam_index(slots, bw)
+            dst = np.repeat(starts, bw) + beams
+        else:
+            seq_slots, beams, dst = slots, np.zeros(len(slots), np.int64), starts
+        mask = np.zeros(self.limits.max_batch_size, bool)
+        mask[producers] = True
+        take = mask[seq_slots]
+        if not take.all():
+            seq_slots, beams, dst = seq_slots[take], beams[take], dst[take]
+        if len(seq_slots) < int(self.beam_width[producers].sum()):  # producers without a row
+            mask[seq_slots] = False
+            rest = producers[mask[producers]]
+            s, bm = _beam_index(rest, self.beam_width[rest])
+            seq_slots, beams = np.concatenate((seq_slots, s)), np.concatenate((beams, bm))
+        gather = Gather(flat, seq_slots * k + beams, dst, self.limits.token_limit)
+        return gather, (seq_slots, beams)
+
     def _held(self, slot: int) -> Entry:
         entry = self.entries[slot]
         assert entry is not None
@@ -697,6 +810,25 @@ def _token_table(tokens: Any, slots: int, beams: int) -> np.ndarray:
         raise BatchError("step(): a token is outside the int32 range")
     a = a.astype(np.int64, copy=False)
     return a.reshape(len(a), 1) if a.ndim == 1 else a
+
+
+def _device_table(tokens: Any, slots: int) -> tuple[torch.Tensor, int]:
+    """Sampled tokens on the device: the flat tensor and its columns per slot (its shape and
+    dtype checked; its values are checked on the device)."""
+    t: torch.Tensor = tokens
+    if (
+        t.is_floating_point()
+        or t.is_complex()
+        or t.dtype == torch.bool
+        or t.layout != torch.strided
+    ):
+        raise BatchError(f"step() needs integer tokens, got a {t.dtype} tensor")
+    if t.ndim not in (1, 2) or t.shape[0] < slots or (t.ndim == 2 and t.shape[1] < 1):
+        raise BatchError(
+            f"step() needs integer tokens indexed by seq slot: a tensor of {slots} rows "
+            f"(max_batch_size), or [{slots}, beams]; got shape {list(t.shape)}"
+        )
+    return t.reshape(-1), 1 if t.ndim == 1 else int(t.shape[1])
 
 
 def _beam_index(slots: np.ndarray, widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

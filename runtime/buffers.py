@@ -23,6 +23,7 @@ import torch
 from .decl import DEVICE, PINNED, STATIC, Constant, Mirror, Rule, TensorDecl
 from .errors import BatchError, ConfigError
 from .staging import ALIGN, HALVES, Staging, Target, Targets
+from .tokens import Gather, TokenGather, region_bytes
 from .values import INT32_MAX, check_int, int_array
 
 KV_CACHE_LENGTH_ROUND = 256  # the reference's CUDA-graph key rounding
@@ -59,16 +60,22 @@ class RuntimeBuffers:
     tensor_decls: ClassVar[tuple[TensorDecl, ...]]
     kv_lengths: ClassVar[str | None] = None  # the host tensor of each sequence's past KV length
     no_advance: ClassVar[tuple[str, ...]] = ()  # rules without an advance form
+    # the host tensor whose generation rows take each sequence's sampled token
+    sampled_tokens: ClassVar[str | None] = None
 
     def __init__(
         self,
         config: Any,
         device: str | torch.device = "cpu",
         static_inputs: dict[str, Any] | None = None,
+        *,
+        device_tokens: bool | None = None,
     ) -> None:
         """Allocate every tensor of the family for `config` on `device` (staging in pinned
         memory on CUDA). `static_inputs` gives the values of the static tensors (tensor name
-        -> array-like broadcastable to its capacity shape; see ``set_static``)."""
+        -> array-like broadcastable to its capacity shape; see ``set_static``).
+        `device_tokens`: ``step(tokens)`` with the tokens a tensor on `device` gathers them
+        there, without reading them on the host (default: on CUDA)."""
         if not isinstance(config, self.config_type):
             raise TypeError(
                 f"expected {self.config_type.__module__}.Config, got {type(config).__name__}"
@@ -84,6 +91,15 @@ class RuntimeBuffers:
         }
         pin = self.device.type == "cuda"
         self._check_allocatable(decls)
+        self.limits = self._limits()
+        sampled = self.sampled_tokens if self.sampled_tokens in self.decls else None
+        mirror = next(
+            (d.name for d in decls if isinstance(d.fill, Mirror) and d.fill.source == sampled),
+            None,
+        )
+        if device_tokens is None:
+            device_tokens = pin
+        gather_rows = self.limits.max_batch_size * self.limits.max_beam_width
 
         # the staging layout: mirror sources, smallest first, so the per-step copy can stop
         # inside the last (largest) member
@@ -92,7 +108,8 @@ class RuntimeBuffers:
             (self.decls[name] for name in mirror_of), key=lambda d: self._nbytes(d.name)
         )
         offsets: dict[str, int] = {}
-        end = 0
+        # sampled tokens gathered on the device: their indices lead the arena (always copied)
+        end = region_bytes(gather_rows) if device_tokens and mirror else 0
         for src in sources:
             offsets[src.name] = end
             end += -(-self._nbytes(src.name) // ALIGN) * ALIGN
@@ -124,6 +141,16 @@ class RuntimeBuffers:
             for h in range(HALVES):
                 self._flat[h][d.name] = flats[h]
         self._staging.start()  # mirrors start with their pads
+        self._tokens: TokenGather | None = None
+        if device_tokens and mirror and sampled:
+            self._tokens = TokenGather(
+                self._staging,
+                gather_rows,
+                [self._flat[h][sampled] for h in range(HALVES)],
+                self._flat[0][mirror],
+                self.decls[sampled].pad or 0,
+            )
+        self._gathered: int | None = None  # the half whose gathered tokens are in flight
         self._capacity_shape = {d.name: tuple(d.capacity(c)) for d in decls}
 
         # the fill targets of each half: host rules write numpy views of their storage,
@@ -213,7 +240,6 @@ class RuntimeBuffers:
         self._run = 0
         self._half_run: list[int | None] = [None] * HALVES
         self.state = self.state_type()
-        self.limits = self._limits()
         self._flight = self._in_flight()  # the requests in flight (add, finish, step)
 
     # the step program, generated per family
@@ -318,7 +344,9 @@ class RuntimeBuffers:
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor at its capacity shape (staged host tensors: the half of the last step)."""
+        """Every tensor at its capacity shape (staged host tensors: the half of the last step;
+        where the last step gathered sampled tokens on the device, once they are back)."""
+        self._tokens_back()
         flat = self._flat[self._half]
         return {name: flat[name].view(shape) for name, shape in self._capacity_shape.items()}
 
@@ -335,9 +363,9 @@ class RuntimeBuffers:
         self._not_in_flight("prepare_step")
         return self._prepare(lambda: self._batch(context_requests, generation_requests))
 
-    def _prepare(self, batch: Callable[[], Any]) -> Step:
-        """Check and fill the step of the batch `batch()` reads, copy it, and hand out its
-        views."""
+    def _prepare(self, batch: Callable[[], Any], gather: Gather | None = None) -> Step:
+        """Check and fill the step of the batch `batch()` reads, copy it (and gather the
+        sampled tokens of `gather` on the device), and hand out its views."""
         try:
             checked = self._check(batch())
         except BatchError:
@@ -361,7 +389,7 @@ class RuntimeBuffers:
             ) from exc
         s = checked.batch.sizes
         self._half = h
-        self._copy(h, targets)
+        self._copy(h, targets, gather)
         self._run += 1
         self._half_run[h] = self._run
         if self._past_kv is not None:
@@ -384,7 +412,7 @@ class RuntimeBuffers:
         self._not_in_flight("advance")
         return self._advance_step(tokens)
 
-    def _advance_step(self, tokens: Any, grown: tuple = ()) -> Step:
+    def _advance_step(self, tokens: Any, grown: tuple = (), gather: Gather | None = None) -> Step:
         if self.no_advance:
             raise BatchError(
                 f"advance() is not available for this family: its fill rule(s) "
@@ -418,7 +446,7 @@ class RuntimeBuffers:
             ) from exc
         self._half = h
         self._half_run[h] = self._run
-        self._copy(h, targets)
+        self._copy(h, targets, gather)
         self._longest += 1
         self._decode = advancing.decode
         return self._step(self._last)
@@ -464,6 +492,12 @@ class RuntimeBuffers:
         - `generation`: False runs no generation request in this step (a recurrent model runs
           context and generation requests in separate steps); they produce no token.
 
+        Tokens as a tensor on the buffers' CUDA device (``device_tokens``) are not read on the
+        host: the device writes them into the generation rows after the step's copy, so the
+        host need not wait for the model that sampled them. A token outside the vocabulary is
+        then not written (its row gets the pad value) and the next ``step`` raises BatchError
+        naming its slot, until that request is finished.
+
         Rows: context requests in arrival order, then the generation requests (``finish``
         moves the last generation row into the hole; finished prompts join at the end); the
         engine reads each row's slot in the step's seq-slot tensor. Every value is checked
@@ -473,6 +507,12 @@ class RuntimeBuffers:
         # the in-flight state continues in place only a step of its own (prepare_step and
         # advance are refused while it holds requests)
         steady = self._decode is not None and not self.no_advance
+        on_device = (
+            self._tokens is not None
+            and isinstance(tokens, torch.Tensor)
+            and tokens.device == self._tokens.device.device
+        )
+        self._tokens_back()
         try:
             plan = self._flight.plan(
                 tokens,
@@ -482,6 +522,7 @@ class RuntimeBuffers:
                 blocks=blocks,
                 generation=generation,
                 steady=steady,
+                on_device=on_device,
             )
         except BatchError:
             raise
@@ -491,9 +532,9 @@ class RuntimeBuffers:
             ) from exc
         try:
             if plan.batch is not None:
-                step = self._prepare(lambda: plan.batch)
+                step = self._prepare(lambda: plan.batch, plan.gather)
             else:
-                step = self._advance_step(plan.tokens, plan.grown)
+                step = self._advance_step(plan.tokens, plan.grown, plan.gather)
         except BaseException:
             plan.undo()
             raise
@@ -517,11 +558,26 @@ class RuntimeBuffers:
             target.written[0] = self._numel[name]
         self.state = self.state_type()
 
-    def _copy(self, h: int, targets: Targets) -> None:
+    def _tokens_back(self) -> None:
+        """The sampled tokens the last step gathered on the device are back on the host: the
+        in-flight state takes them (BatchError from the next plan for one that was out of
+        range)."""
+        h = self._gathered
+        if h is None or self._tokens is None:
+            return
+        self._staging.wait(h)
+        self._gathered = None
+        self._flight.tokens_back(self._tokens.values(h))
+
+    def _copy(self, h: int, targets: Targets, gather: Gather | None = None) -> None:
         """The one host-to-device copy of the step: whole members but the last, and of the
-        last the used prefix plus the rows the device still holds from a longer step."""
+        last the used prefix plus the rows the device still holds from a longer step. With
+        `gather`, its indices go up with it and the device then writes the sampled tokens."""
         if not self.copies_per_step:
             return
+        tokens = self._tokens if gather is not None else None
+        if tokens is not None:
+            tokens.stage(h, gather)  # type: ignore[arg-type]
         span = self._copy_base
         if self._copy_last is not None:
             used = getattr(targets, self._copy_last).written[0]
@@ -530,6 +586,10 @@ class RuntimeBuffers:
         else:
             span = self._staging.nbytes
         self._staging.copy(h, span)
+        if tokens is not None:
+            tokens.run(h, gather)  # type: ignore[arg-type]
+            self._staging.record(h)
+            self._gathered = h
 
     def _step(self, s: Any) -> Step:
         cached = self._step_views[self._half]

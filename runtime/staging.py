@@ -92,6 +92,12 @@ class Staging:
         if self._done is not None:
             self._done[half].synchronize()
 
+    def record(self, half: int) -> None:
+        """Work after the copy that reads or writes `half` (sampled tokens copied back) is
+        enqueued: the half's event moves past it."""
+        if self._done is not None:
+            self._done[half].record()
+
     def copy(self, half: int, span: int) -> None:
         """The step's one host-to-device copy: the first `span` bytes of `half`."""
         if self._numpy is not None:

@@ -86,8 +86,10 @@ def make_config(name: str, **overrides):
     return mod.Config(**{k: v for k, v in values.items() if k in fields})
 
 
-def make_buffers(name: str, device: str = "cpu", **overrides):
-    return family(name).RuntimeBuffers(make_config(name, **overrides), device=device)
+def make_buffers(name: str, device: str = "cpu", device_tokens: bool | None = None, **overrides):
+    return family(name).RuntimeBuffers(
+        make_config(name, **overrides), device=device, device_tokens=device_tokens
+    )
 
 
 def index_limits(config) -> tuple[int, int]:

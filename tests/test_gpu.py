@@ -141,3 +141,33 @@ def test_cuda_requests_in_flight_equal_cpu_steps(name):
 
     for seed in range(4):
         assert run_traffic(name, seed, steps=40, device="cuda")["steps"] > 10
+
+
+def test_tokens_on_the_device_are_not_waited_for_and_allocate_nothing():
+    """Steady decode with the sampled tokens a CUDA tensor: step() returns while the kernel
+    before the tokens still runs (the host never reads them), allocates no device memory and
+    keeps every address; the rows and the host tensor then hold the tokens."""
+    from fuzz_batches import make_buffers as buffers
+    from fuzz_batches import make_config
+
+    c = make_config("llama", max_beam_width=1)
+    b = buffers("llama", device="cuda", max_beam_width=1)
+    n = c.max_batch_size
+    for s in range(n):  # 3 blocks each: the 8 tokens these steps reach
+        b.add(Request(seq_slot=s, prompt=[1, 2], kv_block_ids=[[3 * s + 1, 3 * s + 2, 3 * s + 3]]))
+    b.step()
+    tokens = torch.zeros(n, dtype=torch.int64, device="cuda")
+    ids = b.step(tokens).inputs["input_ids"].data_ptr()
+    b.step(tokens)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for i in range(4):
+        torch.cuda._sleep(20_000_000)  # some milliseconds of GPU time before the tokens
+        tokens.fill_(i + 7)
+        step = b.step(tokens)
+        assert not torch.cuda.current_stream().query()  # still sleeping: step() did not wait
+        assert step.inputs["input_ids"].data_ptr() == ids
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocated
+    torch.cuda.synchronize()
+    assert step.inputs["input_ids"].tolist() == [10] * n
+    assert b.tensors["host_input_ids"][:n].tolist() == [10] * n

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import reference_step
 
-from bufc.runtime import Request
+from bufc.runtime import BatchError, Request
 
 # "llama:1": one beam per request, so steady steps take the shortest path (with block growth)
 FAMILIES = ("llama", "llama:1", "gpt", "glm", "medusa", "gpt_lora", "mamba")
@@ -236,14 +236,17 @@ def _diff(a, b) -> list[str]:
     ]
 
 
-def run_traffic(name: str, seed: int, steps: int = 40, device: str = "cpu") -> Counter:
+def run_traffic(
+    name: str, seed: int, steps: int = 40, device: str = "cpu", device_tokens: bool = False
+) -> Counter:
     """Drive both paths (the requests in flight on `device`, with the sampled tokens as a
-    tensor there off the CPU); returns what the traffic exercised."""
+    tensor there off the CPU, or with `device_tokens`, gathered there); returns what the
+    traffic exercised."""
     rng = random.Random(seed)
     name, _, beams = name.partition(":")
     overrides = {"max_beam_width": int(beams)} if beams else {}
     traffic = Traffic(name, rng, **overrides)
-    flight = make_buffers(name, device=device, **overrides)
+    flight = make_buffers(name, device=device, device_tokens=device_tokens or None, **overrides)
     stateless = make_buffers(name, **overrides)
     seen: Counter = Counter()
     in_place = flight._advance_step
@@ -288,7 +291,7 @@ def run_traffic(name: str, seed: int, steps: int = 40, device: str = "cpu") -> C
         )
         seen["beams"] += any(int(r.beam_width) > 1 for r in traffic.gen)
         seen["grown"] += bool(args["blocks"])
-        if device != "cpu" and args["tokens"] is not None:
+        if (device != "cpu" or device_tokens) and args["tokens"] is not None:
             args["tokens"] = torch.as_tensor(args["tokens"], device=device)
         step = flight.step(**args)
         ref = stateless.prepare_step(traffic.ctx, traffic.gen)
@@ -296,7 +299,8 @@ def run_traffic(name: str, seed: int, steps: int = 40, device: str = "cpu") -> C
         assert step.sizes == ref.sizes, (seed, i)
         for key, view in step.inputs.items():  # the step's views, on their devices
             assert torch.equal(view.cpu(), ref.inputs[key]), (key, seed, i)
-        assert _diff(flight, stateless) == [], (seed, i)
+        if not device_tokens or i % 2:  # else the next step() takes the tokens back itself
+            assert _diff(flight, stateless) == [], (seed, i)
         assert step.max_kv_cache_length_rounded == ref.max_kv_cache_length_rounded
         n = step.sizes.num_requests
         slots = flight.tensors["host_seq_slots"][:n].tolist()
@@ -317,6 +321,16 @@ def test_in_flight_equals_stateless_steps(name: str, seed: int) -> None:
     run_traffic(name, seed)
 
 
+@pytest.mark.parametrize("name", ("llama", "llama:1", "medusa", "mamba"))
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_tokens_gathered_on_the_device_equal_host_tokens(name: str, seed: int) -> None:
+    """The sampled tokens as a tensor on the buffers' device (device_tokens, here the CPU):
+    the device writes the generation rows and the host tensors and state catch up one step
+    later; every tensor still equals the stateless step's."""
+    run_traffic(name, seed, device_tokens=True)
+
+
 def test_traffic_exercises_every_change() -> None:
     """The simulation itself: steps in place and in full, rows moved by finishes, chunked
     prompts, accepted drafts, beams and grown block lists all occur."""
@@ -326,3 +340,31 @@ def test_traffic_exercises_every_change() -> None:
     for what in (*kinds, "rows followed"):
         assert seen[what] >= 3, (what, seen)
     assert seen["steps"] >= 120
+
+
+def test_an_out_of_range_token_on_the_device_is_not_written_and_then_refused() -> None:
+    """A sampled token outside the vocabulary, gathered on the device: its row gets the pad
+    token, the next step names the slot, and finishing that request clears it."""
+    c = make_config("llama", max_beam_width=1)
+    b = make_buffers("llama", device_tokens=True, max_beam_width=1)
+    for slot in (0, 1):
+        b.add(
+            Request(
+                seq_slot=slot,
+                prompt=[5, 6, 7],
+                kv_block_ids=[[3 * slot + 1, 3 * slot + 2, 3 * slot + 3]],
+            )
+        )
+    b.step()
+    tokens = torch.zeros(c.max_batch_size, dtype=torch.int64)
+    tokens[0], tokens[1] = c.vocab_size, 42  # slot 0's token is one past the vocabulary
+    step = b.step(tokens)
+    assert step.inputs["input_ids"].tolist() == [0, 42]
+    assert b.tensors["host_input_ids"][:2].tolist() == [0, 42]  # the host half caught up
+    with pytest.raises(
+        BatchError, match=rf"sampled token {c.vocab_size} for seq_slot 0, .*finish\(0\)"
+    ):
+        b.step(tokens)
+    b.finish(0)
+    tokens[1] = 43
+    assert b.step(tokens).inputs["input_ids"].tolist() == [43]

@@ -52,6 +52,29 @@ def test_in_flight_batching_equals_transformers_generate(model, jobs, reference,
     assert max(s.tokens for s in steps) <= kwargs["token_budget"]
 
 
+@pytest.mark.parametrize("mode", ["in_flight", "overlap"])
+@pytest.mark.parametrize("name", ["tpb1-chunk7-budget64", "tpb16-budget256-few-slots"])
+def test_requests_in_flight_equal_transformers_generate(model, jobs, reference, name, mode):
+    """The executor on add/finish/step; with overlap the sampled tokens stay a tensor on the
+    device (device_tokens, here the CPU) and are read one step late."""
+    kwargs = {"max_batch_size": 12, "max_sequence_length": 512, **CONFIGS[name], mode: True}
+    ex = Executor(model, **kwargs)
+    assert_same_tokens(ex.run(jobs), reference)
+    assert ex.allocator.free == ex.allocator.num_blocks
+
+
+def test_overlap_can_fail(model, jobs, reference):
+    """One wrong input token of a decode step, after the device gather, breaks the run."""
+    ex = standard_executor(model, overlap=True)
+
+    def mutate(i, step):
+        if i == 40 and step.sizes.num_generation_requests:
+            step.inputs["input_ids"][-1] += 1
+
+    with pytest.raises(Mismatch):
+        assert_same_tokens(ex.run(jobs, mutate=mutate), reference)
+
+
 def test_blocks_and_slots_are_returned(model, jobs):
     ex = Executor(
         model, max_batch_size=8, token_budget=128, tokens_per_block=16, max_sequence_length=512
@@ -113,13 +136,15 @@ def test_a_mismatch_names_the_request_and_the_step(model, jobs, reference):
         assert_same_tokens(result, reference)
 
 
-def test_demo_runs_and_reports_the_match(capsys):
+@pytest.mark.parametrize("extra", [[], ["--overlap"]])
+def test_demo_runs_and_reports_the_match(capsys, extra):
     from bufc.codegen.cli import main
 
     assert (
         main(
             [
                 "demo",
+                *extra,
                 "--requests",
                 "8",
                 "--max-prompt",

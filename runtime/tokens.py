@@ -1,0 +1,114 @@
+"""Sampled tokens that stay on the device: the machinery behind ``step(tokens)`` when the
+tokens are a tensor on the buffers' device.
+
+The host cannot read such tokens without waiting for the model, so the step's fill writes the
+generation rows of the token tensor from the last values it knows, and after the step's one
+host-to-device copy (which also carries the gather indices, in a region at the start of the
+staging arena) the device writes each row from the tokens tensor: ``input[dst[i]] =
+tokens[src[i]]``. The device checks each token against the vocabulary on the way: an
+out-of-range token is never written (its row gets the pad value) and the host learns of it one
+step later, when the values it copies back have landed. Those copies (the gathered raw values,
+and the written rows into the host half of the token tensor) keep the host tensor and the
+in-flight state exact without a wait on the model. Every buffer here is allocated once: a step
+allocates nothing and the addresses stay fixed (CUDA graphs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .staging import ALIGN, HALVES, Staging
+
+
+@dataclass(frozen=True, slots=True)
+class Gather:
+    """One step's gather: value i is ``tokens[src[i]]`` (the flat, row-major element of the
+    sampled tokens); the first ``len(dst)`` are written at ``dst[i]`` of the token tensor
+    (the others only go back to the host: tokens of requests that sit this step out), except
+    tokens outside 0 .. limit - 1."""
+
+    tokens: torch.Tensor  # 1-D, on the buffers' device
+    src: np.ndarray  # int64
+    dst: np.ndarray  # int64, at most as long as src
+    limit: int
+
+
+def region_bytes(rows: int) -> int:
+    """Bytes of the index region for `rows` sequences (src then dst, int64), aligned."""
+    return -(-2 * 8 * rows // ALIGN) * ALIGN
+
+
+class TokenGather:
+    """The device side of sampled tokens for one RuntimeBuffers (see the module docstring).
+
+    `host` holds the token tensor's host storage per half, `device` its device mirror; the
+    index region is the first `region_bytes(rows)` bytes of `staging`."""
+
+    def __init__(
+        self,
+        staging: Staging,
+        rows: int,
+        host: list[torch.Tensor],
+        device: torch.Tensor,
+        pad: int,
+    ) -> None:
+        self.staging, self.rows, self.host, self.device, self.pad = staging, rows, host, device, pad
+        n = 8 * rows
+        self._src_host = [staging.view(h, 0, n, torch.int64).numpy() for h in range(HALVES)]
+        self._dst_host = [staging.view(h, n, n, torch.int64).numpy() for h in range(HALVES)]
+        self._src = staging.view(None, 0, n, torch.int64)
+        self._dst = staging.view(None, n, n, torch.int64)
+        on = device.device
+        pin = on.type == "cuda"
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}  # gathered values, per token dtype
+        self._wide = torch.empty(rows, dtype=torch.int64, device=on)
+        self._written = torch.empty(rows, dtype=device.dtype, device=on)
+        self._bad = torch.empty(rows, dtype=torch.bool, device=on)
+        self._high = torch.empty(rows, dtype=torch.bool, device=on)
+        # the raw gathered values, back on the host (per half: read one step later)
+        self._values = [torch.empty(rows, dtype=torch.int64, pin_memory=pin) for _ in range(HALVES)]
+        self._count = [0] * HALVES
+
+    def stage(self, half: int, g: Gather) -> None:
+        """Before the step's copy: its indices into the arena half."""
+        self._src_host[half][: len(g.src)] = g.src
+        self._dst_host[half][: len(g.dst)] = g.dst
+
+    def run(self, half: int, g: Gather) -> None:
+        """After the step's copy (on the current stream): write the rows, copy the values
+        back. The caller records the half's event after this."""
+        n = len(g.src)
+        self._count[half] = n
+        if not n:
+            return
+        dtype = g.tokens.dtype
+        scratch = self._scratch.get(dtype)
+        if scratch is None:  # once per token dtype
+            scratch = self._scratch[dtype] = torch.empty(
+                self.rows, dtype=dtype, device=self.device.device
+            )
+        got, bad, high = scratch[:n], self._bad[:n], self._high[:n]
+        torch.index_select(g.tokens, 0, self._src[:n], out=got)
+        wide = got if dtype == torch.int64 else self._wide[:n].copy_(got)
+        self._values[half][:n].copy_(wide, non_blocking=True)  # raw: the host names a bad one
+        torch.lt(got, 0, out=bad)
+        torch.ge(got, g.limit, out=high)
+        bad.logical_or_(high)
+        got.masked_fill_(bad, self.pad)
+        written = self._written[:n]
+        written.copy_(got)
+        m = len(g.dst)
+        if not m:
+            return
+        self.device.index_copy_(0, self._dst[:m], written[:m])
+        # the host half of the token tensor: the rows between the first and last written
+        # (rows between them hold what the host wrote, and were copied up unchanged)
+        lo, hi = int(g.dst.min()), int(g.dst.max()) + 1
+        self.host[half][lo:hi].copy_(self.device[lo:hi], non_blocking=True)
+
+    def values(self, half: int) -> np.ndarray:
+        """The raw tokens half `half`'s step gathered (wait on the half's event first)."""
+        return self._values[half][: self._count[half]].numpy()
