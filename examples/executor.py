@@ -367,7 +367,7 @@ class Executor:
                 unread = (parity, step_index, producers)
             else:
                 read(parity, step_index, producers)
-            for rid, slot in producers:
+            for _, slot in producers:
                 a = active[slot]
                 if a.generated == a.job.max_new_tokens:
                     del active[slot]
