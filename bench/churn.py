@@ -288,6 +288,14 @@ def steady_case(buffers, floor, device: str, batch: int, steps: int) -> dict:
             if t_ref is not None:
                 ref.append(t_ref)
     row = _with_flight(_row(ours, low, ref), flight)
+    before = [d.buffers.bytes_to_device for d in drivers]
+    for _ in range(4):
+        ctx, gen = traffic.step()
+        for d in drivers:
+            _drive(d, 1, ctx, gen)
+    row["in_flight_bytes_per_step"] = [
+        (d.buffers.bytes_to_device - b) // 4 for d, b in zip(drivers, before)
+    ]
     row["advance_us"] = statistics.median(adv)
     row["advance_vs_floor"] = row["advance_us"] / row["floor_us"]
     return row
@@ -409,6 +417,13 @@ def main() -> None:
             print(
                 f"{'  in flight, tokens on the device':34} {r['in_flight_device_us']:9.1f} "
                 f"{r['floor_us']:9.1f} {r['in_flight_device_vs_floor']:9.2f}x"
+            )
+        if "in_flight_bytes_per_step" in r:
+            print(
+                f"{'  host-to-device bytes per step':34} "
+                + " / ".join(str(x) for x in r["in_flight_bytes_per_step"])
+                + " (in flight"
+                + (", tokens on the device)" if len(r["in_flight_bytes_per_step"]) > 1 else ")")
             )
     loaded = {}
     if args.busy:

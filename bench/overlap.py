@@ -65,7 +65,7 @@ def run(model, jobs: list[Job], args: argparse.Namespace, overlap: bool) -> dict
     decode = [
         i
         for i, s in enumerate(result.steps)
-        if not s.context_requests and s.generation_requests == args.batch
+        if not s.context_requests and s.generation_requests == len(jobs)
     ][1:]  # the first decode step follows the last prefill step
     step_s = [result.steps[i].step_s for i in decode]
     gpu_s = [result.gpu_s[i] for i in decode] if result.gpu_s else [0.0]
@@ -75,7 +75,7 @@ def run(model, jobs: list[Job], args: argparse.Namespace, overlap: bool) -> dict
         "overlap": overlap,
         "steps": len(result.steps),
         "decode_steps": len(decode),
-        "decode_tokens_per_s": args.batch * len(decode) / wall,
+        "decode_tokens_per_s": len(jobs) * len(decode) / wall,
         "decode_step_median_ms": 1e3 * statistics.median(step_s),
         "prepare_median_us": 1e6 * statistics.median(result.steps[i].prepare_s for i in decode),
         "gpu_step_median_ms": 1e3 * statistics.median(gpu_s),

@@ -223,6 +223,8 @@ def _impls(program: StepProgram) -> list[Impl]:
             out.append(f.advance)
         if f.advance_check is not None:
             out.append(f.advance_check)
+        if f.device_advance is not None:
+            out.append(f.device_advance)
     return out
 
 
@@ -328,7 +330,11 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
             else:
                 advance_checks.extend(_guarded(f.guard, alias(f.advance_check), args))
         advances.append({"doc": _fill_doc(f), "lines": _advance_lines(f, alias)})
+    device = _device_advances(plan, alias) if advance else None
     return {
+        "device_advances": device,
+        # the device form reads the Config only under a construct-time condition
+        "device_reads_config": any(x.startswith("if ") for f in device or () for x in f["lines"]),
         "limits": limits,
         "encoder_sizes": program.encoder_sizes,
         "bounds": bounds,
@@ -394,6 +400,34 @@ def _write(f: PlannedFill, call: list[str]) -> list[str]:
     if len(inner) == 1:
         return _under(f.guard, [f"t.{f.tensor}.wrote({inner[0]})"])
     return _under(f.guard, [f"t.{f.tensor}.wrote(", *(f"    {x}" for x in inner), ")"])
+
+
+def _device_advances(plan: FamilyPlan, alias: _Aliases) -> list[dict[str, Any]] | None:
+    """The device side of the decode step, one entry per device mirror of a rule tensor (None
+    without a sampled-tokens mirror: the tokens are read on the host, and the step copies)."""
+    program = plan.program
+    assert program is not None
+    mirrors = {pt.fill_target: pt for pt in plan.tensors if pt.fill_kind == "mirror"}
+    if program.sampled_tokens not in mirrors:
+        return None
+    out = []
+    for f in program.fills:
+        m = mirrors.get(f.tensor)
+        if m is None:
+            continue
+        doc = _wrapped(f"{m.name}: {_comment(m.doc)}")
+        if f.tensor == program.sampled_tokens:
+            doc += _wrapped("(gathered from the sampled tokens on the device, by step())")
+            lines: list[str] = []
+        elif f.advance == "same":
+            doc += _wrapped("(the last step's values stay on the device)")
+            lines = []
+        elif f.device_advance is not None:
+            lines = _under(m.when, [_call(alias(f.device_advance), [f"v.{m.name}", "d"])])
+        else:
+            lines = _under(m.when, [_call("v.copy", [repr(f.tensor)])])
+        out.append({"doc": doc, "lines": lines})
+    return out
 
 
 def _advance_lines(f: PlannedFill, alias: _Aliases) -> list[str]:

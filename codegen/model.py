@@ -205,6 +205,7 @@ class Rule:
     advance_check: AdvanceCheck | None
     kv_lengths: bool
     sampled_tokens: bool
+    device_advance: Impl | None
     loc: Location
     field_locs: tuple[tuple[str, Location], ...] = ()
 
@@ -431,6 +432,9 @@ class _Builder:
                     else None,
                     bool(r.get("kv_lengths", False)),
                     bool(r.get("sampled_tokens", False)),
+                    self.impl(r["device_advance"], (*path, "device_advance"))
+                    if "device_advance" in r
+                    else None,
                     kl(path),
                     tuple((k, kl((*path, k))) for k in r),
                 )

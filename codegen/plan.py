@@ -105,6 +105,7 @@ class PlannedFill:
     advance_check_reads: tuple[str, ...] = ()
     advance_check_state: str | None = None  # the request check whose state it receives
     advance_check_result: bool = False  # the advance form receives what it returns
+    device_advance: Impl | None = None  # the advance form on the device mirror
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,6 +383,7 @@ def _program(
                 if check is not None and check.state is not None and rule.advance_check
                 else None,
                 advance_check_result=bool(rule.advance_check and rule.advance_check.result),
+                device_advance=rule.device_advance,
             )
         )
     checks = []

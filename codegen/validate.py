@@ -697,7 +697,12 @@ class Checker:
         checks = {c.name for c in s.request_checks}
         for r in s.rules:
             self.contract_name(r.name, r.loc, "rule", seen)
-            for impl in (r.impl, r.advance, r.advance_check.impl if r.advance_check else None):
+            for impl in (
+                r.impl,
+                r.advance,
+                r.advance_check.impl if r.advance_check else None,
+                r.device_advance,
+            ):
                 if isinstance(impl, Impl):
                     self.impl(impl)
             if r.check is not None and r.check not in checks:
@@ -707,9 +712,16 @@ class Checker:
                     f"declared{did_you_mean(r.check, checks)}; declare it under request_checks",
                 )
             self.step_sizes(r.sizes, r.field_loc("sizes"), f"rule '{r.name}'")
-            if r.advance is None and (r.advance_reads or r.advance_check):
+            if r.advance is None and (r.advance_reads or r.advance_check or r.device_advance):
+                key = (
+                    "advance_reads"
+                    if r.advance_reads
+                    else "advance_check"
+                    if r.advance_check
+                    else "device_advance"
+                )
                 self.errors.error(
-                    r.field_loc("advance_reads" if r.advance_reads else "advance_check"),
+                    r.field_loc(key),
                     f"rule '{r.name}' has no advance form; add 'advance' or drop this key",
                 )
 

@@ -684,6 +684,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     tensor_decls = TENSORS
     kv_lengths = 'host_past_key_value_lengths'  # each sequence's past KV length (CUDA-graph key)
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
+    advances_on_device = False  # decode steps without a copy
     no_advance = ('encoder_output_lengths', 'encoder_output', 'cross_kv_cache_block_offsets', 'cross_attention_mask', 'skip_cross_attn_blocks')  # rules without an advance form
 
     def _limits(self) -> batch.Limits:

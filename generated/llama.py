@@ -532,6 +532,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     tensor_decls = TENSORS
     kv_lengths = 'host_past_key_value_lengths'  # each sequence's past KV length (CUDA-graph key)
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
+    advances_on_device = True  # decode steps without a copy
     no_advance = ()  # rules without an advance form
 
     def _limits(self) -> batch.Limits:
@@ -750,3 +751,29 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             t.host_generation_beam_widths.keep(p.host_generation_beam_widths, d.holds_run)
         # host_seq_slots: Decoder slot of each request, context requests first.
         t.host_seq_slots.keep(p.host_seq_slots, d.holds_run)
+
+    def _advance_on_device(self, v: rt.DeviceStep, a: Advancing) -> None:
+        """The decode step's device mirrors when its tokens stay on the device (after
+        `_advance` wrote the host): each is updated in place from the last step's values, or
+        copied up."""
+        d = a.decode
+        # input_ids: Token ids of the packed batch; context chunks first, then each generation beam.
+        # (gathered from the sampled tokens on the device, by step())
+        # position_ids: Position ids of the packed batch.
+        core.device_plus_one(v.position_ids, d)
+        # context_lengths: Device copy of host_context_lengths.
+        # (the last step's values stay on the device)
+        # sequence_length: Tokens of each sequence once this step's inputs are appended.
+        core.device_plus_one(v.sequence_length, d)
+        # last_token_ids: Device copy of host_last_token_ids; the engine gathers logits at these
+        # tokens.
+        # (the last step's values stay on the device)
+        # kv_cache_block_offsets: Device copy of host_kv_cache_block_offsets.
+        v.copy('host_kv_cache_block_offsets')
+        # cache_indirection_copies: Device copy of host_cache_indirection_copies, read by the
+        # batched copy kernel.
+        # (the last step's values stay on the device)
+        # cache_indirection_decoder_copies: Device copy of host_cache_indirection_decoder_copies.
+        # (the last step's values stay on the device)
+        # seq_slots: Device copy of host_seq_slots, for decoder-side gathers.
+        # (the last step's values stay on the device)

@@ -615,6 +615,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     tensor_decls = TENSORS
     kv_lengths = 'host_past_key_value_lengths'  # each sequence's past KV length (CUDA-graph key)
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
+    advances_on_device = False  # decode steps without a copy
     no_advance = ('prompt_embedding_table', 'prompt_tasks', 'mrope_rotary_cos_sin', 'mrope_position_deltas')  # rules without an advance form
 
     def _limits(self) -> batch.Limits:

@@ -12,12 +12,17 @@ O(1) Python work. Where the reference has a bug, the rule says so and does it ri
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ..runtime.errors import BatchError
 from ..runtime.values import INT32_MAX, check_int, is_int, show
 from .batch import Batch
 from .decode import Decode
+
+if TYPE_CHECKING:
+    import torch
 from .kv_rows import (
     BlockPlan,
     KeptRows,
@@ -383,6 +388,17 @@ def advance_plus_one(out: np.ndarray, prev: np.ndarray, d: Decode) -> int:
     n = len(d.tokens)
     np.add(prev[:n], 1, out=out[:n])
     return n
+
+
+def device_plus_one(out: torch.Tensor, d: Decode) -> None:
+    """advance_plus_one on the device mirror (it holds the last step's values)."""
+    out[: len(d.tokens)] += 1
+
+
+def device_two_rows(out: torch.Tensor, d: Decode) -> None:
+    """advance_two_rows on the device mirror."""
+    n = len(d.tokens)
+    out[n : 2 * n] += 1
 
 
 def advance_two_rows(out: np.ndarray, prev: np.ndarray, d: Decode) -> int:

@@ -22,7 +22,7 @@ import torch
 
 from .decl import DEVICE, PINNED, STATIC, Constant, Mirror, Rule, TensorDecl
 from .errors import BatchError, ConfigError
-from .staging import ALIGN, HALVES, Staging, Target, Targets
+from .staging import ALIGN, HALVES, DeviceStep, Staging, Target, Targets
 from .tokens import Gather, TokenGather, region_bytes
 from .values import INT32_MAX, check_int, int_array
 
@@ -62,6 +62,7 @@ class RuntimeBuffers:
     no_advance: ClassVar[tuple[str, ...]] = ()  # rules without an advance form
     # the host tensor whose generation rows take each sequence's sampled token
     sampled_tokens: ClassVar[str | None] = None
+    advances_on_device: ClassVar[bool] = False  # the family has ``_advance_on_device``
 
     def __init__(
         self,
@@ -151,6 +152,14 @@ class RuntimeBuffers:
                 self.decls[sampled].pad or 0,
             )
         self._gathered: int | None = None  # the half whose gathered tokens are in flight
+        self._offsets = offsets
+        self._device_steps = [
+            DeviceStep(
+                {m: self._flat[0][m] for m in mirror_of.values()},
+                lambda source, h=h: self._copy_member(h, source),  # type: ignore[misc]
+            )
+            for h in range(HALVES)
+        ]
         self._capacity_shape = {d.name: tuple(d.capacity(c)) for d in decls}
 
         # the fill targets of each half: host rules write numpy views of their storage,
@@ -264,6 +273,9 @@ class RuntimeBuffers:
     def _advance(self, targets: Targets, prev: Targets, advancing: Any) -> None:
         raise NotImplementedError
 
+    def _advance_on_device(self, v: DeviceStep, advancing: Any) -> None:
+        raise NotImplementedError
+
     # ------------------------------------------------------------------------- helpers
     def _check_allocatable(self, decls: list[TensorDecl]) -> None:
         """A ConfigError with the bytes needed when the Config asks for more memory than the
@@ -341,6 +353,11 @@ class RuntimeBuffers:
             view = self._flat[0][name].view(self._capacity_shape[name])
             out[engine_name] = view[index] if index else view
         return out
+
+    @property
+    def bytes_to_device(self) -> int:
+        """Bytes the steps have copied from the host to the device so far."""
+        return self._staging.bytes_up
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -446,7 +463,17 @@ class RuntimeBuffers:
             ) from exc
         self._half = h
         self._half_run[h] = self._run
-        self._copy(h, targets, gather)
+        if gather is not None and self.advances_on_device:
+            # the tokens stay on the device: so does the step (the mirrors updated in place,
+            # only what has no device form copied up)
+            assert self._tokens is not None
+            self._tokens.send(h, gather)
+            self._advance_on_device(self._device_steps[h], advancing)
+            self._tokens.run(h, gather)
+            self._staging.record(h)
+            self._gathered = h
+        else:
+            self._copy(h, targets, gather)
         self._longest += 1
         self._decode = advancing.decode
         return self._step(self._last)
@@ -578,6 +605,8 @@ class RuntimeBuffers:
         tokens = self._tokens if gather is not None else None
         if tokens is not None:
             tokens.stage(h, gather)  # type: ignore[arg-type]
+        elif self._tokens is not None:
+            self._tokens.sent = None  # the copy carries this half's stale indices up
         span = self._copy_base
         if self._copy_last is not None:
             used = getattr(targets, self._copy_last).written[0]
@@ -590,6 +619,15 @@ class RuntimeBuffers:
             tokens.run(h, gather)  # type: ignore[arg-type]
             self._staging.record(h)
             self._gathered = h
+
+    def _copy_member(self, h: int, source: str) -> None:
+        """The used part of the mirrored host tensor `source` up from half h (a decode step
+        on the device), with the rows the device still holds from a longer step."""
+        used = getattr(self._targets[h], source).written[0]
+        if source == self._copy_last:
+            used, self._device_high_water = max(used, self._device_high_water), used
+        n = used * self._dtype[source].itemsize
+        self._staging.copy_range(h, self._offsets[source], n)
 
     def _step(self, s: Any) -> Step:
         cached = self._step_views[self._half]

@@ -11,6 +11,7 @@ overwritten while the host runs a step ahead of the GPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,17 @@ class Targets:
         self.__dict__.update(targets)
 
 
+class DeviceStep:
+    """One half's device side of a decode step whose tokens stay on the device: an attribute
+    per device mirror (its flat storage, holding the last step's values, for the rules' device
+    forms to update in place) and ``copy(source)``, which copies the used part of the mirrored
+    host tensor `source` up from the half."""
+
+    def __init__(self, mirrors: dict[str, torch.Tensor], copy: Callable[[str], None]) -> None:
+        self.__dict__.update(mirrors)
+        self.copy = copy
+
+
 class Staging:
     """The double-buffered host staging arena and the device arena it is copied into.
 
@@ -76,6 +88,7 @@ class Staging:
             (self.device.numpy(), [a.numpy() for a in self.host]) if device.type == "cpu" else None
         )
         self._done = [torch.cuda.Event() for _ in range(HALVES)] if pin else None
+        self.bytes_up = 0  # copied host to device so far (the pads at the start not counted)
 
     def view(self, half: int | None, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A member's flat storage in host half `half`, or in the device arena (None)."""
@@ -98,8 +111,19 @@ class Staging:
         if self._done is not None:
             self._done[half].record()
 
+    def copy_range(self, half: int, offset: int, nbytes: int) -> None:
+        """Bytes `offset` .. `offset + nbytes` of `half` up (the caller records the event)."""
+        end = offset + nbytes
+        self.bytes_up += nbytes
+        if self._numpy is not None:
+            device, hosts = self._numpy
+            np.copyto(device[offset:end], hosts[half][offset:end])
+            return
+        self.device[offset:end].copy_(self.host[half][offset:end], non_blocking=True)
+
     def copy(self, half: int, span: int) -> None:
         """The step's one host-to-device copy: the first `span` bytes of `half`."""
+        self.bytes_up += span
         if self._numpy is not None:
             device, hosts = self._numpy
             np.copyto(device[:span], hosts[half][:span])

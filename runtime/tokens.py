@@ -71,11 +71,22 @@ class TokenGather:
         # the raw gathered values, back on the host (per half: read one step later)
         self._values = [torch.empty(rows, dtype=torch.int64, pin_memory=pin) for _ in range(HALVES)]
         self._count = [0] * HALVES
+        self.sent: tuple[np.ndarray, np.ndarray] | None = None  # the indices the device holds
 
     def stage(self, half: int, g: Gather) -> None:
         """Before the step's copy: its indices into the arena half."""
         self._src_host[half][: len(g.src)] = g.src
         self._dst_host[half][: len(g.dst)] = g.dst
+        self.sent = (g.src, g.dst)
+
+    def send(self, half: int, g: Gather) -> None:
+        """A step without the arena copy: its indices up, unless the device holds them (a
+        steady run gathers the same rows step after step)."""
+        sent = self.sent
+        if sent is not None and np.array_equal(sent[0], g.src) and np.array_equal(sent[1], g.dst):
+            return
+        self.stage(half, g)
+        self.staging.copy_range(half, 0, region_bytes(self.rows))
 
     def run(self, half: int, g: Gather) -> None:
         """After the step's copy (on the current stream): write the rows, copy the values

@@ -161,6 +161,7 @@ def test_tokens_on_the_device_are_not_waited_for_and_allocate_nothing():
     b.step(tokens)
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_stats()["allocation.all.allocated"]
+    copied = b.bytes_to_device
     for i in range(4):
         torch.cuda._sleep(20_000_000)  # some milliseconds of GPU time before the tokens
         tokens.fill_(i + 7)
@@ -168,6 +169,9 @@ def test_tokens_on_the_device_are_not_waited_for_and_allocate_nothing():
         assert not torch.cuda.current_stream().query()  # still sleeping: step() did not wait
         assert step.inputs["input_ids"].data_ptr() == ids
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocated
+    kv = b.tensors["host_kv_cache_block_offsets"]
+    # per step only the block table's used rows go up: no token, position or length
+    assert (b.bytes_to_device - copied) // 4 == n * 2 * kv.shape[-1] * kv.element_size()
     torch.cuda.synchronize()
     assert step.inputs["input_ids"].tolist() == [10] * n
     assert b.tensors["host_input_ids"][:n].tolist() == [10] * n

@@ -368,3 +368,30 @@ def test_an_out_of_range_token_on_the_device_is_not_written_and_then_refused() -
     b.finish(0)
     tokens[1] = 43
     assert b.step(tokens).inputs["input_ids"].tolist() == [43]
+
+
+def test_a_steady_step_with_tokens_on_the_device_copies_only_the_block_table() -> None:
+    """Steady decode with the tokens on the device (device_tokens, here the CPU): input ids,
+    positions and lengths are written on the device, so the only bytes copied up are the block
+    table's used rows (it has no device form); with host tokens the whole arena goes up."""
+    c = make_config("llama", max_beam_width=1)
+    n = c.max_batch_size
+    copied = {}
+    for on_device in (True, False):
+        b = make_buffers("llama", device_tokens=on_device, max_beam_width=1)
+        for s in range(n):
+            b.add(
+                Request(seq_slot=s, prompt=[1, 2], kv_block_ids=[[3 * s + 1, 3 * s + 2, 3 * s + 3]])
+            )
+        b.step()
+        tokens = torch.full((n,), 9, dtype=torch.int64)
+        b.step(tokens if on_device else tokens.numpy())  # a full step: every row promoted
+        before = b.bytes_to_device
+        for _ in range(4):
+            b.step(tokens if on_device else tokens.numpy())
+        copied[on_device] = (b.bytes_to_device - before) // 4
+        assert b.tensors["input_ids"][:n].tolist() == [9] * n
+    kv = b.tensors["host_kv_cache_block_offsets"]
+    assert kv.shape[0] == 1  # one pool: the used rows are one prefix
+    assert copied[True] == n * 2 * kv.shape[-1] * kv.element_size()
+    assert copied[False] > copied[True] + 3 * n * 4  # at least ids, positions, lengths
