@@ -63,13 +63,25 @@ def test_requests_in_flight_equal_transformers_generate(model, jobs, reference, 
     assert ex.allocator.free == ex.allocator.num_blocks
 
 
-def test_overlap_can_fail(model, jobs, reference):
-    """One wrong input token of a decode step, after the device gather, breaks the run."""
+DECODE_MUTATIONS = {
+    "input id + 1": ("input_ids", lambda t: t[-1].add_(1)),
+    # the fixed-shape decode reads the lengths on the device: 3 tokens short
+    "sequence lengths - 3": ("sequence_length", lambda t: t.sub_(3)),
+}
+
+
+@pytest.mark.parametrize("name", DECODE_MUTATIONS)
+def test_overlap_can_fail(model, jobs, reference, name):
+    """One wrong input of the first decode step, after the device gather and the device-side
+    update, breaks the run."""
     ex = standard_executor(model, overlap=True)
+    tensor, mutation = DECODE_MUTATIONS[name]
+    decode_steps = []
 
     def mutate(i, step):
-        if i == 40 and step.sizes.num_generation_requests:
-            step.inputs["input_ids"][-1] += 1
+        if not step.sizes.num_context_requests and not decode_steps:
+            decode_steps.append(i)
+            mutation(step.inputs[tensor])
 
     with pytest.raises(Mismatch):
         assert_same_tokens(ex.run(jobs, mutate=mutate), reference)
@@ -112,7 +124,8 @@ MUTATIONS = {
     "position id + 1": lambda step: step.inputs["position_ids"][-1].add_(1),
     "context length - 1": lambda step: step.inputs["host_context_lengths"][0].sub_(1),
     "last-token index - 1": lambda step: step.inputs["last_token_ids"][-1].sub_(1),
-    "sequence length + 1": lambda step: step.inputs["sequence_length"][-1].add_(1),
+    # the packed forward takes each sequence's KV length from the host input (no device read)
+    "past KV length + 1": lambda step: step.inputs["host_past_key_value_lengths"][-1].add_(1),
 }
 
 
