@@ -117,6 +117,10 @@ class FlightRows:
     step: int
     moved: np.ndarray
     changed: list[int]
+    # each generation sequence's kv_block_ids length and the lists of the `changed` sequences
+    # (None: unknown, the lists are walked): the KV check then reads no other list
+    lengths: np.ndarray | None = None
+    lists: list | None = None
 
 
 @dataclasses.dataclass(frozen=True)

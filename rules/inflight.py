@@ -151,6 +151,10 @@ class InFlight:
         self.full = 0
         self.kept_first = np.full(n, -1, np.int64)
         self.grown: set[int] = set()
+        # each slot's KV block lists: how many (0: none, or not one per beam or one for all:
+        # the KV check walks the lists) and each one's length, as of the last step
+        self.n_lists = np.zeros(n, np.int64)
+        self.n_blocks = np.zeros((n, w), np.int64)
         # tokens gathered on the device in the last step: (slot, beam, the slot's serial) of
         # each value on its way back; and the slots a step sampled an out-of-range token for
         self.pending: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -190,6 +194,7 @@ class InFlight:
             )
         entry = Entry(request, slot, blocks)
         self.entries[slot] = entry
+        self._count_blocks(slot, blocks, self.n_blocks)
         self.serial[slot] += 1
         self.prompt_len[slot] = len(prompt)
         self.prompt_arrays[slot] = prompt
@@ -226,6 +231,7 @@ class InFlight:
         self.prompt_arrays[slot] = None
         self.serial[slot] += 1
         self.kept_first[slot] = -1
+        self.n_lists[slot] = 0
         self.grown.discard(slot)
         if slot in self.drafted:
             self.drafted.remove(slot)
@@ -507,6 +513,8 @@ class InFlight:
             else:
                 self.last[_beam_index(rows, widths)] = plan.tokens
             self.grown |= plan.grew
+            for slot in plan.grew:
+                self._count_blocks(slot, self._held(slot).kv_block_ids, self.n_blocks)
             return
         assert plan.last is not None
         self.generated, self.last, self.ndraft, self.drafted = (
@@ -526,6 +534,8 @@ class InFlight:
         for slot in plan.completing:
             del self.waiting[slot]
         self.completing = [(s, int(self.serial[s])) for s in plan.completing]
+        for slot in plan.grew:
+            self._count_blocks(slot, self._held(slot).kv_block_ids, self.n_blocks)
         self.produced = self.rows[: self.n_rows].copy() if plan.generation else _EMPTY
         self.produced_serial = self.serial[self.produced]
         self.changed = False
@@ -569,6 +579,15 @@ class InFlight:
             seq_slots, beams = np.concatenate((seq_slots, s)), np.concatenate((beams, bm))
         gather = Gather(flat, seq_slots * k + beams, dst, self.limits.token_limit)
         return gather, (seq_slots, beams)
+
+    def _count_blocks(self, slot: int, lists: Any, into: np.ndarray) -> None:
+        """The slot's block lists counted into `into` (n_lists 0 when they are absent or
+        more than the beams)."""
+        w = into.shape[1]
+        n = 0 if lists is None or not 1 <= len(lists) <= w else len(lists)
+        self.n_lists[slot] = n
+        if n:
+            into[slot, :n] = [len(x) for x in lists]
 
     def _held(self, slot: int) -> Entry:
         entry = self.entries[slot]
@@ -682,7 +701,7 @@ class InFlight:
             explicit = tuple(c_explicit + (g_explicit + n_ctx).tolist())
         sizes = step_sizes(c_input, c_drafts, c_plen, len(rows), len(seq_len), int(g_ndraft.sum()))
         generation = tuple(row_entries)
-        flight = self._flight_rows(rows, g_bw, wide, grew | self.grown)
+        flight = self._flight_rows(rows, g_bw, wide, grew, self.grown)
         if self.encoder:
             sizes = dataclasses.replace(sizes, **encoder_sizes(ctx, generation, L))
         prompts = {id(e): (e.prompt, self.prompt_arrays[e.seq_slot]) for e in ctx}
@@ -709,10 +728,12 @@ class InFlight:
         )
 
     def _flight_rows(
-        self, rows: np.ndarray, widths: np.ndarray, wide: bool, grown: set[int]
+        self, rows: np.ndarray, widths: np.ndarray, wide: bool, now: set[int], since: set[int]
     ) -> FlightRows:
-        """Each generation sequence's row in the last full step (-1: not there) and the
-        sequences to rebuild: new ones and those of slots whose lists grew."""
+        """Each generation sequence's row in the last full step (-1: not there), the
+        sequences to rebuild (new ones and those of slots whose lists grew, `now` in this step
+        or `since` the last full step), each sequence's list length and the lists to rebuild."""
+        grown = now | since
         if wide:
             slots, beam = _beam_index(rows, widths)
             base = self.kept_first[slots]
@@ -728,7 +749,20 @@ class InFlight:
                     seq = row if first is None else int(first[row])
                     changed.extend(range(seq, seq + int(self.beam_width[slot])))
             changed.sort()
-        return FlightRows(self.full, self.full + 1, moved, changed)
+        n_lists = self.n_lists[slots]
+        if len(slots) and not n_lists.all():
+            return FlightRows(self.full, self.full + 1, moved, changed)  # the lists are walked
+        counts = self.n_blocks
+        if now:
+            counts = counts.copy()
+            for slot in now:
+                self._count_blocks(slot, self._held(slot).kv_block_ids, counts)
+        column = np.where(n_lists > 1, beam, 0) if wide else np.zeros(len(slots), np.int64)
+        lengths = counts[slots, column]
+        at = slots[changed].tolist()
+        columns = column[changed].tolist()
+        lists = [self.entries[s].kv_block_ids[k] for s, k in zip(at, columns)]  # type: ignore[union-attr]
+        return FlightRows(self.full, self.full + 1, moved, changed, lengths, lists)
 
 
 def _arrival(r: Any, L: Limits) -> np.ndarray | None:

@@ -132,10 +132,12 @@ def check_block_lists(
     Of the generation lists, only those that differ from `kept`'s snapshot are converted (the
     others were checked when they were). A BatchError names the first bad request."""
     snapshot = kept.snapshot if kept is not None else None
-    lists = _block_lists(b, field)
     hint = b.flight if kept is not None and kept.table is not None else None
     if hint is not None and kept is not None and kept.flight != hint.since:
         hint = None  # the kept rows are not the ones the hint continues
+    if hint is not None and hint.lengths is not None and field == "kv_block_ids":
+        return _hinted(b, field, hint, need, width, width_name, limit, what, kept)
+    lists = _block_lists(b, field)
     if lists is None:
         _diagnose(b, field, need, width, width_name, limit, what)
     lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
@@ -172,6 +174,42 @@ def check_block_lists(
     )
     step = b.flight.step if b.flight is not None else None
     return BlockPlan(lists, blocks, sub, changed, kept, moved, keys, step, hint is not None)
+
+
+def _hinted(
+    b: Batch,
+    field: str,
+    hint: Any,
+    need: np.ndarray,
+    width: int,
+    width_name: str,
+    limit: tuple[int, str],
+    what: str,
+    kept: KeptRows | None,
+) -> BlockPlan:
+    """check_block_lists in flight: the state knows every generation list's length and which
+    lists are new or grew, so only the context lists and those are read (their shapes were
+    checked when they were context lists; appends keep them). `lists` holds the context lists,
+    then the changed ones."""
+    n_ctx = b.sizes.num_context_requests
+    try:
+        ctx_ids = [getattr(r, field) for r in b.context]
+        ok = all(len(ids) in (1, r.beam_width) for ids, r in zip(ctx_ids, b.context))
+        ctx = [ids[0] if type(ids[0]) in (list, tuple) else list(ids[0]) for ids in ctx_ids]
+    except (AttributeError, TypeError, IndexError):
+        ok = False
+    if not ok:
+        _diagnose(b, field, need, width, width_name, limit, what)
+    counts = np.fromiter(map(len, ctx), dtype=np.int64, count=n_ctx)
+    lengths = np.concatenate((counts, hint.lengths)) if n_ctx else hint.lengths
+    if len(lengths) and ((lengths > width).any() or (lengths < need).any()):
+        _diagnose(b, field, need, width, width_name, limit, what)
+    convert = ctx + hint.lists
+    blocks = int_array(list(itertools.chain.from_iterable(convert)))
+    if blocks is None or not in_range(blocks, 0, limit[0]):
+        _diagnose(b, field, need, width, width_name, limit, what)
+    sub = np.concatenate((counts, hint.lengths[hint.changed])) if hint.changed else counts
+    return BlockPlan(convert, blocks, sub, hint.changed, kept, hint.moved, None, hint.step, True)
 
 
 def _diagnose(
