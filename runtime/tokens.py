@@ -32,7 +32,7 @@ class Gather:
 
     tokens: torch.Tensor  # 1-D, on the buffers' device
     src: np.ndarray  # int64
-    dst: np.ndarray  # int64, at most as long as src
+    dst: np.ndarray  # int64, ascending, at most as long as src
     limit: int
 
 
@@ -109,15 +109,18 @@ class TokenGather:
         torch.ge(got, g.limit, out=high)
         bad.logical_or_(high)
         got.masked_fill_(bad, self.pad)
-        written = self._written[:n]
-        written.copy_(got)
         m = len(g.dst)
         if not m:
             return
-        self.device.index_copy_(0, self._dst[:m], written[:m])
+        lo, hi = int(g.dst[0]), int(g.dst[-1]) + 1  # dst ascends (the rows' order)
+        if hi - lo == m:  # consecutive rows (no drafts between them): one copy, cast on the way
+            self.device[lo:hi].copy_(got[:m])
+        else:
+            written = self._written[:m]
+            written.copy_(got[:m])
+            self.device.index_copy_(0, self._dst[:m], written)
         # the host half of the token tensor: the rows between the first and last written
         # (rows between them hold what the host wrote, and were copied up unchanged)
-        lo, hi = int(g.dst.min()), int(g.dst.max()) + 1
         self.host[half][lo:hi].copy_(self.device[lo:hi], non_blocking=True)
 
     def values(self, half: int) -> np.ndarray:
