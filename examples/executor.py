@@ -239,19 +239,17 @@ class Executor:
                     self.allocator.release(a.blocks)
                     free_slots.append(req.seq_slot)
                     finished += 1
-            stats = StepStats(
-                step=step_index,
-                in_flight=len(context) + len(generation),
-                context_requests=len(context),
-                generation_requests=len(generation),
-                tokens=step.sizes.num_tokens,
-                prepare_s=t2 - t1,
-                step_s=time.perf_counter() - t0,
-                finished=finished,
+            _done(
+                result,
+                on_step,
+                step_index,
+                len(context),
+                len(generation),
+                step,
+                t2 - t1,
+                t0,
+                finished,
             )
-            result.steps.append(stats)
-            if on_step is not None:
-                on_step(stats)
             step_index += 1
         return result
 
@@ -298,20 +296,15 @@ class Executor:
                 slot = free_slots.pop()
                 active[slot] = _Flight(job, slot, [])
                 buffers.add(Request(seq_slot=slot, prompt=list(job.prompt), kv_block_ids=[[]]))
-            # the schedule: every generation request one token, then prompt chunks in order
-            budget = self.token_budget
-            tpb, grown = self.config.tokens_per_block, {}
+            # the schedule: every generation request one token (the budget covers them all),
+            # then prompt chunks in order
             generation = [a for a in active.values() if a.position == len(a.job.prompt)]
-            chunks: dict[int, int] = {}
-            for a in generation:
-                budget -= 1
-                grown[a.slot] = len(a.job.prompt) + a.generated
-            for a in active.values():
-                left = len(a.job.prompt) - a.position
-                if left and budget:
-                    chunks[a.slot] = min(left, self.chunk_size, budget)
-                    budget -= chunks[a.slot]
-                    grown[a.slot] = a.position + chunks[a.slot]
+            left = [len(a.job.prompt) - a.position for a in active.values()]
+            _, sizes = split_budget(self.token_budget, self.chunk_size, len(generation), left)
+            chunks = {a.slot: n for a, n in zip(active.values(), sizes) if n}
+            grown = {a.slot: len(a.job.prompt) + a.generated for a in generation}
+            grown.update((slot, active[slot].position + n) for slot, n in chunks.items())
+            tpb = self.config.tokens_per_block
             if not chunks and not generation:
                 step_index += 1
                 continue
@@ -376,19 +369,17 @@ class Executor:
                     free_slots.append(slot)
                     finished += 1
             produced_last = any(slot in active for _, slot in producers)
-            stats = StepStats(
-                step=step_index,
-                in_flight=len(chunks) + len(generation),
-                context_requests=len(chunks),
-                generation_requests=len(generation),
-                tokens=step.sizes.num_tokens,
-                prepare_s=t2 - t1,
-                step_s=time.perf_counter() - t0,
-                finished=finished,
+            _done(
+                result,
+                on_step,
+                step_index,
+                len(chunks),
+                len(generation),
+                step,
+                t2 - t1,
+                t0,
+                finished,
             )
-            result.steps.append(stats)
-            if on_step is not None:
-                on_step(stats)
             step_index += 1
         if unread is not None:
             read(*unread)
@@ -438,6 +429,33 @@ class Executor:
         grow_blocks(a.blocks, tokens, self.config.tokens_per_block, self.allocator)
 
 
+def _done(
+    result: Result,
+    on_step: Callable[[StepStats], None] | None,
+    index: int,
+    n_ctx: int,
+    n_gen: int,
+    step,
+    prepare_s: float,
+    start: float,
+    finished: int,
+) -> None:
+    """A step ran: its figures into `result` and to `on_step`."""
+    stats = StepStats(
+        step=index,
+        in_flight=n_ctx + n_gen,
+        context_requests=n_ctx,
+        generation_requests=n_gen,
+        tokens=step.sizes.num_tokens,
+        prepare_s=prepare_s,
+        step_s=time.perf_counter() - start,
+        finished=finished,
+    )
+    result.steps.append(stats)
+    if on_step is not None:
+        on_step(stats)
+
+
 def schedule(
     active: list, token_budget: int, chunk_size: int, grow: Callable[[object, int], None]
 ) -> tuple[list, list]:
@@ -445,26 +463,35 @@ def schedule(
     every generation request one token, then the pending prompts in order, each a chunk of at
     most `chunk_size`, while the token budget lasts. `grow(a, tokens)` makes a's KV blocks cover
     `tokens` tokens."""
-    budget = token_budget
-    generation = []
-    for a in active:
-        req = a.request
-        if req.context_position == len(req.prompt) and budget > 0:
-            grow(a, len(req.prompt) + len(req.generated[0]))
-            generation.append(a)
-            budget -= 1
+    decoding = [a for a in active if a.request.context_position == len(a.request.prompt)]
+    left = [len(a.request.prompt) - a.request.context_position for a in active]
+    served, chunks = split_budget(token_budget, chunk_size, len(decoding), left)
+    generation = decoding[:served]
+    for a in generation:
+        grow(a, len(a.request.prompt) + len(a.request.generated[0]))
     context = []
-    for a in active:
-        req = a.request
-        remaining = len(req.prompt) - req.context_position
-        if remaining == 0 or budget == 0:
-            continue
-        chunk = min(remaining, chunk_size, budget)
-        grow(a, req.context_position + chunk)
-        req.context_chunk_size = chunk
-        context.append(a)
-        budget -= chunk
+    for a, chunk in zip(active, chunks):
+        if chunk:
+            grow(a, a.request.context_position + chunk)
+            a.request.context_chunk_size = chunk
+            context.append(a)
     return context, generation
+
+
+def split_budget(
+    token_budget: int, chunk_size: int, decoding: int, left: list[int]
+) -> tuple[int, list[int]]:
+    """A step's token budget: one token for each of `decoding` generation requests while it
+    lasts (how many get one), then, in order, a chunk of each prompt with `left[i]` tokens still
+    to compute (0: it waits), at most `chunk_size`."""
+    served = min(decoding, token_budget)
+    budget = token_budget - served
+    chunks = []
+    for remaining in left:
+        chunk = min(remaining, chunk_size, budget)
+        chunks.append(chunk)
+        budget -= chunk
+    return served, chunks
 
 
 def grow_blocks(blocks: list[int], tokens: int, tokens_per_block: int, allocator) -> None:

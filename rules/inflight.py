@@ -194,6 +194,9 @@ class InFlight:
             )
         entry = Entry(request, slot, blocks)
         self.entries[slot] = entry
+        # lists absent, or more than the beams: 0, and the KV check walks (and refuses) them
+        n_lists = 0 if blocks is None or not 1 <= len(blocks) <= L.max_beam_width else len(blocks)
+        self.n_lists[slot] = n_lists
         self._count_blocks(slot, blocks, self.n_blocks)
         self.serial[slot] += 1
         self.prompt_len[slot] = len(prompt)
@@ -581,13 +584,10 @@ class InFlight:
         return gather, (seq_slots, beams)
 
     def _count_blocks(self, slot: int, lists: Any, into: np.ndarray) -> None:
-        """The slot's block lists counted into `into` (n_lists 0 when they are absent or
-        more than the beams)."""
-        w = into.shape[1]
-        n = 0 if lists is None or not 1 <= len(lists) <= w else len(lists)
-        self.n_lists[slot] = n
+        """The lengths of the slot's block lists into `into` (its `n_lists` of them)."""
+        n = int(self.n_lists[slot])
         if n:
-            into[slot, :n] = [len(x) for x in lists]
+            into[slot, :n] = [len(x) for x in lists[:n]]
 
     def _held(self, slot: int) -> Entry:
         entry = self.entries[slot]

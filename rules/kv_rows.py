@@ -71,7 +71,9 @@ def sequence_keys(b: Batch) -> list:
 class BlockPlan:
     """One step's checked block lists, for the fill: `blocks` and `lengths` are the converted
     ids of the context lists, then of the generation lists to rebuild: all of them when
-    `changed` is None, else the generation sequences listed in `changed`."""
+    `changed` is None, else the generation sequences listed in `changed`. `lists` holds every
+    sequence's list (in flight with the lengths known: the context lists, then the changed
+    ones)."""
 
     lists: list
     blocks: np.ndarray
@@ -86,13 +88,14 @@ class BlockPlan:
     hinted: bool = False  # the rows move and rebuild as the in-flight state says
 
 
-def _block_lists(b: Batch, field: str) -> list | None:
-    """Each sequence's block list, in row order; None if a request's `field` is missing or has
-    neither one list nor one per beam. A context request is one sequence: its first list."""
+def _block_lists(b: Batch, field: str, generation: bool = True) -> list | None:
+    """Each sequence's block list, in row order (only the context requests' without
+    `generation`); None if a request's `field` is missing or has neither one list nor one per
+    beam. A context request is one sequence: its first list."""
     get = attrgetter(field)
     try:
         ctx_ids = list(map(get, b.context))
-        gen_ids = list(map(get, b.generation))
+        gen_ids = list(map(get, b.generation)) if generation else []
         counts = list(map(len, gen_ids))
         if not all(map(len, ctx_ids)) or not all(counts):
             return None
@@ -101,9 +104,9 @@ def _block_lists(b: Batch, field: str) -> list | None:
     if any(len(ids) not in (1, r.beam_width) for ids, r in zip(ctx_ids, b.context)):
         return None
     lists = list(map(_FIRST, ctx_ids))
-    if b.sizes.num_generation_sequences == len(counts) == counts.count(1):
+    if generation and b.sizes.num_generation_sequences == len(counts) == counts.count(1):
         lists += map(_FIRST, gen_ids)  # one beam, one list each: the common case
-    else:
+    elif generation:
         for ids, beams in zip(gen_ids, b.gen_beam_width):
             if len(ids) not in (1, beams):
                 return None
@@ -135,13 +138,18 @@ def check_block_lists(
     hint = b.flight if kept is not None and kept.table is not None else None
     if hint is not None and kept is not None and kept.flight != hint.since:
         hint = None  # the kept rows are not the ones the hint continues
-    if hint is not None and hint.lengths is not None and field == "kv_block_ids":
-        return _hinted(b, field, hint, need, width, width_name, limit, what, kept)
-    lists = _block_lists(b, field)
+    # in flight the state may know every generation list's length and hold the new or grown
+    # lists: then only the context lists are read (the others' shapes were checked when they
+    # were context lists, and appends keep them)
+    known = hint is not None and hint.lengths is not None and field == "kv_block_ids"
+    lists = _block_lists(b, field, generation=not known)
     if lists is None:
         _diagnose(b, field, need, width, width_name, limit, what)
     lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
-    if len(lists) and ((lengths > width).any() or (lengths < need).any()):
+    if known:
+        assert hint is not None and hint.lengths is not None
+        lengths = np.concatenate((lengths, hint.lengths))
+    if len(lengths) and ((lengths > width).any() or (lengths < need).any()):
         _diagnose(b, field, need, width, width_name, limit, what)
     n_ctx = b.sizes.num_context_requests
     gen = lists[n_ctx:]
@@ -151,7 +159,10 @@ def check_block_lists(
     same_requests = kept is not None and kept.requests == b.generation  # identity, then eq
     if hint is not None:  # in flight: the state says what moved and changed
         moved, changed = hint.moved, hint.changed
-        convert = lists[:n_ctx] + [gen[i] for i in changed]
+        if known:  # the context lists, then the changed ones
+            lists = convert = lists + list(hint.lists or ())
+        else:
+            convert = lists[:n_ctx] + [gen[i] for i in changed]
     elif snapshot is None:
         changed, convert = None, lists
     elif same_requests and snapshot == gen:
@@ -174,42 +185,6 @@ def check_block_lists(
     )
     step = b.flight.step if b.flight is not None else None
     return BlockPlan(lists, blocks, sub, changed, kept, moved, keys, step, hint is not None)
-
-
-def _hinted(
-    b: Batch,
-    field: str,
-    hint: Any,
-    need: np.ndarray,
-    width: int,
-    width_name: str,
-    limit: tuple[int, str],
-    what: str,
-    kept: KeptRows | None,
-) -> BlockPlan:
-    """check_block_lists in flight: the state knows every generation list's length and which
-    lists are new or grew, so only the context lists and those are read (their shapes were
-    checked when they were context lists; appends keep them). `lists` holds the context lists,
-    then the changed ones."""
-    n_ctx = b.sizes.num_context_requests
-    try:
-        ctx_ids = [getattr(r, field) for r in b.context]
-        ok = all(len(ids) in (1, r.beam_width) for ids, r in zip(ctx_ids, b.context))
-        ctx = [ids[0] if type(ids[0]) in (list, tuple) else list(ids[0]) for ids in ctx_ids]
-    except (AttributeError, TypeError, IndexError):
-        ok = False
-    if not ok:
-        _diagnose(b, field, need, width, width_name, limit, what)
-    counts = np.fromiter(map(len, ctx), dtype=np.int64, count=n_ctx)
-    lengths = np.concatenate((counts, hint.lengths)) if n_ctx else hint.lengths
-    if len(lengths) and ((lengths > width).any() or (lengths < need).any()):
-        _diagnose(b, field, need, width, width_name, limit, what)
-    convert = ctx + hint.lists
-    blocks = int_array(list(itertools.chain.from_iterable(convert)))
-    if blocks is None or not in_range(blocks, 0, limit[0]):
-        _diagnose(b, field, need, width, width_name, limit, what)
-    sub = np.concatenate((counts, hint.lengths[hint.changed])) if hint.changed else counts
-    return BlockPlan(convert, blocks, sub, hint.changed, kept, hint.moved, None, hint.step, True)
 
 
 def _diagnose(
