@@ -189,7 +189,19 @@ class Batch:  # not slotted: cached_property needs __dict__
     @functools.cached_property
     def seq_first(self) -> np.ndarray:
         """The first generation sequence of each generation request."""
-        return np.cumsum(self.gen_beam_width) - self.gen_beam_width
+        return np.add.accumulate(self.gen_beam_width) - self.gen_beam_width
+
+    @property
+    def has_generation_drafts(self) -> bool:
+        """Some generation request carries draft tokens (from the sizes: no numpy call)."""
+        s = self.sizes
+        return s.num_generation_tokens != s.num_generation_sequences
+
+    @property
+    def has_context_drafts(self) -> bool:
+        """Some last context chunk carries draft tokens."""
+        s = self.sizes
+        return s.num_logits != s.num_context_requests + s.num_generation_tokens
 
     def per_sequence(self, gen_values: np.ndarray) -> np.ndarray:
         """Repeat one value per generation request over its beams."""
@@ -199,28 +211,30 @@ class Batch:  # not slotted: cached_property needs __dict__
 
 
 def step_sizes(
-    ctx_input_len: np.ndarray,
-    ctx_drafts: np.ndarray,
-    ctx_prompt_len: np.ndarray,
+    num_context_requests: int,
+    context_tokens: int,
+    context_drafts: int,
+    max_context_length: int,
     num_generation_requests: int,
     num_generation_sequences: int,
     generation_drafts: int,
 ) -> StepSizes:
-    """The reference's setBufferSizes from the step's columns (every builder's one formula)."""
-    n_ctx = len(ctx_input_len)
-    ctx_tokens = int(ctx_input_len.sum())
+    """The reference's setBufferSizes from the step's counts (every builder's one formula):
+    the context chunks' input tokens (drafts included) and the drafts on last chunks, the
+    longest context prompt, and the generation requests, sequences and draft tokens."""
+    n_ctx = num_context_requests
     gen_tokens = generation_drafts + num_generation_sequences
     return StepSizes(
         num_context_requests=n_ctx,
-        num_context_tokens=ctx_tokens,
+        num_context_tokens=context_tokens,
         num_generation_requests=num_generation_requests,
         num_generation_sequences=num_generation_sequences,
         num_generation_tokens=gen_tokens,
-        num_logits=n_ctx + int(ctx_drafts.sum()) + gen_tokens,
+        num_logits=n_ctx + context_drafts + gen_tokens,
         num_sequences=n_ctx + num_generation_sequences,
-        num_tokens=ctx_tokens + gen_tokens,
+        num_tokens=context_tokens + gen_tokens,
         num_requests=n_ctx + num_generation_requests,
-        max_context_length=int(ctx_prompt_len.max()) if n_ctx else 0,
+        max_context_length=max_context_length,
     )
 
 
@@ -369,7 +383,15 @@ def _build(
         memo.generation = _Reused(
             generation, g_plen, g_bw, g_explicit, bw_list, slot_array[n_ctx:], g_explicit_at
         )
-    sizes = step_sizes(c_input, c_drafts, c_plen, len(generation), len(flat), int(g_ndraft.sum()))
+    sizes = step_sizes(
+        n_ctx,
+        int(c_input.sum()),
+        int(c_drafts.sum()),
+        int(c_plen.max()) if n_ctx else 0,
+        len(generation),
+        len(flat),
+        int(g_ndraft.sum()),
+    )
     if encoder:
         sizes = dataclasses.replace(sizes, **encoder_sizes(context, generation, limits))
     return Batch(

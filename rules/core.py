@@ -12,7 +12,7 @@ O(1) Python work. Where the reference has a bug, the rule says so and does it ri
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -50,7 +50,7 @@ def token_ids(out: np.ndarray, b: Batch) -> int:
             o += drafts
     # generation: per beam, its last token then the request's drafts (drafts imply one beam)
     n = o + b.sizes.num_generation_tokens
-    if not b.gen_drafts.any():
+    if not b.has_generation_drafts:
         out[o:n] = b.seq_last_token
         return n
     starts = o + np.cumsum(b.gen_beam_width + b.gen_drafts) - (b.gen_beam_width + b.gen_drafts)
@@ -68,7 +68,7 @@ def _ctx_default_positions(out: np.ndarray, b: Batch) -> int:
     if not b.sizes.num_context_requests:
         return 0
     n = b.sizes.num_context_tokens
-    starts = np.cumsum(b.ctx_input_len) - b.ctx_input_len
+    starts = np.add.accumulate(b.ctx_input_len) - b.ctx_input_len
     out[:n] = np.arange(n) + np.repeat(b.ctx_begin - starts, b.ctx_input_len)
     return n
 
@@ -239,9 +239,17 @@ def last_token_ids(out: np.ndarray, b: Batch) -> int:
     """1-based index in the packed tokens of the last token of each logit row."""
     # logit groups: a context chunk is one group plus one per draft; every generation token
     # (each beam, each draft) is its own group. last_token_ids is their inclusive prefix sum.
-    if not b.sizes.num_context_requests and b.sizes.num_logits == b.sizes.num_tokens:
-        out[: b.sizes.num_logits] = np.arange(1, b.sizes.num_logits + 1)  # one token per group
-        return b.sizes.num_logits
+    s = b.sizes
+    if not s.num_context_requests and s.num_logits == s.num_tokens:
+        out[: s.num_logits] = np.arange(1, s.num_logits + 1)  # one token per group
+        return s.num_logits
+    if not b.has_context_drafts:  # a group per chunk, then one per generation token
+        n_ctx = s.num_context_requests
+        np.add.accumulate(b.ctx_input_len, out=out[:n_ctx])
+        out[n_ctx : s.num_logits] = np.arange(
+            s.num_context_tokens + 1, s.num_context_tokens + s.num_generation_tokens + 1
+        )
+        return s.num_logits
     groups = np.ones(b.sizes.num_logits, dtype=np.int64)
     heads = np.cumsum(1 + b.ctx_drafts) - (1 + b.ctx_drafts)
     groups[heads] = b.ctx_chunk
@@ -275,9 +283,10 @@ def check_kv_blocks(
     """Every sequence's kv_block_ids cover its tokens after the step, within
     max_blocks_per_seq, with ids in the pool; returns the converted lists for the fill (only
     those that differ from the rows kept from the last step)."""
-    tokens = np.concatenate(
-        (b.ctx_begin + b.ctx_input_len, b.seq_num_tokens + b.per_sequence(b.gen_drafts))
-    )
+    gen = b.seq_num_tokens
+    if b.has_generation_drafts:
+        gen = gen + b.per_sequence(b.gen_drafts)
+    tokens = np.concatenate((b.ctx_begin + b.ctx_input_len, gen))
     return check_block_lists(
         b,
         "kv_block_ids",
@@ -316,28 +325,31 @@ def kv_cache_block_offsets(
     width, layers = max_blocks_per_seq, num_local_layers
     rows = out[: b.sizes.num_sequences * 2 * width].reshape(b.sizes.num_sequences, 2, width)
     n_ctx = b.sizes.num_context_requests
-    k = int(plan.lengths[:n_ctx].sum())
-    write_kv_rows(rows[:n_ctx], plan.blocks[:k], plan.lengths[:n_ctx], layers)
-    gen = plan.lists[n_ctx:]
     kept = plan.kept
     assert kept is not None  # check_kv_blocks hands its state on
     kept.entered = []  # advance() continues from these rows
     kept.flight = plan.flight
     if plan.hinted:  # in flight: the state says which rows moved and which lists grew
-        kept.table = _follow(kept.table, plan, rows[n_ctx:], n_ctx, k, layers)
-        kept.snapshot, kept.requests, kept.keys = None, (), None
-    elif plan.changed is None or kept.table is None or kept.snapshot is None:
+        _follow(kept, plan, out, rows, n_ctx, width, layers)
+        return rows.size
+    k = int(plan.lengths[:n_ctx].sum())
+    write_kv_rows(rows[:n_ctx], plan.blocks[:k], plan.lengths[:n_ctx], layers)
+    gen = plan.lists[n_ctx:]
+    if plan.changed is None or kept.table is None or kept.snapshot is None:
         kept.snapshot = [x if type(x) is tuple else list(x) for x in gen]
         kept.table = np.empty_like(rows[n_ctx:])
         write_kv_rows(kept.table, plan.blocks[k:], plan.lengths[n_ctx:], layers)
         kept.requests, kept.keys = b.generation, sequence_keys(b)
     elif plan.moved is not None:  # the requests changed: kept rows follow their sequences
-        assert plan.changed is not None
+        assert plan.changed is not None and kept.table is not None
         old = kept.snapshot
         snapshot = [old[j] if j >= 0 else None for j in plan.moved]
         for i in plan.changed:
             snapshot[i] = gen[i] if type(gen[i]) is tuple else list(gen[i])
-        kept.table = _follow(kept.table, plan, rows[n_ctx:], n_ctx, k, layers)
+        table = np.empty_like(rows[n_ctx:])
+        _take_rows(table, kept.table, plan.moved)
+        write_at(table, plan.changed, plan.blocks[k:], plan.lengths[n_ctx:], layers)
+        kept.table = table
         kept.snapshot = snapshot
         kept.requests, kept.keys = b.generation, plan.keys
     elif plan.changed:
@@ -348,18 +360,39 @@ def kv_cache_block_offsets(
     return rows.size
 
 
+def _take_rows(into: np.ndarray, table: np.ndarray, moved: Any) -> None:
+    """into[i] = table[moved[i]]: each kept row where its sequence now is; a row of a sequence
+    the table lacks (-1) is left for the caller to build."""
+    if len(into) and len(table):  # -1 wraps to some row, overwritten by the caller
+        np.take(table, moved, axis=0, out=into, mode="wrap")
+
+
 def _follow(
-    table: np.ndarray | None, plan: BlockPlan, like: np.ndarray, n_ctx: int, k: int, layers: int
-) -> np.ndarray:
-    """The generation rows of this step: each kept row where its sequence now is
-    (`plan.moved`), the rows of `plan.changed` built from their lists."""
-    assert table is not None and plan.changed is not None
-    src = np.asarray(plan.moved, dtype=np.int64)
-    out = np.empty_like(like)
-    held = src >= 0
-    out[held] = table[src[held]]
-    write_at(out, plan.changed, plan.blocks[k:], plan.lengths[n_ctx:], layers)
-    return out
+    kept: KeptRows,
+    plan: BlockPlan,
+    out: np.ndarray,
+    rows: np.ndarray,
+    n_ctx: int,
+    width: int,
+    layers: int,
+) -> None:
+    """In flight: the generation rows from the kept rows where their sequences now are
+    (`plan.moved`), then the context rows and those of `plan.changed` built from their lists
+    (the plan's blocks, in that order) in one write; the new generation rows are kept, in
+    storage allocated once (no allocation per step)."""
+    assert kept.table is not None and plan.changed is not None
+    gen = rows[n_ctx:]
+    _take_rows(gen, kept.table, plan.moved)
+    at = list(range(n_ctx))
+    at += [n_ctx + i for i in plan.changed]
+    write_at(rows, at, plan.blocks, plan.lengths, layers)
+    storage = kept.storage
+    if storage is None:  # room for the most sequences a step can have
+        storage = kept.storage = np.empty((out.size // (2 * width), 2, width), out.dtype)
+    table = storage[: len(gen)]
+    table[:] = gen
+    kept.table = table
+    kept.snapshot, kept.requests, kept.keys = None, (), None
 
 
 def check_chatglm(b: Batch) -> None:

@@ -35,7 +35,7 @@ def start(b: Batch) -> Decode | None:
     """The state advance() continues from after step `b`: only a generation-only step without
     draft tokens can be followed by one."""
     s = b.sizes
-    if not s.num_sequences or s.num_context_requests or b.gen_drafts.any():
+    if not s.num_sequences or s.num_context_requests or b.has_generation_drafts:
         return None
     return Decode(b, b.seq_last_token, b.seq_num_tokens)
 

@@ -131,6 +131,8 @@ class InFlight:
         self.last = np.zeros((n, w), np.int64)  # the last token of each beam
         self.ndraft = np.zeros(n, np.int64)  # draft tokens of the last step (generation)
         self.drafted: list[int] = []  # the slots that had drafts in the last step
+        self.no_drafts = np.zeros(n, np.int64)  # the drafts column of a step without any
+        self.no_drafts.flags.writeable = False
         self.explicit_last = np.full(n, -1, np.int64)  # last explicit position id (-1: none)
         self.prompt_arrays: list[np.ndarray | None] = [None] * n
         self.n_explicit = 0
@@ -154,6 +156,7 @@ class InFlight:
         # each slot's KV block lists: how many (0: none, or not one per beam or one for all:
         # the KV check walks the lists) and each one's length, as of the last step
         self.n_lists = np.zeros(n, np.int64)
+        self.n_unlisted = 0  # requests in flight with n_lists 0
         self.n_blocks = np.zeros((n, w), np.int64)
         # tokens gathered on the device in the last step: (slot, beam, the slot's serial) of
         # each value on its way back; and the slots a step sampled an out-of-range token for
@@ -170,10 +173,13 @@ class InFlight:
                 "the encoder engine runs each request once, in one step: use prepare_step"
             )
         given = getattr(request, "seq_slot", None)
-        w = f"request (seq_slot {show(given)})"
         if not is_int(given) or not 0 <= given < L.max_batch_size:  # type: ignore[operator]
-            raise BatchError(f"{w}: seq_slot must be an integer in 0 .. {L.max_batch_size - 1}")
+            raise BatchError(
+                f"request (seq_slot {show(given)}): seq_slot must be an integer in 0 .. "
+                f"{L.max_batch_size - 1}"
+            )
         slot = int(given)  # type: ignore[arg-type]
+        w = f"request (seq_slot {slot})"
         if self.entries[slot] is not None:
             raise BatchError(f"{w}: seq_slot {slot} already holds a request in flight")
         try:
@@ -197,6 +203,7 @@ class InFlight:
         # lists absent, or more than the beams: 0, and the KV check walks (and refuses) them
         n_lists = 0 if blocks is None or not 1 <= len(blocks) <= L.max_beam_width else len(blocks)
         self.n_lists[slot] = n_lists
+        self.n_unlisted += not n_lists
         self._count_blocks(slot, blocks, self.n_blocks)
         self.serial[slot] += 1
         self.prompt_len[slot] = len(prompt)
@@ -234,6 +241,7 @@ class InFlight:
         self.prompt_arrays[slot] = None
         self.serial[slot] += 1
         self.kept_first[slot] = -1
+        self.n_unlisted -= not self.n_lists[slot]
         self.n_lists[slot] = 0
         self.grown.discard(slot)
         if slot in self.drafted:
@@ -314,31 +322,35 @@ class InFlight:
             flat: torch.Tensor | None = None
             if producers.size and on_device:  # the values stay there: counts only
                 flat, k = _device_table(tokens, L.max_batch_size)
-                widths = self.beam_width[producers]
-                if self.n_wide and int(widths.max()) > k:
+                widest = int(self.beam_width[producers].max()) if self.n_wide else 1
+                if widest > k:
                     raise BatchError(
                         f"step(): tokens has {k} column(s) per slot, but a request in flight "
-                        f"has {int(widths.max())} beams"
+                        f"has {widest} beams"
                     )
                 generated = generated.copy()
                 generated[producers] += 1
             elif producers.size:
                 tok = _token_table(tokens, L.max_batch_size, mbw)
-                widths = self.beam_width[producers]
-                if self.n_wide and int(widths.max()) > tok.shape[1]:
-                    raise BatchError(
-                        f"step(): tokens has {tok.shape[1]} column(s) per slot, but a request "
-                        f"in flight has {int(widths.max())} beams"
-                    )
-                values = (
-                    tok[producers, 0] if not self.n_wide else _beam_values(tok, producers, widths)
-                )
+                if self.n_wide:
+                    widths = self.beam_width[producers]
+                    if int(widths.max()) > tok.shape[1]:
+                        raise BatchError(
+                            f"step(): tokens has {tok.shape[1]} column(s) per slot, but a "
+                            f"request in flight has {int(widths.max())} beams"
+                        )
+                    values = _beam_values(tok, producers, widths)
+                else:
+                    values = tok[:, 0][producers]
                 _check_tokens(values, L)
                 generated = generated.copy()
                 generated[producers] += 1
                 last = last.copy()
-                k = min(tok.shape[1], mbw)
-                last[producers, :k] = tok[producers, :k]
+                if self.n_wide:
+                    k = min(tok.shape[1], mbw)
+                    last[producers, :k] = tok[producers, :k]
+                else:  # one beam each: the values just checked
+                    last[producers, 0] = values
             elif tokens is not None and not _empty(tokens):
                 raise BatchError(
                     "step(): no request in flight produced a token in the last step; pass "
@@ -550,8 +562,10 @@ class InFlight:
         self.kept_first[:] = -1
         b = plan.batch
         gen = b.seq_slot[b.sizes.num_context_requests :]
-        if len(gen):
-            self.kept_first[gen] = np.cumsum(b.gen_beam_width) - b.gen_beam_width
+        if len(gen) and b.sizes.num_generation_sequences == len(gen):  # one beam each
+            self.kept_first[gen] = np.arange(len(gen))
+        elif len(gen):
+            self.kept_first[gen] = b.seq_first
 
     # ---------------------------------------------------------------------------- helpers
     def _gather(
@@ -672,17 +686,31 @@ class InFlight:
     ) -> Batch:
         L = self.limits
         n_ctx = len(context)
+        # context columns in plain Python (a step has few context requests, and numpy's cost
+        # per call outweighs its loops at these sizes)
         ctx = tuple(e for e, _, _ in context)
-        ctx_slots = np.fromiter((e.seq_slot for e in ctx), np.int64, n_ctx)
-        c_begin = np.fromiter((b for _, b, _ in context), np.int64, n_ctx)
-        c_chunk = np.fromiter((c for _, _, c in context), np.int64, n_ctx)
-        c_plen = self.prompt_len[ctx_slots]
-        c_ndraft = np.fromiter((len(e.context_drafts) for e in ctx), np.int64, n_ctx)
-        c_drafts = np.where(c_begin + c_chunk == c_plen, c_ndraft, 0)
-        c_input = c_chunk + c_drafts
+        slots_l, begin_l, chunk_l, plen_l, drafts_l, input_l = [], [], [], [], [], []
+        prompt_len = self.prompt_len
+        for e, begin, chunk in context:
+            slot = e.seq_slot
+            n = int(prompt_len[slot])
+            drafts = len(e.context_drafts) if begin + chunk == n else 0  # on a last chunk
+            slots_l.append(slot)
+            begin_l.append(begin)
+            chunk_l.append(chunk)
+            plen_l.append(n)
+            drafts_l.append(drafts)
+            input_l.append(chunk + drafts)
+        ctx_slots, c_begin, c_chunk = _i64(slots_l), _i64(begin_l), _i64(chunk_l)
+        c_plen, c_drafts, c_input = _i64(plen_l), _i64(drafts_l), _i64(input_l)
         g_bw = self.beam_width[rows]
-        g_plen = self.prompt_len[rows]
-        g_ndraft = ndraft[rows]
+        g_plen = prompt_len[rows]
+        # no drafts in the last step nor in this one: the zero column without a gather
+        g_ndraft = (
+            ndraft[rows]
+            if self.drafted or ndraft is not self.ndraft
+            else self.no_drafts[: len(rows)]
+        )
         g_max = generated[rows]
         wide = bool(self.n_wide) and bool((g_bw > 1).any())
         seq_len = np.repeat(g_plen + g_max, g_bw) if wide else g_plen + g_max
@@ -699,7 +727,15 @@ class InFlight:
                     "run past the int32 range"
                 )
             explicit = tuple(c_explicit + (g_explicit + n_ctx).tolist())
-        sizes = step_sizes(c_input, c_drafts, c_plen, len(rows), len(seq_len), int(g_ndraft.sum()))
+        sizes = step_sizes(
+            n_ctx,
+            sum(input_l),
+            sum(drafts_l),
+            max(plen_l, default=0),
+            len(rows),
+            len(seq_len),
+            int(g_ndraft.sum()) if len(g_ndraft) else 0,
+        )
         generation = tuple(row_entries)
         flight = self._flight_rows(rows, g_bw, wide, grew, self.grown)
         if self.encoder:
@@ -740,7 +776,7 @@ class InFlight:
             moved = np.where(base >= 0, base + beam, -1)
         else:
             slots, moved = rows, self.kept_first[rows]
-        changed = np.flatnonzero(moved < 0).tolist()
+        changed = (moved < 0).nonzero()[0].tolist()
         if grown:  # the sequences of kept rows whose lists grew (new rows are rebuilt anyway)
             first = np.cumsum(widths) - widths if wide else None
             for slot in grown:
@@ -749,20 +785,30 @@ class InFlight:
                     seq = row if first is None else int(first[row])
                     changed.extend(range(seq, seq + int(self.beam_width[slot])))
             changed.sort()
-        n_lists = self.n_lists[slots]
-        if len(slots) and not n_lists.all():
-            return FlightRows(self.full, self.full + 1, moved, changed)  # the lists are walked
+        if self.n_unlisted:  # a request in flight whose lists the KV check walks
+            n_lists = self.n_lists[slots]
+            if len(slots) and not n_lists.all():
+                return FlightRows(self.full, self.full + 1, moved, changed)
         counts = self.n_blocks
         if now:
             counts = counts.copy()
             for slot in now:
                 self._count_blocks(slot, self._held(slot).kv_block_ids, counts)
-        column = np.where(n_lists > 1, beam, 0) if wide else np.zeros(len(slots), np.int64)
-        lengths = counts[slots, column]
         at = slots[changed].tolist()
-        columns = column[changed].tolist()
-        lists = [self.entries[s].kv_block_ids[k] for s, k in zip(at, columns)]  # type: ignore[union-attr]
+        entries = self.entries
+        if wide:
+            column = np.where(self.n_lists[slots] > 1, beam, 0)
+            lengths = counts[slots, column]
+            columns = column[changed].tolist()
+            lists = [entries[s].kv_block_ids[k] for s, k in zip(at, columns)]  # type: ignore[union-attr]
+        else:  # one sequence per slot: its first list
+            lengths = counts[:, 0][slots]
+            lists = [entries[s].kv_block_ids[0] for s in at]  # type: ignore[union-attr]
         return FlightRows(self.full, self.full + 1, moved, changed, lengths, lists)
+
+
+def _i64(values: list[int]) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
 
 
 def _arrival(r: Any, L: Limits) -> np.ndarray | None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..runtime.errors import BatchError
 from ..runtime.values import INT32_MAX, in_range, int_array, is_int, show
-from .batch import Batch
+from .batch import Batch, FlightRows
 
 _FIRST = itemgetter(0)
 
@@ -58,6 +58,8 @@ class KeptRows:
     keys: list | None = None
     # the in-flight step whose generation rows `table` holds (None: a stateless step's)
     flight: int | None = None
+    # in flight, `table` is a view of this, allocated once for the most sequences of a step
+    storage: np.ndarray | None = None
 
 
 def sequence_keys(b: Batch) -> list:
@@ -141,14 +143,12 @@ def check_block_lists(
     # in flight the state may know every generation list's length and hold the new or grown
     # lists: then only the context lists are read (the others' shapes were checked when they
     # were context lists, and appends keep them)
-    known = hint is not None and hint.lengths is not None and field == "kv_block_ids"
-    lists = _block_lists(b, field, generation=not known)
+    if hint is not None and hint.lengths is not None and field == "kv_block_ids":
+        return _check_known(b, field, hint, need, width, width_name, limit, what, kept)
+    lists = _block_lists(b, field)
     if lists is None:
         _diagnose(b, field, need, width, width_name, limit, what)
     lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
-    if known:
-        assert hint is not None and hint.lengths is not None
-        lengths = np.concatenate((lengths, hint.lengths))
     if len(lengths) and ((lengths > width).any() or (lengths < need).any()):
         _diagnose(b, field, need, width, width_name, limit, what)
     n_ctx = b.sizes.num_context_requests
@@ -159,10 +159,7 @@ def check_block_lists(
     same_requests = kept is not None and kept.requests == b.generation  # identity, then eq
     if hint is not None:  # in flight: the state says what moved and changed
         moved, changed = hint.moved, hint.changed
-        if known:  # the context lists, then the changed ones
-            lists = convert = lists + list(hint.lists or ())
-        else:
-            convert = lists[:n_ctx] + [gen[i] for i in changed]
+        convert = lists[:n_ctx] + [gen[i] for i in changed]
     elif snapshot is None:
         changed, convert = None, lists
     elif same_requests and snapshot == gen:
@@ -185,6 +182,38 @@ def check_block_lists(
     )
     step = b.flight.step if b.flight is not None else None
     return BlockPlan(lists, blocks, sub, changed, kept, moved, keys, step, hint is not None)
+
+
+def _check_known(
+    b: Batch,
+    field: str,
+    hint: FlightRows,
+    need: np.ndarray,
+    width: int,
+    width_name: str,
+    limit: tuple[int, str],
+    what: str,
+    kept: KeptRows | None,
+) -> BlockPlan:
+    """check_block_lists in flight, where the state knows every generation list's length and
+    holds the new or grown lists (`hint`): only the context lists are read (the others' shapes
+    were checked when they were context lists, and appends keep them); the ids of the context
+    lists and of the new or grown ones are converted."""
+    assert hint.lengths is not None and hint.lists is not None
+    lists = _block_lists(b, field, generation=False)
+    if lists is None:
+        _diagnose(b, field, need, width, width_name, limit, what)
+    counts = [len(x) for x in lists]
+    lengths = np.concatenate((counts, hint.lengths)) if counts else hint.lengths
+    if len(lengths) and (int(lengths.max()) > width or int((lengths - need).min()) < 0):
+        _diagnose(b, field, need, width, width_name, limit, what)
+    convert = lists + hint.lists
+    blocks = int_array(list(itertools.chain.from_iterable(convert)))
+    if blocks is None or not in_range(blocks, 0, limit[0]):
+        _diagnose(b, field, need, width, width_name, limit, what)
+    counts += map(len, hint.lists)
+    sub = np.array(counts, dtype=np.int64)
+    return BlockPlan(convert, blocks, sub, hint.changed, kept, hint.moved, None, hint.step, True)
 
 
 def _diagnose(
@@ -253,21 +282,35 @@ def write_kv_rows(
     if not len(lengths):
         return
     rows[:] = 0
-    seq = np.repeat(np.arange(len(lengths)), lengths)
-    col = np.arange(len(blocks)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    index = blocks * (num_local_layers * 2)
-    rows[seq, 0, col] = index
-    rows[seq, 1, col] = index + 1
+    _scatter(rows, np.arange(len(lengths)), blocks, lengths, num_local_layers)
 
 
 def write_at(
     table: np.ndarray,
-    at: list[int],
+    at: Any,
     blocks: np.ndarray,
     lengths: np.ndarray,
     num_local_layers: int,
 ) -> None:
-    """table[at[k]] = the rows of the k-th list."""
-    sub: Any = np.empty((len(at),) + table.shape[1:], dtype=table.dtype)
-    write_kv_rows(sub, blocks, lengths, num_local_layers)
-    table[at] = sub
+    """table[at[k]] = the rows of the k-th list, zero-padded (the other rows stay)."""
+    if not len(lengths):
+        return
+    at = np.asarray(at, dtype=np.int64)
+    table[at] = 0
+    _scatter(table, at, blocks, lengths, num_local_layers)
+
+
+def _scatter(
+    table: np.ndarray, at: np.ndarray, blocks: np.ndarray, lengths: np.ndarray, layers: int
+) -> None:
+    """The k-th list's indices into the first lengths[k] columns of row at[k] (zeroed), by flat
+    position: [rows, K/V, width] is contiguous, so K's column j of row r is r * 2w + j and V's
+    is w further (fewer numpy calls than a three-axis index; this runs every step)."""
+    flat = table.view()
+    flat.shape = (-1,)  # raises rather than copy: the rows must be contiguous
+    width = table.shape[-1]
+    first = np.add.accumulate(lengths) - lengths  # each list's offset in `blocks`
+    at_k = np.repeat(at * (2 * width) - first, lengths) + np.arange(len(blocks))
+    index = blocks * (2 * layers)
+    flat[at_k] = index
+    flat[at_k + width] = index + 1
