@@ -306,8 +306,9 @@ def _scatter(
     """The k-th list's indices into the first lengths[k] columns of row at[k] (zeroed), by flat
     position: [rows, K/V, width] is contiguous, so K's column j of row r is r * 2w + j and V's
     is w further (fewer numpy calls than a three-axis index; this runs every step)."""
-    flat = table.view()
-    flat.shape = (-1,)  # raises rather than copy: the rows must be contiguous
+    if not table.flags.c_contiguous:  # a reshape would copy, and the writes be lost
+        raise ValueError("KV rows to write by flat position must be contiguous")
+    flat = table.reshape(-1)
     width = table.shape[-1]
     first = np.add.accumulate(lengths) - lengths  # each list's offset in `blocks`
     at_k = np.repeat(at * (2 * width) - first, lengths) + np.arange(len(blocks))
