@@ -238,7 +238,8 @@ def step_sizes(
     )
 
 
-def _i64(values: Sequence[int]) -> np.ndarray:
+def int64s(values: Sequence[int]) -> np.ndarray:
+    """A flat int64 column of `values` (the builders' small Python lists)."""
     return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
@@ -289,7 +290,7 @@ def _build(
                 or not 1 <= beam <= mbw
             ):
                 fail()
-        c_plen, c_ndraft = _i64(plen_l), _i64(ndraft_l)
+        c_plen, c_ndraft = int64s(plen_l), int64s(ndraft_l)
         c_begin, c_chunk, c_beam = int_array(begin_l), int_array(chunk_l), int_array(beam_l)
         if c_begin is None or c_chunk is None or c_beam is None:
             fail()  # a float or another non-integer
@@ -323,7 +324,7 @@ def _build(
         bw = int_array(bw_list)
         if bw is None or (generation and (min(plen_list) < 1 or not in_range(bw, 1, mbw + 1))):
             fail()
-        g_plen, g_bw = _i64(plen_list), bw
+        g_plen, g_bw = int64s(plen_list), bw
         g_explicit = list(map(_POSITION_IDS, generation))
         g_explicit_at = [i for i, p in enumerate(g_explicit) if p is not None]
     drafts = list(map(_DRAFT_TOKENS, generation))
@@ -341,8 +342,8 @@ def _build(
     last = int_array(list(map(_LAST, flat)))
     if last is None or not in_range(last, 0, token_limit):
         fail()
-    g_ndraft = _i64(drafts_list) if any(drafts_list) else np.zeros(len(generation), np.int64)
-    seq_len = _i64(len_list)
+    g_ndraft = int64s(drafts_list) if any(drafts_list) else np.zeros(len(generation), np.int64)
+    seq_len = int64s(len_list)
     seq_offsets = np.cumsum(g_bw) - g_bw
     g_max = np.maximum.reduceat(seq_len, seq_offsets) if len(seq_len) else seq_len
     if len(flat) != len(generation) and (np.minimum.reduceat(seq_len, seq_offsets) != g_max).any():

@@ -31,7 +31,15 @@ import torch
 from ..runtime.errors import BatchError
 from ..runtime.tokens import Gather
 from ..runtime.values import INT32_MAX, in_range, int_array, is_int, show
-from .batch import Batch, FlightRows, Limits, check_request, encoder_sizes, step_sizes
+from .batch import (
+    Batch,
+    FlightRows,
+    Limits,
+    check_request,
+    encoder_sizes,
+    int64s,
+    step_sizes,
+)
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
@@ -701,8 +709,8 @@ class InFlight:
             plen_l.append(n)
             drafts_l.append(drafts)
             input_l.append(chunk + drafts)
-        ctx_slots, c_begin, c_chunk = _i64(slots_l), _i64(begin_l), _i64(chunk_l)
-        c_plen, c_drafts, c_input = _i64(plen_l), _i64(drafts_l), _i64(input_l)
+        ctx_slots, c_begin, c_chunk = int64s(slots_l), int64s(begin_l), int64s(chunk_l)
+        c_plen, c_drafts, c_input = int64s(plen_l), int64s(drafts_l), int64s(input_l)
         g_bw = self.beam_width[rows]
         g_plen = prompt_len[rows]
         # no drafts in the last step nor in this one: the zero column without a gather
@@ -805,10 +813,6 @@ class InFlight:
             lengths = counts[:, 0][slots]
             lists = [entries[s].kv_block_ids[0] for s in at]  # type: ignore[union-attr]
         return FlightRows(self.full, self.full + 1, moved, changed, lengths, lists)
-
-
-def _i64(values: list[int]) -> np.ndarray:
-    return np.array(values, dtype=np.int64)
 
 
 def _arrival(r: Any, L: Limits) -> np.ndarray | None:

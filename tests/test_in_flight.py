@@ -395,3 +395,146 @@ def test_a_steady_step_with_tokens_on_the_device_copies_only_the_block_table() -
     assert kv.shape[0] == 1  # one pool: the used rows are one prefix
     assert copied[True] == n * 2 * kv.shape[-1] * kv.element_size()
     assert copied[False] > copied[True] + 3 * n * 4  # at least ids, positions, lengths
+
+
+def _decoding(b) -> None:
+    """Two requests in slots 0 and 1, their 3-token prompts computed: the next step decodes."""
+    for slot in (0, 1):
+        b.add(Request(seq_slot=slot, prompt=[5, 6, 7], kv_block_ids=[[slot + 1]]))
+    b.step()
+
+
+def _tokens() -> np.ndarray:
+    return np.full(6, 9, np.int64)  # max_batch_size tokens, indexed by seq slot
+
+
+def _decoded(b) -> None:  # one decode step: the next one needs a second 4-token block
+    b.step(_tokens())
+
+
+def _decoded_and_arrived(b) -> None:  # the same, and a request arrives: a full step
+    _decoded(b)
+    b.add(Request(seq_slot=2, prompt=[1, 2], kv_block_ids=[[20]]))
+
+
+def _with_prompt(b) -> None:  # a 9-token prompt arrives with one block: it needs three
+    b.add(Request(seq_slot=2, prompt=list(range(1, 10)), kv_block_ids=[[20]]))
+
+
+def _bad_token(b) -> None:
+    tokens = _tokens()
+    tokens[0] = 1000  # vocab_size
+    b.step(tokens)
+
+
+REFUSED = {  # case: (setup on both buffers, the refused call, its message, the good step after)
+    "slot out of range": (
+        None,
+        lambda b: b.add(Request(seq_slot=9, prompt=[1])),
+        r"request \(seq_slot 9\): seq_slot must be an integer in 0 \.\. 5",
+        None,
+    ),
+    "slot taken": (
+        None,
+        lambda b: b.add(Request(seq_slot=0, prompt=[1], kv_block_ids=[[9]])),
+        r"request \(seq_slot 0\): seq_slot 0 already holds a request in flight",
+        None,
+    ),
+    "chunk on the request": (
+        None,
+        lambda b: b.add(
+            Request(seq_slot=2, prompt=[1, 2], kv_block_ids=[[9]], context_chunk_size=1)
+        ),
+        r"request \(seq_slot 2\): in flight, context chunks are scheduled per step",
+        None,
+    ),
+    "finish an empty slot": (
+        None,
+        lambda b: b.finish(4),
+        r"finish\(\): seq_slot 4 holds no request in flight",
+        None,
+    ),
+    "chunk of a decoding request": (
+        None,
+        lambda b: b.step(_tokens(), chunks={0: 1}),
+        r"step\(\): chunks\[0\]: that seq slot holds no request in its context phase",
+        None,
+    ),
+    "chunk past the prompt": (
+        lambda b: b.add(Request(seq_slot=2, prompt=[1, 2, 3], kv_block_ids=[[20]])),
+        lambda b: b.step(_tokens(), chunks={2: 4}),
+        r"step\(\): chunks\[2\] = 4, not a chunk size in 1 \.\. 3 \(the prompt tokens left\)",
+        None,
+    ),
+    "blocks for an empty slot": (
+        None,
+        lambda b: b.step(_tokens(), blocks={4: [30]}),
+        r"step\(\): blocks\[4\]: that seq slot holds no request",
+        None,
+    ),
+    "tokens missing": (
+        None,
+        lambda b: b.step(),
+        r"step\(\): the last step produced tokens; pass them",
+        None,
+    ),
+    "token outside the vocabulary": (
+        None,
+        _bad_token,
+        r"step\(\): token 1000 of a request in flight is outside 0 \.\. 999",
+        None,
+    ),
+    "generation list too short (steady)": (
+        _decoded,
+        lambda b: b.step(_tokens()),
+        r"generation request 0 \(seq_slot 0\): its token 5 needs KV block 1, which "
+        r"kv_block_ids does not hold",
+        lambda b: b.step(_tokens(), blocks={0: [40], 1: [41]}),
+    ),
+    "generation list too short (churn)": (
+        _decoded_and_arrived,
+        lambda b: b.step(_tokens()),
+        r"generation request 0 \(seq_slot 0\): kv_block_ids holds 1 blocks, but its tokens "
+        r"after this step need 2; allocate the blocks before scheduling",
+        lambda b: b.step(_tokens(), blocks={0: [40], 1: [41]}),
+    ),
+    "appended block outside the pool (steady)": (
+        _decoded,
+        lambda b: b.step(_tokens(), blocks={0: [40], 1: [64]}),
+        r"generation request 1 \(seq_slot 1\): KV block 1 is 64, not an id in 0 \.\. 63 "
+        r"\(num_kv_blocks=64\)",
+        lambda b: b.step(_tokens(), blocks={0: [40], 1: [41]}),
+    ),
+    "appended block outside the pool (churn)": (
+        _decoded_and_arrived,
+        lambda b: b.step(_tokens(), blocks={0: [40], 1: [64]}),
+        r"KV block id 64 is outside 0 \.\. 63 \(num_kv_blocks=64\)",
+        lambda b: b.step(_tokens(), blocks={0: [40], 1: [41]}),
+    ),
+    "context list too short": (
+        _with_prompt,
+        lambda b: b.step(_tokens()),
+        r"context request 0 \(seq_slot 2\): kv_block_ids holds 1 blocks, but its tokens after "
+        r"this step need 3",
+        lambda b: b.step(_tokens(), blocks={2: [21, 22]}),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_refused_call_names_the_culprit_and_changes_nothing(case: str) -> None:
+    """Each refusal of add, finish and step, with its message; the state is as it was (blocks
+    a refused step appended are taken back), so the next good step equals that of buffers that
+    never saw the refused call."""
+    setup, refused, message, good = REFUSED[case]
+    b, twin = make_buffers("llama", max_beam_width=1), make_buffers("llama", max_beam_width=1)
+    for x in (b, twin):
+        _decoding(x)
+        if setup is not None:
+            setup(x)
+    with pytest.raises(BatchError, match=message):
+        refused(b)
+    for x in (b, twin):
+        (good or (lambda y: y.step(_tokens())))(x)
+    got, want = b.tensors, twin.tensors
+    assert [n for n in got if not torch.equal(got[n], want[n])] == []
