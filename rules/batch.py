@@ -107,20 +107,27 @@ class Memo:
 
 @dataclasses.dataclass(frozen=True)
 class FlightRows:
-    """How a step of requests in flight continues the last full one (``inflight``): each
-    generation sequence's row among the last full step's generation rows (-1: not one of
-    them) and the sequences whose KV block lists are new or grew since, so the KV rows are
-    moved and rebuilt without comparing every list. Valid for the rows kept at step `since`;
-    the fill records `step` as this step's."""
+    """How a step of requests in flight continues the KV rows of the last step (``inflight``):
+    where each generation sequence's row is among them, and the sequences whose KV block lists
+    are new or grew in this step, so the rows are moved and rebuilt without comparing every
+    list. Valid for the rows of the requests as laid out at full step `since`; the fill records
+    `step` as this step's.
+
+    Where the rows are: `moved`, each sequence's row among the last step's generation rows
+    (-1: not one of them); or, when `moved` is None (one beam each), the first `same`
+    sequences are where they were but those of `refill`, (sequence, its row then), which
+    ``finish`` moved into the rows of requests that left."""
 
     since: int
     step: int
-    moved: np.ndarray
+    moved: np.ndarray | None
     changed: list[int]
     # each generation sequence's kv_block_ids length and the lists of the `changed` sequences
     # (None: unknown, the lists are walked): the KV check then reads no other list
     lengths: np.ndarray | None = None
     lists: list | None = None
+    same: int = 0
+    refill: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -329,7 +329,7 @@ def kv_cache_block_offsets(
     assert kept is not None  # check_kv_blocks hands its state on
     kept.entered = []  # advance() continues from these rows
     kept.flight = plan.flight
-    if plan.hinted:  # in flight: the state says which rows moved and which lists grew
+    if plan.hint is not None:  # in flight: the state says which rows moved and which grew
         _follow(kept, plan, out, rows, n_ctx, width, layers)
         return rows.size
     k = int(plan.lengths[:n_ctx].sum())
@@ -376,22 +376,23 @@ def _follow(
     width: int,
     layers: int,
 ) -> None:
-    """In flight: the generation rows from the kept rows where their sequences now are
-    (`plan.moved`), then the context rows and those of `plan.changed` built from their lists
-    (the plan's blocks, in that order) in one write; the new generation rows are kept, in
-    storage allocated once (no allocation per step)."""
-    assert kept.table is not None and plan.changed is not None
+    """In flight: the generation rows from the last step's rows where their sequences now are
+    (one beam each: all but those ``finish`` refilled are where they were, one contiguous
+    copy), then the context rows and those of `plan.changed` built from their lists (the
+    plan's blocks, in that order). The next step continues from these rows, in place."""
+    hint, table = plan.hint, kept.table
+    assert hint is not None and table is not None and plan.changed is not None
     gen = rows[n_ctx:]
-    _take_rows(gen, kept.table, plan.moved)
+    if hint.moved is not None:
+        _take_rows(gen, table, hint.moved)
+    else:
+        gen[: hint.same] = table[: hint.same]
+        for seq, j in hint.refill:
+            gen[seq] = table[j]
     at = list(range(n_ctx))
     at += [n_ctx + i for i in plan.changed]
     write_at(rows, at, plan.blocks, plan.lengths, layers)
-    storage = kept.storage
-    if storage is None:  # room for the most sequences a step can have
-        storage = kept.storage = np.empty((out.size // (2 * width), 2, width), out.dtype)
-    table = storage[: len(gen)]
-    table[:] = gen
-    kept.table = table
+    kept.table = gen
     kept.snapshot, kept.requests, kept.keys = None, (), None
 
 
@@ -470,50 +471,61 @@ def check_kv_entered(
     their request (the only requests read in a decode step); raise before anything is
     written."""
     width, tpb = max_blocks_per_seq, tokens_per_block
-    starting = np.flatnonzero((d.seq_tokens - 1) % tpb == 0)
+    # the sequences whose new token is the first of a block (a mask for the usual power of two)
+    before = d.seq_tokens - 1
+    offset = before & (tpb - 1) if not tpb & (tpb - 1) else before % tpb
+    starting = (offset == 0).nonzero()[0]
     values: list[tuple[int, int, int]] = []
     if not starting.size and not d.grown:
         return KvEntered(kept, values)
     b = d.batch
     per_block = num_local_layers * 2
     limit, limit_text = id_limit(num_local_layers, num_kv_blocks)
+
+    def where(req: int) -> str:  # formatted only for a message
+        return f"generation request {req} (seq_slot {b.generation[req].seq_slot})"
+
     if starting.size:
         requests = b.seq_request[starting].tolist()
-        beams = (starting - b.seq_first[b.seq_request[starting]]).tolist()
-        cols = ((d.seq_tokens[starting] - 1) // tpb).tolist()
+        one_beam = b.sizes.num_generation_sequences == len(b.generation)
+        beams = (
+            [0] * len(requests)
+            if one_beam
+            else (starting - b.seq_first[b.seq_request[starting]]).tolist()
+        )
+        cols = (before[starting] // tpb).tolist()
         for seq, req, beam, col in zip(starting.tolist(), requests, beams, cols):
-            r = b.generation[req]
-            w = f"generation request {req} (seq_slot {r.seq_slot})"
-            ids = r.kv_block_ids
+            ids = b.generation[req].kv_block_ids
             blocks = ids[beam if len(ids) > 1 else 0]
             if col >= width:
                 continue  # past the attention window the rows stay as they are (cyclic cache)
             if col >= len(blocks):
                 raise BatchError(
-                    f"{w}: its token {d.seq_tokens[seq]} needs KV block {col}, which "
-                    f"kv_block_ids does not hold; allocate the block before advance()"
+                    f"{where(req)}: its token {d.seq_tokens[seq]} needs KV block {col}, which "
+                    f"kv_block_ids does not hold; allocate the block before this step"
                 )
             block = blocks[col]
             if not is_int(block) or not 0 <= block < limit:
                 raise BatchError(
-                    f"{w}: KV block {col} is {block!r}, not an id in 0 .. {limit - 1} ({limit_text})"
+                    f"{where(req)}: KV block {col} is {block!r}, not an id in 0 .. {limit - 1} "
+                    f"({limit_text})"
                 )
             values.append((seq, col, int(block) * per_block))
     # lists grown in flight: every new block, as a full step writes them
-    for seq, before in d.grown:
+    for seq, length in d.grown:
         req = int(b.seq_request[seq])
-        r = b.generation[req]
-        ids = r.kv_block_ids
+        ids = b.generation[req].kv_block_ids
         blocks = ids[seq - int(b.seq_first[req]) if len(ids) > 1 else 0]
-        w = f"generation request {req} (seq_slot {r.seq_slot})"
         if len(blocks) > width:
-            raise BatchError(f"{w}: {len(blocks)} KV blocks exceed max_blocks_per_seq={width}")
-        for col in range(before, len(blocks)):
+            raise BatchError(
+                f"{where(req)}: {len(blocks)} KV blocks exceed max_blocks_per_seq={width}"
+            )
+        for col in range(length, len(blocks)):
             block = blocks[col]
             if not is_int(block) or not 0 <= block < limit:
                 raise BatchError(
-                    f"{w}: KV block {col} is {show(block)}, not an id in 0 .. {limit - 1} "
-                    f"({limit_text})"
+                    f"{where(req)}: KV block {col} is {show(block)}, not an id in 0 .. "
+                    f"{limit - 1} ({limit_text})"
                 )
             values.append((seq, col, int(block) * per_block))
     return KvEntered(kept, values)
@@ -545,4 +557,6 @@ def advance_kv(
         rows[seq, 0, col] = index
         rows[seq, 1, col] = index + 1
     entered.kept.entered = entered.new
+    if entered.kept.flight is not None:  # in flight the next full step continues these rows
+        entered.kept.table = rows
     return n

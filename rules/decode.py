@@ -31,6 +31,16 @@ class Decode:
     grown: tuple[tuple[int, int], ...] = ()
 
 
+class Sampled:
+    """Sampled tokens that the caller already checked, one per sequence as an int64 array
+    (the requests in flight check them with the step): ``next_step`` takes them as they are."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = values
+
+
 def start(b: Batch) -> Decode | None:
     """The state advance() continues from after step `b`: only a generation-only step without
     draft tokens can be followed by one."""
@@ -45,6 +55,10 @@ def next_step(d: Decode, tokens: Any, limits: Limits, holds_run: bool, grown: tu
     vocabulary (BatchError otherwise). `grown`: (sequence, list length before) of each sequence
     whose KV block list the caller grew for this step (requests in flight)."""
     count = len(d.tokens)
+    if type(tokens) is Sampled:
+        if len(tokens.values) != count:  # pragma: no cover - the state lays out both
+            raise BatchError(f"advance() needs {count} tokens, one per sequence")
+        return Decode(d.batch, tokens.values, d.seq_tokens + 1, holds_run, grown)
     if isinstance(tokens, torch.Tensor):
         if tokens.is_floating_point() or tokens.is_complex() or tokens.layout != torch.strided:
             raise BatchError(f"advance() needs integer tokens, got a {tokens.dtype} tensor")

@@ -37,9 +37,9 @@ from .batch import (
     Limits,
     check_request,
     encoder_sizes,
-    int64s,
     step_sizes,
 )
+from .decode import Sampled
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
@@ -94,7 +94,7 @@ class Plan:
     `tokens`) and the state it leaves once it has run."""
 
     batch: Batch | None
-    tokens: np.ndarray | None  # steady: each sequence's new input token, in row order
+    tokens: Sampled | None  # steady: each sequence's new input token, in row order (checked)
     grown: tuple[tuple[int, int], ...]  # steady: (sequence, list length before) of grown lists
     generated: np.ndarray | None  # None: a steady step, applied to the rows at commit
     last: np.ndarray | None
@@ -160,7 +160,9 @@ class InFlight:
         # grew in the steps in place since
         self.full = 0
         self.kept_first = np.full(n, -1, np.int64)
-        self.grown: set[int] = set()
+        self.kept_rows = 0  # generation sequences of the last full step
+        self.kept_one_beam = True  # ... one per row (kept_first then indexes rows)
+        self.refilled: set[int] = set()  # rows finish() has moved another request into since
         # each slot's KV block lists: how many (0: none, or not one per beam or one for all:
         # the KV check walks the lists) and each one's length, as of the last step
         self.n_lists = np.zeros(n, np.int64)
@@ -244,6 +246,7 @@ class InFlight:
             self.row_entries.pop()
             self.n_rows = last
             self.row_of[slot] = -1
+            self.refilled.add(row)
         self.waiting.pop(slot, None)
         self.entries[slot] = None
         self.prompt_arrays[slot] = None
@@ -251,7 +254,6 @@ class InFlight:
         self.kept_first[slot] = -1
         self.n_unlisted -= not self.n_lists[slot]
         self.n_lists[slot] = 0
-        self.grown.discard(slot)
         if slot in self.drafted:
             self.drafted.remove(slot)
             self.ndraft[slot] = 0
@@ -323,9 +325,8 @@ class InFlight:
             else:
                 alive = self.produced
             promoted = [s for s, serial in self.completing if self.serial[s] == serial]
-            producers = (
-                np.concatenate((np.asarray(promoted, np.int64), alive)) if promoted else alive
-            )
+            promoted_a = np.array(promoted, np.int64) if promoted else _EMPTY
+            producers = np.concatenate((promoted_a, alive)) if promoted else alive
             generated, last = self.generated, self.last
             flat: torch.Tensor | None = None
             if producers.size and on_device:  # the values stay there: counts only
@@ -357,8 +358,8 @@ class InFlight:
                 if self.n_wide:
                     k = min(tok.shape[1], mbw)
                     last[producers, :k] = tok[producers, :k]
-                else:  # one beam each: the values just checked
-                    last[producers, 0] = values
+                else:  # one beam each: the values just checked (a one-axis scatter)
+                    last[:, 0][producers] = values
             elif tokens is not None and not _empty(tokens):
                 raise BatchError(
                     "step(): no request in flight produced a token in the last step; pass "
@@ -383,9 +384,7 @@ class InFlight:
             # ---- this step's generation rows: the rows in flight, then the promoted prompts
             n_old = self.n_rows
             rows = (
-                np.concatenate((self.rows[:n_old], np.asarray(promoted, np.int64)))
-                if promoted
-                else self.rows[:n_old]
+                np.concatenate((self.rows[:n_old], promoted_a)) if promoted else self.rows[:n_old]
             )
             row_entries = self.row_entries + [self._held(s) for s in promoted]
             if not generation:  # the generation requests sit this step out
@@ -467,7 +466,7 @@ class InFlight:
         may grow): the fewest calls, the state updated at commit."""
         L = self.limits
         rows = self.rows[: self.n_rows]
-        widths = self.beam_width[rows]
+        widths = self.beam_width[rows] if self.n_wide else _EMPTY
         flat: torch.Tensor | None = None
         if on_device:
             flat, k = _device_table(tokens, L.max_batch_size)
@@ -504,7 +503,7 @@ class InFlight:
         grown = self._grown(grew, rows) if grew else ()
         return Plan(
             None,
-            values,
+            Sampled(values),
             grown,
             None,
             None,
@@ -530,12 +529,11 @@ class InFlight:
             assert plan.tokens is not None
             rows = self.rows[: self.n_rows]
             self.generated[rows] += 1
-            widths = self.beam_width[rows]
-            if not self.n_wide or not (widths > 1).any():
-                self.last[rows, 0] = plan.tokens
+            widths = self.beam_width[rows] if self.n_wide else None
+            if widths is None or not (widths > 1).any():
+                self.last[:, 0][rows] = plan.tokens.values  # one axis: a cheaper scatter
             else:
-                self.last[_beam_index(rows, widths)] = plan.tokens
-            self.grown |= plan.grew
+                self.last[_beam_index(rows, widths)] = plan.tokens.values
             for slot in plan.grew:
                 self._count_blocks(slot, self._held(slot).kv_block_ids, self.n_blocks)
             return
@@ -562,15 +560,15 @@ class InFlight:
         self.produced = self.rows[: self.n_rows].copy() if plan.generation else _EMPTY
         self.produced_serial = self.serial[self.produced]
         self.changed = False
-        if plan.batch is None:  # in place: the kept rows stay the last full step's
-            self.grown |= plan.grew
-            return
         self.full += 1
-        self.grown = set()
+        self.refilled = set()
         self.kept_first[:] = -1
         b = plan.batch
+        assert b is not None
         gen = b.seq_slot[b.sizes.num_context_requests :]
-        if len(gen) and b.sizes.num_generation_sequences == len(gen):  # one beam each
+        self.kept_rows = b.sizes.num_generation_sequences
+        self.kept_one_beam = b.sizes.num_generation_sequences == len(gen)
+        if len(gen) and self.kept_one_beam:
             self.kept_first[gen] = np.arange(len(gen))
         elif len(gen):
             self.kept_first[gen] = b.seq_first
@@ -608,7 +606,9 @@ class InFlight:
     def _count_blocks(self, slot: int, lists: Any, into: np.ndarray) -> None:
         """The lengths of the slot's block lists into `into` (its `n_lists` of them)."""
         n = int(self.n_lists[slot])
-        if n:
+        if n == 1:  # the common case: one list, one scalar write
+            into[slot, 0] = len(lists[0])
+        elif n:
             into[slot, :n] = [len(x) for x in lists[:n]]
 
     def _held(self, slot: int) -> Entry:
@@ -626,6 +626,8 @@ class InFlight:
 
     def _grown(self, grew: dict[int, list[int]], rows: np.ndarray) -> tuple:
         """(sequence, length before) for each sequence of a slot whose lists grew."""
+        if not self.n_wide:  # one sequence per row
+            return tuple((int(self.row_of[slot]), before[0]) for slot, before in grew.items())
         widths = self.beam_width[rows]
         first = np.cumsum(widths) - widths if self.n_wide else None
         out = []
@@ -709,16 +711,14 @@ class InFlight:
             plen_l.append(n)
             drafts_l.append(drafts)
             input_l.append(chunk + drafts)
-        ctx_slots, c_begin, c_chunk = int64s(slots_l), int64s(begin_l), int64s(chunk_l)
-        c_plen, c_drafts, c_input = int64s(plen_l), int64s(drafts_l), int64s(input_l)
+        # one conversion for the six columns (rows of one table)
+        columns = np.array((slots_l, begin_l, chunk_l, plen_l, drafts_l, input_l), np.int64)
+        ctx_slots, c_begin, c_chunk, c_plen, c_drafts, c_input = columns
         g_bw = self.beam_width[rows]
         g_plen = prompt_len[rows]
         # no drafts in the last step nor in this one: the zero column without a gather
-        g_ndraft = (
-            ndraft[rows]
-            if self.drafted or ndraft is not self.ndraft
-            else self.no_drafts[: len(rows)]
-        )
+        undrafted = not self.drafted and ndraft is self.ndraft
+        g_ndraft = self.no_drafts[: len(rows)] if undrafted else ndraft[rows]
         g_max = generated[rows]
         wide = bool(self.n_wide) and bool((g_bw > 1).any())
         seq_len = np.repeat(g_plen + g_max, g_bw) if wide else g_plen + g_max
@@ -742,10 +742,10 @@ class InFlight:
             max(plen_l, default=0),
             len(rows),
             len(seq_len),
-            int(g_ndraft.sum()) if len(g_ndraft) else 0,
+            0 if undrafted or not len(g_ndraft) else int(g_ndraft.sum()),
         )
         generation = tuple(row_entries)
-        flight = self._flight_rows(rows, g_bw, wide, grew, self.grown)
+        flight = self._flight_rows(rows, g_bw, wide, grew)
         if self.encoder:
             sizes = dataclasses.replace(sizes, **encoder_sizes(ctx, generation, L))
         prompts = {id(e): (e.prompt, self.prompt_arrays[e.seq_slot]) for e in ctx}
@@ -772,47 +772,79 @@ class InFlight:
         )
 
     def _flight_rows(
-        self, rows: np.ndarray, widths: np.ndarray, wide: bool, now: set[int], since: set[int]
+        self, rows: np.ndarray, widths: np.ndarray, wide: bool, grew: set[int]
     ) -> FlightRows:
-        """Each generation sequence's row in the last full step (-1: not there), the
-        sequences to rebuild (new ones and those of slots whose lists grew, `now` in this step
-        or `since` the last full step), each sequence's list length and the lists to rebuild."""
-        grown = now | since
+        """Where this step's generation sequences are among the last step's KV rows (every
+        step keeps its rows, ``core.advance_kv`` too, so a list grown in a step in place is in
+        them), the sequences to rebuild (new ones, and those of slots whose lists grew in this
+        step), each sequence's list length and the lists to rebuild.
+
+        One beam each, the rows kept from the last full step are where they were, but those
+        that ``finish`` refilled; the finished prompts follow them. With beams, each sequence's
+        row is looked up (a refilled row of another width shifts the sequences after it)."""
+        n_old = self.n_rows if len(rows) else 0  # kept rows, then the promoted ones
+        moved, same, refill = None, 0, ()
         if wide:
             slots, beam = _beam_index(rows, widths)
             base = self.kept_first[slots]
             moved = np.where(base >= 0, base + beam, -1)
-        else:
+            changed = (moved < 0).nonzero()[0].tolist()
+        elif not self.kept_rows:  # the last full step ran no generation rows: none is kept
+            slots, changed = rows, list(range(len(rows)))
+        elif self.kept_one_beam:
+            slots, same = rows, n_old
+            refill = tuple(
+                (i, int(self.kept_first[rows[i]])) for i in sorted(self.refilled) if i < n_old
+            )
+            changed = list(range(n_old, len(rows)))
+        else:  # the kept rows are a step's with beams: each sequence's is looked up
             slots, moved = rows, self.kept_first[rows]
-        changed = (moved < 0).nonzero()[0].tolist()
-        if grown:  # the sequences of kept rows whose lists grew (new rows are rebuilt anyway)
+            changed = (moved < 0).nonzero()[0].tolist()
+        if grew and len(changed) < len(
+            slots
+        ):  # the sequences of kept rows whose lists grew (new rows are rebuilt)
             first = np.cumsum(widths) - widths if wide else None
-            for slot in grown:
+            for slot in grew:
                 row = int(self.row_of[slot])
-                if row >= 0 and moved[row if first is None else first[row]] >= 0:
-                    seq = row if first is None else int(first[row])
+                if not 0 <= row < n_old:  # in its context phase, or promoted in this step
+                    continue
+                seq = row if first is None else int(first[row])
+                if moved is None or moved[seq] >= 0:
                     changed.extend(range(seq, seq + int(self.beam_width[slot])))
             changed.sort()
         if self.n_unlisted:  # a request in flight whose lists the KV check walks
             n_lists = self.n_lists[slots]
             if len(slots) and not n_lists.all():
-                return FlightRows(self.full, self.full + 1, moved, changed)
-        counts = self.n_blocks
-        if now:
-            counts = counts.copy()
-            for slot in now:
-                self._count_blocks(slot, self._held(slot).kv_block_ids, counts)
+                return FlightRows(
+                    self.full, self.full + 1, moved, changed, same=same, refill=refill
+                )
         at = slots[changed].tolist()
         entries = self.entries
         if wide:
+            counts = self.n_blocks
+            if grew:
+                counts = counts.copy()
+                for slot in grew:
+                    self._count_blocks(slot, self._held(slot).kv_block_ids, counts)
             column = np.where(self.n_lists[slots] > 1, beam, 0)
             lengths = counts[slots, column]
             columns = column[changed].tolist()
             lists = [entries[s].kv_block_ids[k] for s, k in zip(at, columns)]  # type: ignore[union-attr]
-        else:  # one sequence per slot: its first list
-            lengths = counts[:, 0][slots]
+        else:  # one sequence per slot: its first list (the grown ones' lengths patched in,
+            # rather than a copy of the whole count table)
+            lengths = self.n_blocks[:, 0][slots]
+            if grew:
+                tail = rows[n_old:].tolist()
+                for slot in grew:
+                    row = int(self.row_of[slot])
+                    if row < 0 and slot in tail:
+                        row = n_old + tail.index(slot)
+                    if 0 <= row < len(rows):  # a slot in its context phase has no row
+                        lengths[row] = len(self._held(slot).kv_block_ids[0])  # type: ignore[index]
             lists = [entries[s].kv_block_ids[0] for s in at]  # type: ignore[union-attr]
-        return FlightRows(self.full, self.full + 1, moved, changed, lengths, lists)
+        return FlightRows(
+            self.full, self.full + 1, moved, changed, lengths, lists, same=same, refill=refill
+        )
 
 
 def _arrival(r: Any, L: Limits) -> np.ndarray | None:
@@ -959,10 +991,16 @@ def _append_blocks(entry: Entry, new: Any, slot: int) -> list[tuple[list, int]]:
     w = f"step(): blocks[{slot}]"
     if lists is None:
         raise BatchError(f"{w}: the request arrived without kv_block_ids")
-    try:
-        new = list(new)
-    except TypeError:
-        raise BatchError(f"{w} must be a list of block ids, got {show(new)}") from None
+    if type(new) is not list:
+        try:
+            new = list(new)
+        except TypeError:
+            raise BatchError(f"{w} must be a list of block ids, got {show(new)}") from None
+    if len(lists) == 1 and new and type(new[0]) is int:  # the common case: ids for one list
+        blocks = lists[0]
+        undo = [(blocks, len(blocks))]
+        blocks.extend(new)  # a value other than an id is refused by the step's KV check
+        return undo
     per_list = bool(new) and all(isinstance(x, (list, tuple)) for x in new)
     if per_list and len(new) != len(lists):
         raise BatchError(

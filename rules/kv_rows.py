@@ -56,10 +56,10 @@ class KeptRows:
     # sequence to its new position instead of being rebuilt
     requests: tuple[Any, ...] = ()
     keys: list | None = None
-    # the in-flight step whose generation rows `table` holds (None: a stateless step's)
+    # in flight: the full step the rows were laid out at (None: a stateless step's); `table`
+    # is then a view of the last step's own rows in its staging half (the next step writes
+    # the other half), which advance() keeps current
     flight: int | None = None
-    # in flight, `table` is a view of this, allocated once for the most sequences of a step
-    storage: np.ndarray | None = None
 
 
 def sequence_keys(b: Batch) -> list:
@@ -87,7 +87,7 @@ class BlockPlan:
     moved: list[int] | np.ndarray | None = None
     keys: list | None = None
     flight: int | None = None  # requests in flight: the step the fill's rows belong to
-    hinted: bool = False  # the rows move and rebuild as the in-flight state says
+    hint: FlightRows | None = None  # in flight: the rows move and rebuild as the state says
 
 
 def _block_lists(b: Batch, field: str, generation: bool = True) -> list | None:
@@ -158,7 +158,7 @@ def check_block_lists(
     keys = None
     same_requests = kept is not None and kept.requests == b.generation  # identity, then eq
     if hint is not None:  # in flight: the state says what moved and changed
-        moved, changed = hint.moved, hint.changed
+        changed = hint.changed
         convert = lists[:n_ctx] + [gen[i] for i in changed]
     elif snapshot is None:
         changed, convert = None, lists
@@ -181,7 +181,7 @@ def check_block_lists(
         lengths if changed is None else np.concatenate((lengths[:n_ctx], lengths[n_ctx:][changed]))
     )
     step = b.flight.step if b.flight is not None else None
-    return BlockPlan(lists, blocks, sub, changed, kept, moved, keys, step, hint is not None)
+    return BlockPlan(lists, blocks, sub, changed, kept, moved, keys, step, hint)
 
 
 def _check_known(
@@ -200,9 +200,12 @@ def _check_known(
     were checked when they were context lists, and appends keep them); the ids of the context
     lists and of the new or grown ones are converted."""
     assert hint.lengths is not None and hint.lists is not None
-    lists = _block_lists(b, field, generation=False)
-    if lists is None:
-        _diagnose(b, field, need, width, width_name, limit, what)
+    lists = []  # a request in flight holds its own copy of its lists, as Python lists
+    for r in b.context:
+        ids = getattr(r, field)
+        if not ids or len(ids) != 1 and len(ids) != r.beam_width:
+            _diagnose(b, field, need, width, width_name, limit, what)
+        lists.append(ids[0])
     counts = [len(x) for x in lists]
     lengths = np.concatenate((counts, hint.lengths)) if counts else hint.lengths
     if len(lengths) and (int(lengths.max()) > width or int((lengths - need).min()) < 0):
@@ -213,7 +216,7 @@ def _check_known(
         _diagnose(b, field, need, width, width_name, limit, what)
     counts += map(len, hint.lists)
     sub = np.array(counts, dtype=np.int64)
-    return BlockPlan(convert, blocks, sub, hint.changed, kept, hint.moved, None, hint.step, True)
+    return BlockPlan(convert, blocks, sub, hint.changed, kept, None, None, hint.step, hint)
 
 
 def _diagnose(
