@@ -28,7 +28,6 @@ from .kv_rows import (
     KeptRows,
     check_block_lists,
     id_limit,
-    required_blocks,
     sequence_keys,
     write_at,
     write_kv_rows,
@@ -68,6 +67,12 @@ def _ctx_default_positions(out: np.ndarray, b: Batch) -> int:
     if not b.sizes.num_context_requests:
         return 0
     n = b.sizes.num_context_tokens
+    if b.sizes.num_context_requests <= 4:  # a few chunks: a range each, in out's dtype
+        o = 0
+        for begin, k in zip(b.ctx_begin.tolist(), b.ctx_input_len.tolist()):
+            out[o : o + k] = np.arange(begin, begin + k, dtype=out.dtype)
+            o += k
+        return n
     starts = np.add.accumulate(b.ctx_input_len) - b.ctx_input_len
     out[:n] = np.arange(n) + np.repeat(b.ctx_begin - starts, b.ctx_input_len)
     return n
@@ -290,7 +295,8 @@ def check_kv_blocks(
     return check_block_lists(
         b,
         "kv_block_ids",
-        need=required_blocks(tokens, tokens_per_block, max_blocks_per_seq),
+        tokens=tokens,
+        tokens_per_block=tokens_per_block,
         width=max_blocks_per_seq,
         width_name="max_blocks_per_seq",
         limit=id_limit(num_local_layers, num_kv_blocks),

@@ -24,7 +24,7 @@ import torch
 from ..runtime.errors import BatchError
 from ..runtime.values import INT32_MAX, INT64_MAX, check_int, checked_ints, show
 from .batch import Batch, encoder_input_length, encoder_output_length
-from .kv_rows import BlockPlan, check_block_lists, id_limit, required_blocks, write_kv_rows
+from .kv_rows import BlockPlan, check_block_lists, id_limit, write_kv_rows
 
 DEFAULT_POSTERIOR_THRESHOLD = 0.09  # Eagle's default (EagleConfig)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -161,7 +161,8 @@ def check_cross_kv_blocks(
     return check_block_lists(
         b,
         "cross_kv_block_ids",
-        need=required_blocks(tokens.astype(np.int64), tokens_per_block, width),
+        tokens=tokens.astype(np.int64),
+        tokens_per_block=tokens_per_block,
         width=width,
         width_name="max_cross_blocks_per_seq",
         limit=id_limit(num_local_layers, num_kv_blocks),

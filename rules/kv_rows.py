@@ -125,7 +125,8 @@ def check_block_lists(
     b: Batch,
     field: str,
     *,
-    need: np.ndarray,
+    tokens: np.ndarray,
+    tokens_per_block: int,
     width: int,
     width_name: str,
     limit: tuple[int, str],
@@ -144,7 +145,10 @@ def check_block_lists(
     # lists: then only the context lists are read (the others' shapes were checked when they
     # were context lists, and appends keep them)
     if hint is not None and hint.lengths is not None and field == "kv_block_ids":
-        return _check_known(b, field, hint, need, width, width_name, limit, what, kept)
+        return _check_known(
+            b, field, hint, tokens, tokens_per_block, width, width_name, limit, what, kept
+        )
+    need = required_blocks(tokens, tokens_per_block, width)
     lists = _block_lists(b, field)
     if lists is None:
         _diagnose(b, field, need, width, width_name, limit, what)
@@ -188,7 +192,8 @@ def _check_known(
     b: Batch,
     field: str,
     hint: FlightRows,
-    need: np.ndarray,
+    tokens: np.ndarray,
+    tpb: int,
     width: int,
     width_name: str,
     limit: tuple[int, str],
@@ -198,22 +203,37 @@ def _check_known(
     """check_block_lists in flight, where the state knows every generation list's length and
     holds the new or grown lists (`hint`): only the context lists are read (the others' shapes
     were checked when they were context lists, and appends keep them); the ids of the context
-    lists and of the new or grown ones are converted."""
+    lists and of the new or grown ones are converted. A list covers its sequence's tokens when
+    its blocks hold them (length * tokens_per_block >= tokens), or it fills the window."""
     assert hint.lengths is not None and hint.lists is not None
+
+    def fail() -> NoReturn:
+        _diagnose(b, field, required_blocks(tokens, tpb, width), width, width_name, limit, what)
+
     lists = []  # a request in flight holds its own copy of its lists, as Python lists
     for r in b.context:
         ids = getattr(r, field)
         if not ids or len(ids) != 1 and len(ids) != r.beam_width:
-            _diagnose(b, field, need, width, width_name, limit, what)
+            fail()
         lists.append(ids[0])
     counts = [len(x) for x in lists]
-    lengths = np.concatenate((counts, hint.lengths)) if counts else hint.lengths
-    if len(lengths) and (int(lengths.max()) > width or int((lengths - need).min()) < 0):
-        _diagnose(b, field, need, width, width_name, limit, what)
+    n_ctx = len(counts)
+    for n, t in zip(counts, tokens[:n_ctx].tolist()):  # a few context lists, in Python
+        if n > width or n < width and n * tpb < t:
+            fail()
+    lengths, gen = hint.lengths, tokens[n_ctx:]
+    if len(lengths) and int(lengths.max()) > width:
+        fail()
+    if (
+        len(lengths)
+        and (lengths * tpb < gen).any()
+        and ((lengths * tpb < gen) & (lengths < width)).any()
+    ):
+        fail()  # the second test only where a list falls short: a window may excuse it
     convert = lists + hint.lists
     blocks = int_array(list(itertools.chain.from_iterable(convert)))
     if blocks is None or not in_range(blocks, 0, limit[0]):
-        _diagnose(b, field, need, width, width_name, limit, what)
+        fail()
     counts += map(len, hint.lists)
     sub = np.array(counts, dtype=np.int64)
     return BlockPlan(convert, blocks, sub, hint.changed, kept, None, None, hint.step, hint)
