@@ -783,7 +783,9 @@ class InFlight:
         that ``finish`` refilled; the finished prompts follow them. With beams, each sequence's
         row is looked up (a refilled row of another width shifts the sequences after it)."""
         n_old = self.n_rows if len(rows) else 0  # kept rows, then the promoted ones
-        moved, same, refill = None, 0, ()
+        moved: np.ndarray | None = None
+        same = 0
+        refill: tuple[tuple[int, int], ...] = ()
         if wide:
             slots, beam = _beam_index(rows, widths)
             base = self.kept_first[slots]

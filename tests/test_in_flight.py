@@ -538,3 +538,35 @@ def test_a_refused_call_names_the_culprit_and_changes_nothing(case: str) -> None
         (good or (lambda y: y.step(_tokens())))(x)
     got, want = b.tensors, twin.tensors
     assert [n for n in got if not torch.equal(got[n], want[n])] == []
+
+
+def test_a_sequence_past_the_attention_window_needs_only_the_window_in_flight() -> None:
+    """llama's window is 16 blocks of 4 tokens: a 70-token prompt with 16 blocks, arriving
+    beside a decoding request, is covered (the rows stay cyclic), in its context step and as
+    it decodes, equal to the stateless steps; with 15 blocks it is refused, naming the blocks
+    it needs."""
+    prompt = [(7 * i) % 1000 for i in range(70)]
+    flight, stateless = make_buffers("llama"), make_buffers("llama")
+    first = Request(seq_slot=0, prompt=[5, 6, 7], kv_block_ids=[[20, 21]])
+    flight.add(Request(seq_slot=0, prompt=[5, 6, 7], kv_block_ids=[[20, 21]]))
+    flight.step()
+    stateless.prepare_step([first], [])
+    flight.add(Request(seq_slot=3, prompt=prompt, kv_block_ids=[list(range(16))]))
+    long = Request(seq_slot=3, prompt=prompt, kv_block_ids=[list(range(16))])
+    first.generated, ctx, sampled = [[9]], [long], 9
+    for token in (11, 12, 13):  # what each step samples
+        step = flight.step(np.full(6, sampled, np.int64))
+        want = stateless.prepare_step(ctx, [first] if ctx else [first, long])
+        for key, view in step.inputs.items():
+            assert torch.equal(view, want.inputs[key]), (key, token)
+        ctx, sampled = [], token
+        for r in (first, long):
+            r.generated = [[*(r.generated[0] if r.generated else []), token]]
+    short = make_buffers("llama")
+    short.add(Request(seq_slot=0, prompt=[5, 6, 7], kv_block_ids=[[20, 21]]))
+    short.step()
+    short.add(Request(seq_slot=3, prompt=prompt, kv_block_ids=[list(range(15))]))
+    with pytest.raises(
+        BatchError, match=r"holds 15 blocks, but its tokens after this step need 16"
+    ):
+        short.step(np.full(6, 9, np.int64))
