@@ -802,9 +802,8 @@ class InFlight:
         else:  # the kept rows are a step's with beams: each sequence's is looked up
             slots, moved = rows, self.kept_first[rows]
             changed = (moved < 0).nonzero()[0].tolist()
-        if grew and len(changed) < len(
-            slots
-        ):  # the sequences of kept rows whose lists grew (new rows are rebuilt)
+        # the sequences of kept rows whose lists grew (new rows are rebuilt anyway)
+        if grew and len(changed) < len(slots):
             first = np.cumsum(widths) - widths if wide else None
             for slot in grew:
                 row = int(self.row_of[slot])

@@ -90,14 +90,13 @@ class BlockPlan:
     hint: FlightRows | None = None  # in flight: the rows move and rebuild as the state says
 
 
-def _block_lists(b: Batch, field: str, generation: bool = True) -> list | None:
-    """Each sequence's block list, in row order (only the context requests' without
-    `generation`); None if a request's `field` is missing or has neither one list nor one per
-    beam. A context request is one sequence: its first list."""
+def _block_lists(b: Batch, field: str) -> list | None:
+    """Each sequence's block list, in row order; None if a request's `field` is missing or
+    has neither one list nor one per beam. A context request is one sequence: its first list."""
     get = attrgetter(field)
     try:
         ctx_ids = list(map(get, b.context))
-        gen_ids = list(map(get, b.generation)) if generation else []
+        gen_ids = list(map(get, b.generation))
         counts = list(map(len, gen_ids))
         if not all(map(len, ctx_ids)) or not all(counts):
             return None
@@ -106,9 +105,9 @@ def _block_lists(b: Batch, field: str, generation: bool = True) -> list | None:
     if any(len(ids) not in (1, r.beam_width) for ids, r in zip(ctx_ids, b.context)):
         return None
     lists = list(map(_FIRST, ctx_ids))
-    if generation and b.sizes.num_generation_sequences == len(counts) == counts.count(1):
+    if b.sizes.num_generation_sequences == len(counts) == counts.count(1):
         lists += map(_FIRST, gen_ids)  # one beam, one list each: the common case
-    elif generation:
+    else:
         for ids, beams in zip(gen_ids, b.gen_beam_width):
             if len(ids) not in (1, beams):
                 return None
