@@ -336,7 +336,7 @@ def kv_cache_block_offsets(
     kept.entered = []  # advance() continues from these rows
     kept.flight = plan.flight
     if plan.hint is not None:  # in flight: the state says which rows moved and which grew
-        _follow(kept, plan, out, rows, n_ctx, width, layers)
+        _follow(kept, plan, rows, n_ctx, layers)
         return rows.size
     k = int(plan.lengths[:n_ctx].sum())
     write_kv_rows(rows[:n_ctx], plan.blocks[:k], plan.lengths[:n_ctx], layers)
@@ -373,15 +373,7 @@ def _take_rows(into: np.ndarray, table: np.ndarray, moved: Any) -> None:
         np.take(table, moved, axis=0, out=into, mode="wrap")
 
 
-def _follow(
-    kept: KeptRows,
-    plan: BlockPlan,
-    out: np.ndarray,
-    rows: np.ndarray,
-    n_ctx: int,
-    width: int,
-    layers: int,
-) -> None:
+def _follow(kept: KeptRows, plan: BlockPlan, rows: np.ndarray, n_ctx: int, layers: int) -> None:
     """In flight: the generation rows from the last step's rows where their sequences now are
     (one beam each: all but those ``finish`` refilled are where they were, one contiguous
     copy), then the context rows and those of `plan.changed` built from their lists (the

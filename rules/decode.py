@@ -56,8 +56,7 @@ def next_step(d: Decode, tokens: Any, limits: Limits, holds_run: bool, grown: tu
     whose KV block list the caller grew for this step (requests in flight)."""
     count = len(d.tokens)
     if type(tokens) is Sampled:
-        if len(tokens.values) != count:  # pragma: no cover - the state lays out both
-            raise BatchError(f"advance() needs {count} tokens, one per sequence")
+        assert len(tokens.values) == count  # the in-flight state lays out both
         return Decode(d.batch, tokens.values, d.seq_tokens + 1, holds_run, grown)
     if isinstance(tokens, torch.Tensor):
         if tokens.is_floating_point() or tokens.is_complex() or tokens.layout != torch.strided:

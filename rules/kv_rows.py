@@ -223,12 +223,9 @@ def _check_known(
     lengths, gen = hint.lengths, tokens[n_ctx:]
     if len(lengths) and int(lengths.max()) > width:
         fail()
-    if (
-        len(lengths)
-        and (lengths * tpb < gen).any()
-        and ((lengths * tpb < gen) & (lengths < width)).any()
-    ):
-        fail()  # the second test only where a list falls short: a window may excuse it
+    short = lengths * tpb < gen
+    if short.any() and (short & (lengths < width)).any():  # a full window covers any length
+        fail()
     convert = lists + hint.lists
     blocks = int_array(list(itertools.chain.from_iterable(convert)))
     if blocks is None or not in_range(blocks, 0, limit[0]):
