@@ -178,6 +178,14 @@ def _demo(argv: list[str]) -> int:
     return demo_main(argv)
 
 
+def _folder(text: str) -> str:
+    """An --out folder: a blank one (an unset `--out "$OUT"`) would mean the current
+    directory, whose generated files the spec does not produce would be deleted."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a folder, got {text!r}")
+    return text
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bufc",
@@ -195,7 +203,10 @@ def parser() -> argparse.ArgumentParser:
         )
         if out:
             sp.add_argument(
-                "--out", default="generated", help="the output folder (default: generated)"
+                "--out",
+                default="generated",
+                type=_folder,
+                help="the output folder (default: generated)",
             )
 
     g = sub.add_parser(

@@ -19,15 +19,13 @@ import jinja2
 
 from . import expr as E
 from . import vocab
-from .model import Impl, Parameter
+from .model import Check, Impl, Parameter
 from .plan import FamilyPlan, PlannedFill, PlannedIndexSet, PlannedTensor, StepProgram
 
 if TYPE_CHECKING:
     from .pipeline import Compiled
 
 FORMAT_VERSION = 2  # the runtime API the generated modules are written against
-# module-level names of a generated module that an implementation's module alias must not take
-_TAKEN = {"rt", "torch", "dataclasses", "typing", "batch", "decode", "Sequence", "StepSizes"}
 MARKER = "@" + "generated"  # split so that grep finds only outputs
 # the headers name no path, so the output does not depend on how --spec and --out were spelled;
 # `bufc check` prints the exact command
@@ -99,6 +97,13 @@ def _file_label(file: str) -> str:
     ``ascii()`` does, so a hostile file name can never end a comment line."""
     label = ascii(file)[1:-1]
     return "".join(ch if " " <= ch <= "~" else "?" for ch in label)
+
+
+def check_message(c: Check, file: str) -> str:
+    """What a Config says when its check `c` fails (`file`: the spec's file name); `bufc
+    report` says the same. Named by its condition, not its line: moving the spec's lines
+    changes nothing."""
+    return f"{_comment(c.message)} ({_file_label(file)}: {_comment(c.require.text)})"
 
 
 def _tensor_context(pt: PlannedTensor, sizes: set[str], rules: dict[str, str]) -> dict[str, Any]:
@@ -182,18 +187,33 @@ def _parameter(p: Parameter, dtype_values: dict[str, tuple[str, ...]]) -> dict[s
 
 
 class _Aliases:
-    """The name each implementation module is imported as: its last component, or (taken)
-    its whole path joined with underscores."""
+    """The name each implementation module is imported as: its last component where that is
+    free, else its whole path joined with underscores, with `_` appended until free.
 
-    def __init__(self, impls: list[Impl]) -> None:
+    Not free: every name the generated module binds or reads (``vocab.GENERATED_NAMES``: its
+    imports, classes, methods, their parameters and locals, the builtins it calls), the spec's
+    own names it binds (`fields`: the check and tensor names that are fields of State, Checked
+    and Advancing; the SET_* index sets), and the aliases given before. bufc's own rule modules
+    (``bufc.rules.core``, ...) come first and take the names reserved for them."""
+
+    def __init__(self, impls: list[Impl], fields: set[str]) -> None:
         self.alias: dict[str, str] = {}
-        for module in dict.fromkeys(i.module for i in impls):
+        taken = set(vocab.GENERATED_NAMES) | fields
+
+        def free(name: str) -> bool:
+            return name not in taken and not name.startswith("SET_")
+
+        modules = list(dict.fromkeys(i.module for i in impls))
+        for module in sorted(modules, key=lambda m: not _own_rule_module(m)):  # stable
             name = module.rsplit(".", 1)[-1]
-            if name in _TAKEN or name in self.alias.values():
+            if not (_own_rule_module(module) or free(name)):
                 name = module.replace(".", "_")
-            while name in _TAKEN or name in self.alias.values():
-                name += "_"
+                if name.startswith("SET_"):
+                    name = "_" + name
+                while not free(name):
+                    name += "_"
             self.alias[module] = name
+            taken.add(name)
 
     def __call__(self, impl: Impl) -> str:
         return f"{self.alias[impl.module]}.{impl.name}"
@@ -209,6 +229,11 @@ class _Aliases:
             else:
                 lines.append(f"import {module} as {name}")
         return lines
+
+
+def _own_rule_module(module: str) -> bool:
+    package, _, last = module.rpartition(".")
+    return package == "bufc.rules" and last in vocab.RULE_MODULES
 
 
 def _impls(program: StepProgram) -> list[Impl]:
@@ -446,12 +471,13 @@ def _advance_lines(f: PlannedFill, alias: _Aliases) -> list[str]:
 
 
 def render_family(plan: FamilyPlan, file: str) -> str:
-    file = _file_label(file)
+    spec_file, file = file, _file_label(file)
     sizes = {z.name for z in plan.sizes}
     flags = ", ".join(f"{k}={v!r}" for k, v in plan.flags)
     params = [_parameter(p, dict(plan.dtype_values)) for p in plan.parameters]
     assert plan.program is not None
-    alias = _Aliases(_impls(plan.program))
+    fields = {chk.name for chk in plan.program.checks} | {f.tensor for f in plan.program.fills}
+    alias = _Aliases(_impls(plan.program), fields)
     context = {
         "imports": [
             "import typing",
@@ -490,8 +516,7 @@ def render_family(plan: FamilyPlan, file: str) -> str:
                     name=lambda n: f"self.{n}",
                     call=lambda f: f"rt.{f}" if f == "cdiv" else f,
                 ),
-                # named by its condition, not its line: moving the spec's lines changes nothing
-                "message": f"{_comment(c.message)} ({file}: {_comment(c.require.text)})",
+                "message": check_message(c, spec_file),
                 "text": _comment(c.require.text),
             }
             for c in plan.checks

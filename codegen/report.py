@@ -1,17 +1,23 @@
 """``bufc report FAMILY --set name=value``: what a family allocates for given parameters.
 
 Evaluated with the formula interpreter, so it needs no torch: the tensors that exist, their
-capacity shapes and bytes, their engine bindings, and the total.
+capacity shapes and bytes, their engine bindings, and the total. The values given are checked
+as the family's Config checks them (``bufc.config_checks``, the spec's checks), and refused
+with its messages.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import types
+from pathlib import PurePath
 from typing import TYPE_CHECKING
 
+from bufc import config_checks
+
+from . import emit, vocab
 from . import expr as E
-from . import vocab
 from .errors import did_you_mean
 
 if TYPE_CHECKING:
@@ -199,10 +205,11 @@ def report(compiled: Compiled, family_name: str, settings: dict[str, str]) -> Re
             f"families: {', '.join(families)}"
         )
     plan = families[family_name]
-    env: dict[str, int | bool | str] = {}
+    where = f"{family_name}.Config"
+    values: dict[str, object] = {}
     dtypes: dict[str, str] = {}
     known = {p.name: p for p in plan.parameters}
-    for key, raw in settings.items():
+    for key, raw in settings.items():  # the text of each --set, read as its kind
         if key not in known:
             raise ReportError(
                 f"family '{family_name}' has no parameter '{key}'{did_you_mean(key, known)}"
@@ -218,35 +225,50 @@ def report(compiled: Compiled, family_name: str, settings: dict[str, str]) -> Re
         elif kind == "bool":
             if raw.lower() not in ("true", "false"):
                 raise ReportError(f"{key}: '{raw}' is not true or false")
-            env[key] = raw.lower() == "true"
+            values[key] = raw.lower() == "true"
         elif kind == "names":
-            names = tuple(n for n in raw.split(",") if n)
-            for n in names:
-                if n not in known[key].values:
-                    raise ReportError(f"{key}: '{n}' is not one of {', '.join(known[key].values)}")
-            env[key] = names  # type: ignore[assignment]
+            values[key] = tuple(n for n in raw.split(",") if n)
         else:
-            env[key] = parse_int(key, raw)
+            values[key] = parse_int(key, raw)
+    missing = [
+        p.name
+        for p in plan.parameters
+        if p.kind != "dtype" and p.default is None and p.name not in values
+    ]
+    if missing:
+        raise ReportError("missing --set for: " + ", ".join(missing))
     for p in plan.parameters:
         if p.kind == "dtype":
             dtypes.setdefault(p.name, str(p.default))
-            continue
-        if p.name not in env:
-            if p.default is None:
-                missing = [
-                    q.name
-                    for q in plan.parameters
-                    if q.kind != "dtype" and q.default is None and q.name not in env
-                ]
-                raise ReportError("missing --set for: " + ", ".join(missing))
-            env[p.name] = p.default  # type: ignore[assignment]
-        if p.kind == "int" and p.minimum is not None and int(env[p.name]) < p.minimum:  # type: ignore[arg-type]
-            raise ReportError(f"{p.name} must be at least {p.minimum}")
+        else:
+            values.setdefault(p.name, p.default)
+    # the checks the family's Config runs on its parameters, in its order, every problem at once
+    config = types.SimpleNamespace(**values)
+    errors: list[str] = []
+    for p in plan.parameters:
+        if p.kind == "int":
+            minimum = int(p.minimum) if p.minimum is not None else 0
+            config_checks.check_int(config, p.name, minimum=minimum, errors=errors)
+        elif p.kind == "bool":
+            config_checks.check_bool(config, p.name, errors)
+        elif p.kind == "names":
+            config_checks.check_names(config, p.name, tuple(str(v) for v in p.values), errors)
+    if errors:
+        raise ReportError(config_checks.failure(where, errors))
+    env: dict[str, int | bool | str] = dict(vars(config))
     for d in plan.derived:
         env[d.name] = _evaluate(d.value.expr, env, f"derived value '{d.name}'")
+    # then its checks over them, with its messages
     for c in plan.checks:
-        if not _evaluate(c.require.expr, env, "a check"):
-            raise ReportError(f"{c.message} ({c.require.text})")
+        message = emit.check_message(c, PurePath(c.loc.file).name)
+        try:
+            ok = bool(E.evaluate(c.require.expr, env, limit=_LIMIT))
+        except ArithmeticError as exc:  # as the Config: the check fails, saying why
+            ok, message = False, f"{message} ({exc})"
+        if not ok:
+            errors.append(message)
+    if errors:
+        raise ReportError(config_checks.failure(where, errors))
 
     staged = {t.fill_target for t in plan.tensors if t.fill_kind == "mirror"}
     tensors = []

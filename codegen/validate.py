@@ -36,40 +36,6 @@ RESERVED = {
     "sizes",
 }
 
-# Names a generated module binds or reads at module and class level (family.py.j2): a field
-# of its Config with one of these names would shadow them (a parameter 'dataclasses' with a
-# default breaks the module's import), so no declared name may take them. The upper-case ones
-# cannot be spec names (the schema's pattern); they are listed so that a test can check this
-# set against the template's output.
-GENERATED_NAMES = {
-    "annotations",
-    "dataclasses",
-    "torch",
-    "rt",
-    "int",
-    "bool",
-    "str",
-    "tuple",
-    "object",
-    "typing",
-    "Sequence",
-    "batch",
-    "inflight",
-    "decode",
-    "core",
-    "features",
-    "kv_rows",
-    "StepSizes",
-    "FAMILY",
-    "FLAGS",
-    "Config",
-    "TENSORS",
-    "State",
-    "Checked",
-    "Advancing",
-    "RuntimeBuffers",
-}
-
 KIND_TEXT = {
     "flag": "generate-time flag",
     "parameter": "construct-time parameter",
@@ -117,7 +83,9 @@ class Checker:
     def check_name(self, name: str, loc: Location, what: str) -> None:
         if keyword.iskeyword(name) or keyword.issoftkeyword(name) or name in RESERVED:
             self.errors.error(loc, f"{what} name '{name}' is reserved; choose another name")
-        elif name in GENERATED_NAMES or name.startswith("SET_"):
+        elif name in vocab.MODULE_NAMES or name.startswith("SET_"):
+            # a declared name binds only as a dataclass field of a generated module (elsewhere
+            # it is an attribute or a keyword), where it would shadow a module-level name
             self.errors.error(
                 loc,
                 f"{what} name '{name}' is reserved: generated modules use it at module level; "

@@ -52,3 +52,105 @@ DTYPE_RANGES: dict[str, tuple[int, int]] = {
 
 # spec memory kind -> runtime constant name
 MEMORY_KINDS: dict[str, str] = {"device": "DEVICE", "host": "HOST", "pinned": "PINNED"}
+
+# bufc's own rule modules, imported as their last component (bufc.rules.core as `core`); the
+# emitter gives them these names, and any other module that would take one gets another.
+RULE_MODULES: frozenset[str] = frozenset({"core", "features", "kv_rows"})
+
+# The names a generated module (family.py.j2, and render_init's generated/__init__.py) binds or
+# reads as plain names. The only names it binds that are not here are the spec's own: fields
+# of Config, State, Checked and Advancing (parameters, derived values, checks, tensors) and the
+# SET_* variables of index sets. A test checks every generated module against these sets.
+#
+# Module level: its imports, assignments and classes, and the builtins it reads. A spec name
+# binds only in a class body (a dataclass field), where it shadows these for the rest of that
+# body (a parameter 'dataclasses' with a default breaks the module's import): no declared name
+# may take one (validate.py).
+MODULE_NAMES: frozenset[str] = frozenset(
+    {
+        "annotations",
+        "dataclasses",
+        "rt",
+        "typing",
+        "Sequence",
+        "batch",
+        "decode",
+        "inflight",
+        *RULE_MODULES,
+        "StepSizes",
+        "torch",
+        "FAMILY",
+        "FLAGS",
+        "FAMILIES",  # generated/__init__.py
+        "Config",
+        "TENSORS",
+        "State",
+        "Checked",
+        "Advancing",
+        "RuntimeBuffers",
+        # builtins (formulas call min, max and len)
+        "object",
+        "int",
+        "bool",
+        "str",
+        "tuple",
+        "list",
+        "len",
+        "min",
+        "max",
+    }
+)
+
+# RuntimeBuffers' class attributes and the methods of the classes.
+MEMBER_NAMES: frozenset[str] = frozenset(
+    {
+        "config_type",
+        "sizes_type",
+        "state_type",
+        "tensor_decls",
+        "kv_lengths",
+        "sampled_tokens",
+        "advances_on_device",
+        "no_advance",
+        "__post_init__",
+        "_limits",
+        "_batch",
+        "_in_flight",
+        "_check",
+        "_fill",
+        "_advance_check",
+        "_advance",
+        "_advance_on_device",
+    }
+)
+
+# The parameters and locals of the methods and lambdas (spec names are only ever attributes
+# and keywords there: `c.max_batch_size`, `k.kv_blocks`, `t.host_input_ids`).
+LOCAL_NAMES: frozenset[str] = frozenset(
+    {
+        "self",
+        "errors",
+        "context",
+        "generation",
+        "last",
+        "tokens",
+        "holds_run",
+        "grown",
+        "state",
+        "index",
+        "a",
+        "b",
+        "c",
+        "d",
+        "k",
+        "p",
+        "s",
+        "t",
+        "v",
+    }
+)
+
+# Every one of them: an implementation module's import alias takes none (emit.py), or it would
+# be shadowed where the name is bound (`from mypkg import state` by the local `state` of
+# _check, `from mypkg import Config` by the class).
+GENERATED_NAMES: frozenset[str] = MODULE_NAMES | MEMBER_NAMES | LOCAL_NAMES

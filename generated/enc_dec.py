@@ -734,8 +734,12 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         self.check_shape('host_cross_attention_mask', (s.num_tokens, s.max_encoder_input_length))
         self.check_shape('cross_attention_packed_mask', (s.num_tokens, c.packed_mask_words))
         # Every context request carries its encoder_output, [encoder_output_length,
-        # encoder_hidden_size].
-        features.check_encoder_outputs(b, encoder_hidden_size=c.encoder_hidden_size)
+        # encoder_hidden_size] in model_dtype.
+        features.check_encoder_outputs(
+            b,
+            encoder_hidden_size=c.encoder_hidden_size,
+            model_dtype=c.model_dtype,
+        )
         # Each cross_attention_mask holds booleans, [rows >= 1, at most the longest encoder input].
         features.check_cross_attention_masks(b)
         return Checked(

@@ -117,8 +117,10 @@ def encoder_output_lengths(out: np.ndarray, b: Batch) -> int:
     return len(values)
 
 
-def check_encoder_outputs(b: Batch, *, encoder_hidden_size: int) -> None:
-    """Every context request has its encoder_output, [encoder_output_length, hidden]."""
+def check_encoder_outputs(b: Batch, *, encoder_hidden_size: int, model_dtype: torch.dtype) -> None:
+    """Every context request has its encoder_output, [encoder_output_length, hidden] in the
+    model dtype (the dtype of the step's encoder_output tensor: the fill copies it as it is,
+    and another floating dtype would be cast without a word)."""
     for i, r in enumerate(b.context):
         t = getattr(r, "encoder_output", None)
         want = (encoder_output_length(r), encoder_hidden_size)
@@ -132,6 +134,11 @@ def check_encoder_outputs(b: Batch, *, encoder_hidden_size: int) -> None:
         if tuple(t.shape) != want:
             raise BatchError(
                 f"{_where(b, i)}: encoder_output has shape {list(t.shape)}, expected {list(want)}"
+            )
+        if t.dtype != model_dtype:
+            raise BatchError(
+                f"{_where(b, i)}: encoder_output is {t.dtype}, expected the model dtype "
+                f"{model_dtype} (model_dtype); cast it with .to({model_dtype})"
             )
 
 

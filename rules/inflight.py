@@ -30,7 +30,7 @@ import torch
 
 from ..runtime.errors import BatchError
 from ..runtime.tokens import Gather
-from ..runtime.values import INT32_MAX, in_range, int_array, is_int, show
+from ..runtime.values import INT32_MAX, check_token_dtype, in_range, int_array, is_int, show
 from .batch import (
     Batch,
     FlightRows,
@@ -170,7 +170,10 @@ class InFlight:
         self.n_blocks = np.zeros((n, w), np.int64)
         # tokens gathered on the device in the last step: (slot, beam, the slot's serial) of
         # each value on its way back; and the slots a step sampled an out-of-range token for
-        self.pending: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.pending: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
+        # a steady run's gather, laid out once: (columns, src, dst, slots, beams); None once
+        # the rows change (a finish, or a full step)
+        self.steady_gather: tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self.bad: dict[int, int] = {}
 
     # -------------------------------------------------------------------- arrivals, finishes
@@ -215,6 +218,7 @@ class InFlight:
         self.n_lists[slot] = n_lists
         self.n_unlisted += not n_lists
         self._count_blocks(slot, blocks, self.n_blocks)
+        self._serials_pending()
         self.serial[slot] += 1
         self.prompt_len[slot] = len(prompt)
         self.prompt_arrays[slot] = prompt
@@ -236,6 +240,7 @@ class InFlight:
         entry = self.entries[slot]
         if entry is None:
             raise BatchError(f"finish(): seq_slot {slot} holds no request in flight")
+        self.steady_gather = None
         row = int(self.row_of[slot])
         if row >= 0:  # condense: the last row fills the hole
             last = self.n_rows - 1
@@ -250,6 +255,7 @@ class InFlight:
         self.waiting.pop(slot, None)
         self.entries[slot] = None
         self.prompt_arrays[slot] = None
+        self._serials_pending()
         self.serial[slot] += 1
         self.kept_first[slot] = -1
         self.n_unlisted -= not self.n_lists[slot]
@@ -263,6 +269,13 @@ class InFlight:
         self.bad.pop(slot, None)
         self.changed = True
 
+    def _serials_pending(self) -> None:
+        """Before a slot's serial changes: a steady step's pending tokens, kept without their
+        serials, get them now (they have not changed since that step)."""
+        pending = self.pending
+        if pending is not None and pending[2] is None:
+            self.pending = (pending[0], pending[1], self.serial[pending[0]])
+
     def tokens_back(self, values: np.ndarray) -> None:
         """The tokens the last step gathered on the device, back on the host: they become the
         last tokens of their beams (of requests still in flight); an out-of-range one marks its
@@ -271,9 +284,15 @@ class InFlight:
         if pending is None:
             return
         slots, beams, serials = pending
-        alive = self.serial[slots] == serials
-        self.last[slots[alive], beams[alive]] = values[alive]
         L = self.limits
+        if serials is None:  # a steady step's, one beam each, and nothing arrived or left since
+            self.last[:, 0][slots] = values
+            if in_range(values, 0, L.token_limit):
+                return
+            alive = np.ones(len(slots), bool)
+        else:
+            alive = self.serial[slots] == serials
+            self.last[slots[alive], beams[alive]] = values[alive]
         bad = np.flatnonzero(alive & ((values < 0) | (values >= L.token_limit)))
         for i in bad.tolist():
             self.bad[int(slots[i])] = int(values[i])
@@ -328,9 +347,9 @@ class InFlight:
             promoted_a = np.array(promoted, np.int64) if promoted else _EMPTY
             producers = np.concatenate((promoted_a, alive)) if promoted else alive
             generated, last = self.generated, self.last
-            flat: torch.Tensor | None = None
+            table: torch.Tensor | None = None
             if producers.size and on_device:  # the values stay there: counts only
-                flat, k = _device_table(tokens, L.max_batch_size)
+                table, k = _device_table(tokens, L)
                 widest = int(self.beam_width[producers].max()) if self.n_wide else 1
                 if widest > k:
                     raise BatchError(
@@ -340,7 +359,7 @@ class InFlight:
                 generated = generated.copy()
                 generated[producers] += 1
             elif producers.size:
-                tok = _token_table(tokens, L.max_batch_size, mbw)
+                tok = _token_table(tokens, L)
                 if self.n_wide:
                     widths = self.beam_width[producers]
                     if int(widths.max()) > tok.shape[1]:
@@ -437,7 +456,7 @@ class InFlight:
             context, positions, completing = self._context(chunks)
             batch = self._batch(context, rows, row_entries, generated, last, ndraft, set(grew))
             gather, gathered = (
-                self._gather(batch, flat, k, producers) if flat is not None else (None, None)
+                self._gather(batch, table, k, producers) if table is not None else (None, None)
             )
             return Plan(
                 batch,
@@ -467,11 +486,11 @@ class InFlight:
         L = self.limits
         rows = self.rows[: self.n_rows]
         widths = self.beam_width[rows] if self.n_wide else _EMPTY
-        flat: torch.Tensor | None = None
+        table: torch.Tensor | None = None
         if on_device:
-            flat, k = _device_table(tokens, L.max_batch_size)
+            table, k = _device_table(tokens, L)
         else:
-            tok = _token_table(tokens, L.max_batch_size, L.max_beam_width)
+            tok = _token_table(tokens, L)
             k = tok.shape[1]
         if self.n_wide and int(widths.max()) > k:
             raise BatchError(
@@ -479,17 +498,26 @@ class InFlight:
                 f"{int(widths.max())} beams"
             )
         gather, gathered = None, None
-        if flat is None:
+        if table is None:
             values = _sequence_values(tok, rows, widths, self.n_wide)
             _check_tokens(values, L)
         else:  # the host writes the last tokens it knows; the device then writes the new
             values = _sequence_values(self.last, rows, widths, self.n_wide)
-            if not self.n_wide or not (widths > 1).any():
-                slots, beams = rows, np.zeros(len(rows), np.int64)
-            else:
-                slots, beams = _beam_index(rows, widths)
-            gather = Gather(flat, slots * k + beams, np.arange(len(slots)), L.token_limit)
-            gathered = (slots, beams)
+            held = self.steady_gather
+            if held is None or held[0] != k:  # the rows changed since: laid out once a run
+                if not self.n_wide or not (widths > 1).any():
+                    slots, beams = rows.copy(), np.zeros(len(rows), np.int64)
+                else:
+                    slots, beams = _beam_index(rows, widths)
+                held = self.steady_gather = (
+                    k,
+                    slots * k + beams,
+                    np.arange(len(slots)),
+                    slots,
+                    beams,
+                )
+            gather = Gather(table, held[1], held[2], L.token_limit)
+            gathered = (held[3], held[4])
         undo: list[tuple[list, int]] = []
         grew: dict[int, list[int]] = {}
         try:
@@ -522,22 +550,29 @@ class InFlight:
 
     def commit(self, plan: Plan) -> None:
         """The planned step ran: the state is the one it leaves."""
+        steady = plan.generated is None
         if plan.gathered is not None:
             slots, beams = plan.gathered
-            self.pending = (slots, beams, self.serial[slots])
-        if plan.generated is None:  # steady: the same rows, each one token longer
+            # a steady step of one-beam rows: the serials are read only if a request arrives
+            # or leaves before the values are back (_serials_pending)
+            one_beam = steady and not self.n_wide
+            self.pending = (slots, beams, None if one_beam else self.serial[slots])
+        if steady:  # the same rows, each one token longer
             assert plan.tokens is not None
             rows = self.rows[: self.n_rows]
             self.generated[rows] += 1
             widths = self.beam_width[rows] if self.n_wide else None
-            if widths is None or not (widths > 1).any():
+            if plan.gathered is not None:
+                pass  # the tokens are the device's: tokens_back sets them
+            elif widths is None or not (widths > 1).any():
                 self.last[:, 0][rows] = plan.tokens.values  # one axis: a cheaper scatter
             else:
                 self.last[_beam_index(rows, widths)] = plan.tokens.values
             for slot in plan.grew:
                 self._count_blocks(slot, self._held(slot).kv_block_ids, self.n_blocks)
             return
-        assert plan.last is not None
+        assert plan.last is not None and plan.generated is not None
+        self.steady_gather = None  # rows may have joined
         self.generated, self.last, self.ndraft, self.drafted = (
             plan.generated,
             plan.last,
@@ -575,7 +610,7 @@ class InFlight:
 
     # ---------------------------------------------------------------------------- helpers
     def _gather(
-        self, b: Batch, flat: torch.Tensor, k: int, producers: np.ndarray
+        self, b: Batch, table: torch.Tensor, k: int, producers: np.ndarray
     ) -> tuple[Gather, tuple[np.ndarray, np.ndarray]]:
         """The device gather of a full step: each generation sequence of a producing slot
         takes ``tokens[slot, beam]`` into its first input token (core.token_ids' layout:
@@ -600,7 +635,7 @@ class InFlight:
             rest = producers[mask[producers]]
             s, bm = _beam_index(rest, self.beam_width[rest])
             seq_slots, beams = np.concatenate((seq_slots, s)), np.concatenate((beams, bm))
-        gather = Gather(flat, seq_slots * k + beams, dst, self.limits.token_limit)
+        gather = Gather(table, seq_slots * k + beams, dst, self.limits.token_limit)
         return gather, (seq_slots, beams)
 
     def _count_blocks(self, slot: int, lists: Any, into: np.ndarray) -> None:
@@ -898,8 +933,9 @@ def _empty(tokens: Any) -> bool:
         return False
 
 
-def _token_table(tokens: Any, slots: int, beams: int) -> np.ndarray:
+def _token_table(tokens: Any, L: Limits) -> np.ndarray:
     """The sampled tokens as an int64 [slots, k] table (k columns per slot, one per beam)."""
+    slots = L.max_batch_size
     if tokens is None:
         raise BatchError(
             "step(): the last step produced tokens; pass them (tokens[seq_slot], or "
@@ -911,8 +947,9 @@ def _token_table(tokens: Any, slots: int, beams: int) -> np.ndarray:
         if tokens.ndim == 1:
             return tokens.reshape(len(tokens), 1)
     if isinstance(tokens, torch.Tensor):
-        if tokens.is_floating_point() or tokens.is_complex() or tokens.layout != torch.strided:
-            raise BatchError(f"step() needs integer tokens, got a {tokens.dtype} tensor")
+        if tokens.layout != torch.strided:
+            raise BatchError(f"step() needs a strided tensor of tokens, got {tokens.layout}")
+        check_token_dtype(tokens.dtype, L.token_limit, L.token_limit_text, "step()", False)
         tokens = tokens.detach().cpu().numpy()
     try:
         a = np.asarray(tokens)
@@ -923,29 +960,28 @@ def _token_table(tokens: Any, slots: int, beams: int) -> np.ndarray:
             f"step() needs integer tokens indexed by seq slot: an array of {slots} rows "
             f"(max_batch_size), or [{slots}, beams]; got {a.dtype} of shape {list(a.shape)}"
         )
+    if isinstance(tokens, np.ndarray):  # a list's ints are read as int64
+        check_token_dtype(a.dtype, L.token_limit, L.token_limit_text, "step()", False)
     if a.dtype.kind == "u" and a.size and int(a.max()) > INT32_MAX:
         raise BatchError("step(): a token is outside the int32 range")
     a = a.astype(np.int64, copy=False)
     return a.reshape(len(a), 1) if a.ndim == 1 else a
 
 
-def _device_table(tokens: Any, slots: int) -> tuple[torch.Tensor, int]:
-    """Sampled tokens on the device: the flat tensor and its columns per slot (its shape and
-    dtype checked; its values are checked on the device)."""
+def _device_table(tokens: Any, L: Limits) -> tuple[torch.Tensor, int]:
+    """Sampled tokens on the device: the tensor, [slots] or [slots, k], and its columns per
+    slot k (its shape and dtype checked; its values are checked on the device)."""
     t: torch.Tensor = tokens
-    if (
-        t.is_floating_point()
-        or t.is_complex()
-        or t.dtype == torch.bool
-        or t.layout != torch.strided
-    ):
-        raise BatchError(f"step() needs integer tokens, got a {t.dtype} tensor")
+    slots = L.max_batch_size
+    if t.layout != torch.strided:
+        raise BatchError(f"step() needs a strided tensor of tokens, got {t.layout}")
+    check_token_dtype(t.dtype, L.token_limit, L.token_limit_text, "step()", True)
     if t.ndim not in (1, 2) or t.shape[0] < slots or (t.ndim == 2 and t.shape[1] < 1):
         raise BatchError(
             f"step() needs integer tokens indexed by seq slot: a tensor of {slots} rows "
             f"(max_batch_size), or [{slots}, beams]; got shape {list(t.shape)}"
         )
-    return t.reshape(-1), 1 if t.ndim == 1 else int(t.shape[1])
+    return t, 1 if t.ndim == 1 else int(t.shape[1])
 
 
 def _beam_index(slots: np.ndarray, widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -43,7 +43,8 @@ class Request:
     """Encoder output rows (default: the encoder input length)."""
     encoder_output: Any = None
     """Decoder of an encoder-decoder model, context phase: the encoder's output rows
-    ([encoder_output_length, encoder_hidden_size] tensor)."""
+    ([encoder_output_length, encoder_hidden_size] tensor, of the Config's model_dtype: another
+    dtype is refused, not cast; ``.to(model_dtype)`` it first)."""
     cross_kv_block_ids: Sequence[Sequence[int]] | None = None
     """Cross-attention KV cache block ids, one list per beam (or one shared list)."""
     cross_attention_mask: Any = None

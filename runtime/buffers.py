@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from .decl import DEVICE, PINNED, STATIC, Constant, Mirror, Rule, TensorDecl
-from .errors import BatchError, ConfigError
+from .errors import BatchError, ConfigError, FillCountError
+from .graphs import Replays
 from .staging import ALIGN, HALVES, DeviceStep, Staging, Target, Targets
 from .tokens import Gather, TokenGather, region_bytes
 from .values import INT32_MAX, check_int, int_array
@@ -177,6 +178,8 @@ class RuntimeBuffers:
                         else self._flat[h][d.name].numpy(),
                         d.pad,
                         written[d.name] if self._flat[0][d.name] is self._flat[1][d.name] else [0],
+                        d.name,
+                        d.fill.impl,  # type: ignore[union-attr]
                     )
                     for d in rules
                 }
@@ -193,6 +196,11 @@ class RuntimeBuffers:
         self._copy_itemsize = self._dtype[last].itemsize if last else 0
         self._device_high_water = 0
         self.copies_per_step = 1 if end else 0
+        self._mirrored = [  # the fill targets of the mirrored host tensors, per half
+            [self._targets[h].__dict__[d.name] for d in sources if isinstance(d.fill, Rule)]
+            for h in range(HALVES)
+        ]
+        self._replays = Replays(self.device)
 
         # engine bindings: (engine name, tensor, step shape, index into its leading dims);
         # static tensors of a fixed shape are bound once (static_inputs); those with a step
@@ -396,6 +404,9 @@ class RuntimeBuffers:
         targets = self._targets[h]
         try:
             decode = self._fill(targets, checked)
+        except FillCountError:  # a rule returned a bad count: the error names the rule
+            self._abandon_half(h)
+            raise
         except Exception as exc:  # a fill raised although every check passed: a bug
             self._abandon_half(h)
             raise BatchError(
@@ -405,8 +416,8 @@ class RuntimeBuffers:
                 "Please report this batch."
             ) from exc
         s = checked.batch.sizes
+        self._to_device(h, lambda: self._copy(h, targets, gather))
         self._half = h
-        self._copy(h, targets, gather)
         self._run += 1
         self._half_run[h] = self._run
         if self._past_kv is not None:
@@ -455,25 +466,23 @@ class RuntimeBuffers:
         targets = self._targets[h]
         try:
             self._advance(targets, self._targets[prev], advancing)
+        except FillCountError as exc:  # an advance form returned a bad count: named
+            self._abandon_half(h)
+            raise exc.in_advance() from None
         except Exception as exc:  # a bug: the checks passed
             self._abandon_half(h)
             raise BatchError(
                 f"advance() failed after its checks passed ({type(exc).__name__}: {exc}); the "
                 "buffers are as they were after the last step. Please report this step."
             ) from exc
-        self._half = h
-        self._half_run[h] = self._run
         if gather is not None and self.advances_on_device:
             # the tokens stay on the device: so does the step (the mirrors updated in place,
             # only what has no device form copied up)
-            assert self._tokens is not None
-            self._tokens.send(h, gather)
-            self._advance_on_device(self._device_steps[h], advancing)
-            self._tokens.run(h, gather)
-            self._staging.record(h)
-            self._gathered = h
+            self._to_device(h, lambda: self._device_step(h, gather, advancing))
         else:
-            self._copy(h, targets, gather)
+            self._to_device(h, lambda: self._copy(h, targets, gather))
+        self._half = h
+        self._half_run[h] = self._run
         self._longest += 1
         self._decode = advancing.decode
         return self._step(self._last)
@@ -596,6 +605,73 @@ class RuntimeBuffers:
         self._gathered = None
         self._flight.tokens_back(self._tokens.values(h))
 
+    def _to_device(self, h: int, work: Callable[[], None]) -> None:
+        """The device work of the step written into half h (its copy, or a decode step on
+        the device), all or nothing: should it raise, the device arena is restored from the
+        last step's half, half h is abandoned and the error is a BatchError."""
+        high_water = self._device_high_water
+        try:
+            work()
+        except Exception as exc:
+            prev = h ^ 1
+            self._staging.wait(prev)  # its rows copied back from the device have landed
+            self._staging.copy(prev, self._staging.nbytes)
+            self._device_high_water = high_water
+            if self._tokens is not None:
+                self._tokens.sent = None  # the arena holds the last half's indices now
+            self._abandon_half(h)
+            raise BatchError(
+                f"the step's device work failed ({type(exc).__name__}: {exc}); the step was "
+                "abandoned and the last step stays current, on the host and the device"
+            ) from exc
+
+    def _device_step(self, h: int, gather: Gather, advancing: Any) -> None:
+        """A decode step whose tokens stay on the device: the tokens gathered there and each
+        mirror updated in place by its device form (or its host tensor copied up), replayed
+        as one CUDA graph per key once the key recurs (``graphs.Replays``)."""
+        tokens, staging, v = self._tokens, self._staging, self._device_steps[h]
+        assert tokens is not None
+        tokens.send(h, gather)
+        tokens.counted(h, gather)
+        up, high_water = staging.bytes_up, self._device_high_water
+
+        def work() -> None:
+            tokens.gather(h, gather)  # nothing shared written before this returns
+            self._advance_on_device(v, advancing)
+            tokens.write(h, gather)
+
+        def load_and_work() -> None:
+            tokens.load(gather)
+            work()
+
+        def effects() -> Callable[[], None]:  # what a replay does again on the host
+            grew, after = staging.bytes_up - up, self._device_high_water
+
+            def again() -> None:
+                staging.bytes_up += grew
+                self._device_high_water = after
+
+            return again
+
+        def undo() -> None:
+            staging.bytes_up, self._device_high_water = up, high_water
+
+        # what the work enqueues depends on: the half, the sizes, the gather's shape, and
+        # the used part of each mirrored host tensor a device step may copy up; with the
+        # load of the tokens, also their tensor's address (a sampler's persistent buffer
+        # keeps it: then the load is part of the graph)
+        spans = tuple(t.written[0] for t in self._mirrored[h])
+        key = (h, self._last, high_water, spans, tokens.key(gather))
+        replays, loading = self._replays, (key, tokens.source(gather))
+        if replays.seen(loading):
+            replays.run(loading, load_and_work, effects, undo)
+        else:
+            replays.note(loading)
+            tokens.load(gather)
+            replays.run(key, work, effects, undo)
+        staging.record(h)
+        self._gathered = h
+
     def _copy(self, h: int, targets: Targets, gather: Gather | None = None) -> None:
         """The one host-to-device copy of the step: whole members but the last, and of the
         last the used prefix plus the rows the device still holds from a longer step. With
@@ -616,7 +692,11 @@ class RuntimeBuffers:
             span = self._staging.nbytes
         self._staging.copy(h, span)
         if tokens is not None:
-            tokens.run(h, gather)  # type: ignore[arg-type]
+            assert gather is not None
+            tokens.load(gather)
+            tokens.counted(h, gather)
+            tokens.gather(h, gather)
+            tokens.write(h, gather)
             self._staging.record(h)
             self._gathered = h
 
@@ -657,8 +737,18 @@ class RuntimeBuffers:
         c = self.config
         if not isinstance(sizes, self.sizes_type):
             raise ValueError(f"views() takes StepSizes, got {type(sizes).__name__}")
-        if any(getattr(sizes, f.name) < 0 for f in dataclasses.fields(self.sizes_type)):
-            raise ValueError(f"views(): step sizes cannot be negative: {sizes}")
+        numpy_ints = {}
+        for f in dataclasses.fields(self.sizes_type):
+            v = getattr(sizes, f.name)
+            if v.__class__ is int and v >= 0:
+                continue
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
+                raise ValueError(
+                    f"views(): step size {f.name} must be a non-negative int, got {v!r}"
+                )
+            numpy_ints[f.name] = int(v)
+        if numpy_ints:  # the shapes as ints
+            sizes = dataclasses.replace(sizes, **numpy_ints)  # type: ignore[type-var]
         last = self._last
         if last is not None and sizes != last:
             # a bucket: only a tensor whose step rows lead its shape keeps them in place

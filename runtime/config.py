@@ -10,11 +10,13 @@ helpers raise at the first problem, as they always did.
 from __future__ import annotations
 
 import dataclasses
-import numbers
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from bufc import config_checks as _checks
+from bufc.config_checks import INT_LIMIT  # noqa: F401 - re-exported
 
 from .errors import ConfigError
 
@@ -33,10 +35,6 @@ _DTYPES = {
     )
 }
 
-INT_LIMIT = 1 << 62
-"""Integer parameters are below this (sizes beyond it are mistakes, and the formulas over them
-must stay within int64)."""
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ConfigBase:
@@ -49,23 +47,20 @@ def _report(errors: list[str] | None, message: str) -> None:
     errors.append(message)
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:60] + "..." + text[-12:]
+def _checked(errors: list[str] | None, found: list[str]) -> None:
+    """What a shared check found: added to `errors`, or (without a list) raised."""
+    for message in found:
+        _report(errors, message)
+
+
+_short = _checks.short
 
 
 def check_int(config: Any, name: str, *, minimum: int = 0, errors: list[str] | None = None) -> None:
     """An integer (numpy integers too, stored as int; not a bool) in [minimum, INT_LIMIT)."""
-    value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        return _report(errors, f"{name} must be an int, got {_short(value)}")
-    value = int(value)
-    object.__setattr__(config, name, value)
-    if value < minimum:
-        return _report(errors, f"{name} must be at least {minimum}, got {value}")
-    if value >= INT_LIMIT:
-        return _report(errors, f"{name} must be below 2**62, got {value}")
-    return None
+    found: list[str] = []
+    _checks.check_int(config, name, minimum=minimum, errors=found)
+    _checked(errors, found)
 
 
 def check_dtype(
@@ -89,10 +84,9 @@ def check_dtype(
 
 
 def check_bool(config: Any, name: str, errors: list[str] | None = None) -> None:
-    value = getattr(config, name)
-    if type(value) is not bool:
-        return _report(errors, f"{name} must be True or False, got {_short(value)}")
-    return None
+    found: list[str] = []
+    _checks.check_bool(config, name, found)
+    _checked(errors, found)
 
 
 def check_names(
@@ -100,24 +94,9 @@ def check_names(
 ) -> None:
     """A sequence of distinct names from `allowed`, stored as a tuple (an iterator is read
     once, before it is checked)."""
-    value = getattr(config, name)
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        return _report(errors, f"{name} must be a sequence of names, got {_short(value)}")
-    try:
-        value = tuple(value)
-    except Exception as exc:  # noqa: BLE001 - any failure to read it is the caller's value
-        return _report(errors, f"{name} could not be read as a sequence of names: {exc}")
-    object.__setattr__(config, name, value)
-    if not all(isinstance(v, str) for v in value):
-        return _report(errors, f"{name} must be a sequence of names, got {_short(value)}")
-    unknown = [v for v in value if v not in allowed]
-    if unknown:
-        return _report(
-            errors, f"{name}: {', '.join(map(repr, unknown))} not in {', '.join(allowed)}"
-        )
-    if len(set(value)) != len(value):
-        return _report(errors, f"{name} names a module twice: {value!r}")
-    return None
+    found: list[str] = []
+    _checks.check_names(config, name, allowed, found)
+    _checked(errors, found)
 
 
 def require(config: Any, errors: list[str], *checks: tuple[Callable[[], bool], str]) -> None:
@@ -132,10 +111,7 @@ def require(config: Any, errors: list[str], *checks: tuple[Callable[[], bool], s
         if not ok:
             errors.append(message)
     if errors:
-        where = f"{type(config).__module__}.Config"
-        if len(errors) == 1:
-            raise ConfigError(f"{where}: {errors[0]}")
-        raise ConfigError(f"{where}: {len(errors)} errors:\n" + "\n".join(f"  {e}" for e in errors))
+        raise ConfigError(_checks.failure(f"{type(config).__module__}.Config", errors))
 
 
 def cdiv(a: int, b: int) -> int:

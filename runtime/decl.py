@@ -26,6 +26,12 @@ class Rule:
     def name(self) -> str:
         return self.fill.__name__
 
+    @property
+    def impl(self) -> str:
+        """The implementation as a spec names it, ``module:function``."""
+        f = self.fill
+        return f"{getattr(f, '__module__', '?')}:{getattr(f, '__qualname__', self.name)}"
+
 
 @dataclasses.dataclass(frozen=True)
 class Mirror:

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .errors import FillCountError
+
 ALIGN = 256  # bytes; every arena member starts on this boundary
 HALVES = 2
 
@@ -25,20 +27,40 @@ class Target:
     """One rule tensor's storage in one half: `out` (a flat numpy view of host memory, or the
     flat device tensor of a rule that copies request tensors), its pad value, and how many
     elements the last fill of this storage wrote (a one-item list, shared by the halves where
-    the storage is), so that the rows past a shorter step are re-padded."""
+    the storage is), so that the rows past a shorter step are re-padded. `tensor` and `rule`
+    (the rule's ``module:function``) name it when the rule returns a bad count."""
 
-    __slots__ = ("out", "pad", "written")
+    __slots__ = ("out", "pad", "written", "size", "tensor", "rule")
 
-    def __init__(self, out: Any, pad: int | float | None, written: list[int]) -> None:
+    def __init__(
+        self,
+        out: Any,
+        pad: int | float | None,
+        written: list[int],
+        tensor: str = "?",
+        rule: str = "?",
+    ) -> None:
         self.out, self.pad, self.written = out, pad, written
+        self.size = len(out)
+        self.tensor, self.rule = tensor, rule
 
     def wrote(self, n: int) -> None:
         """A rule wrote the first `n` elements of `out` (it returns that count): the rows a
-        longer step left past them get the pad value again."""
+        longer step left past them get the pad value again. A count that is not an int in
+        0..len(out) (a bool, a float, a negative or too large number) raises FillCountError,
+        nothing changed here (the caller abandons the step)."""
+        if n.__class__ is not int or not 0 <= n <= self.size:
+            n = self._count(n)
         w = self.written
         if self.pad is not None and w[0] > n:
             self.out[n : w[0]] = self.pad
         w[0] = n
+
+    def _count(self, n: Any) -> int:
+        """`n` as the int it is (a numpy integer, an int subclass), or FillCountError."""
+        if isinstance(n, (int, np.integer)) and not isinstance(n, bool) and 0 <= n <= self.size:
+            return int(n)
+        raise FillCountError(self.tensor, self.rule, n, self.size)
 
     def keep(self, prev: Target, holds_run: bool) -> None:
         """The last step's values, from the other half `prev` (unless this half already holds
@@ -89,6 +111,7 @@ class Staging:
         )
         self._done = [torch.cuda.Event() for _ in range(HALVES)] if pin else None
         self.bytes_up = 0  # copied host to device so far (the pads at the start not counted)
+        self._streams: dict[tuple, torch.cuda.Stream] = {}  # by the current stream's identity
 
     def view(self, half: int | None, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A member's flat storage in host half `half`, or in the device arena (None)."""
@@ -109,7 +132,18 @@ class Staging:
         """Work after the copy that reads or writes `half` (sampled tokens copied back) is
         enqueued: the half's event moves past it."""
         if self._done is not None:
-            self._done[half].record()
+            self._done[half].record(self._current())
+
+    def _current(self) -> torch.cuda.Stream:
+        """The current CUDA stream, its Stream object kept (torch.cuda.current_stream builds
+        a new one per call, which costs more than the event record itself)."""
+        key = torch._C._cuda_getCurrentStream(self.device.device.index)
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.Stream(
+                stream_id=key[0], device_index=key[1], device_type=key[2]
+            )
+        return stream
 
     def copy_range(self, half: int, offset: int, nbytes: int) -> None:
         """Bytes `offset` .. `offset + nbytes` of `half` up (the caller records the event)."""
@@ -130,4 +164,4 @@ class Staging:
             return
         self.device[:span].copy_(self.host[half][:span], non_blocking=True)
         if self._done is not None:
-            self._done[half].record()
+            self._done[half].record(self._current())

@@ -11,6 +11,11 @@ step later, when the values it copies back have landed. Those copies (the gather
 and the written rows into the host half of the token tensor) keep the host tensor and the
 in-flight state exact without a wait on the model. Every buffer here is allocated once: a step
 allocates nothing and the addresses stay fixed (CUDA graphs).
+
+The work is split so that a failure changes nothing shared: ``load`` and ``gather`` write
+only this object's own scratch (the tokens as int64, whatever integer dtype the sampler wrote,
+so the vocabulary test cannot wrap; the values; the mask), and ``write`` then writes the token
+rows of the arena and the host half.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ class Gather:
     (the others only go back to the host: tokens of requests that sit this step out), except
     tokens outside 0 .. limit - 1."""
 
-    tokens: torch.Tensor  # 1-D, on the buffers' device
+    tokens: torch.Tensor  # [rows] or [rows, columns], any integer dtype, on the buffers' device
     src: np.ndarray  # int64
     dst: np.ndarray  # int64, ascending, at most as long as src
     limit: int
@@ -63,15 +68,18 @@ class TokenGather:
         self._dst = staging.view(None, n, n, torch.int64)
         on = device.device
         pin = on.type == "cuda"
-        self._scratch: dict[torch.dtype, torch.Tensor] = {}  # gathered values, per token dtype
-        self._wide = torch.empty(rows, dtype=torch.int64, device=on)
+        # the sampled tokens as int64, per flat size of the tokens tensor (one size a run)
+        self._inputs: dict[int, torch.Tensor] = {}
+        self._got = torch.empty(rows, dtype=torch.int64, device=on)
         self._written = torch.empty(rows, dtype=device.dtype, device=on)
         self._bad = torch.empty(rows, dtype=torch.bool, device=on)
         self._high = torch.empty(rows, dtype=torch.bool, device=on)
         # the raw gathered values, back on the host (per half: read one step later)
         self._values = [torch.empty(rows, dtype=torch.int64, pin_memory=pin) for _ in range(HALVES)]
+        self._values_np = [v.numpy() for v in self._values]
         self._count = [0] * HALVES
         self.sent: tuple[np.ndarray, np.ndarray] | None = None  # the indices the device holds
+        self._key: tuple[np.ndarray, np.ndarray, tuple[int, ...]] | None = None  # the last key
 
     def stage(self, half: int, g: Gather) -> None:
         """Before the step's copy: its indices into the arena half."""
@@ -83,46 +91,78 @@ class TokenGather:
         """A step without the arena copy: its indices up, unless the device holds them (a
         steady run gathers the same rows step after step)."""
         sent = self.sent
+        if sent is not None and sent[0] is g.src and sent[1] is g.dst:
+            return  # a steady run hands the same arrays
         if sent is not None and np.array_equal(sent[0], g.src) and np.array_equal(sent[1], g.dst):
+            self.sent = (g.src, g.dst)
             return
         self.stage(half, g)
         self.staging.copy_range(half, 0, region_bytes(self.rows))
 
-    def run(self, half: int, g: Gather) -> None:
-        """After the step's copy (on the current stream): write the rows, copy the values
-        back. The caller records the half's event after this."""
+    def load(self, g: Gather) -> None:
+        """The sampled tokens into this object's int64 copy of them (cast on the way: the
+        gather and the vocabulary test then run in int64, whatever the sampler's dtype)."""
+        t = g.tokens
+        numel = t.numel()
+        wide = self._inputs.get(numel)
+        if wide is None:  # once per tokens shape
+            wide = self._inputs[numel] = torch.empty(numel, dtype=torch.int64, device=t.device)
+        wide.view(t.shape).copy_(t)
+
+    def key(self, g: Gather) -> tuple[int, ...]:
+        """What ``gather`` and ``write`` enqueue depends on, beyond the half: the sizes and the
+        run of rows written (the values come from the device)."""
+        if self._key is not None and self._key[0] is g.src and self._key[1] is g.dst:
+            return self._key[2]
+        m = len(g.dst)
+        first, end = (int(g.dst[0]), int(g.dst[-1]) + 1) if m else (0, 0)
+        key = (g.tokens.numel(), len(g.src), m, first, end)
+        self._key = (g.src, g.dst, key)
+        return key
+
+    @staticmethod
+    def source(g: Gather) -> tuple:
+        """What ``load`` enqueues depends on: the tokens tensor's address and layout."""
+        t = g.tokens
+        return (t.data_ptr(), t.dtype, t.shape, t.stride())
+
+    def gather(self, half: int, g: Gather) -> None:
+        """The tokens gathered into scratch, the raw values on their way back to the host,
+        out-of-range ones masked to the pad: nothing shared is written."""
         n = len(g.src)
-        self._count[half] = n
         if not n:
             return
-        dtype = g.tokens.dtype
-        scratch = self._scratch.get(dtype)
-        if scratch is None:  # once per token dtype
-            scratch = self._scratch[dtype] = torch.empty(
-                self.rows, dtype=dtype, device=self.device.device
-            )
-        got, bad, high = scratch[:n], self._bad[:n], self._high[:n]
-        torch.index_select(g.tokens, 0, self._src[:n], out=got)
-        wide = got if dtype == torch.int64 else self._wide[:n].copy_(got)
-        self._values[half][:n].copy_(wide, non_blocking=True)  # raw: the host names a bad one
+        got, bad, high = self._got[:n], self._bad[:n], self._high[:n]
+        torch.index_select(self._inputs[g.tokens.numel()], 0, self._src[:n], out=got)
+        self._values[half][:n].copy_(got, non_blocking=True)  # raw: the host names a bad one
         torch.lt(got, 0, out=bad)
         torch.ge(got, g.limit, out=high)
         bad.logical_or_(high)
         got.masked_fill_(bad, self.pad)
+
+    def write(self, half: int, g: Gather) -> None:
+        """The gathered tokens into the token rows of the device arena, and those rows back
+        into the host half (after ``gather``; the caller records the half's event after
+        this)."""
         m = len(g.dst)
         if not m:
             return
+        got = self._got[:m]
         lo, hi = int(g.dst[0]), int(g.dst[-1]) + 1  # dst ascends (the rows' order)
         if hi - lo == m:  # consecutive rows (no drafts between them): one copy, cast on the way
-            self.device[lo:hi].copy_(got[:m])
+            self.device[lo:hi].copy_(got)
         else:
             written = self._written[:m]
-            written.copy_(got[:m])
+            written.copy_(got)
             self.device.index_copy_(0, self._dst[:m], written)
         # the host half of the token tensor: the rows between the first and last written
         # (rows between them hold what the host wrote, and were copied up unchanged)
         self.host[half][lo:hi].copy_(self.device[lo:hi], non_blocking=True)
 
+    def counted(self, half: int, g: Gather) -> None:
+        """Half `half`'s step gathers `g`: its values are read back (``values``)."""
+        self._count[half] = len(g.src)
+
     def values(self, half: int) -> np.ndarray:
         """The raw tokens half `half`'s step gathered (wait on the half's event first)."""
-        return self._values[half][: self._count[half]].numpy()
+        return self._values_np[half][: self._count[half]]

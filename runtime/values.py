@@ -10,6 +10,7 @@ against the buffer they land in, and a message that names the value.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import reprlib
 from collections.abc import Iterable
@@ -107,3 +108,35 @@ def checked_ints(
         check_ints(values, what, where, low, high, limit)  # names the culprit
         raise BatchError(f"{where}: {what} must be a list of integers, got {show(values)}")
     return a
+
+
+# torch gathers (index_select) no unsigned dtype wider than uint8
+_UNGATHERABLE = ("uint16", "uint32", "uint64")
+
+
+def check_token_dtype(dtype: Any, limit: int, limit_text: str, where: str, device: bool) -> None:
+    """A BatchError unless tokens of `dtype` (a numpy or torch integer dtype) can hold every
+    token id 0 .. limit - 1 and, on the device (`device`), torch can gather them: a narrower
+    dtype would wrap the ids a sampler writes, or the vocabulary limit they are compared with."""
+    message = _token_dtype_error(str(dtype).removeprefix("torch."), limit, limit_text, device)
+    if message is not None:
+        raise BatchError(f"{where}{message}")
+
+
+@functools.lru_cache(maxsize=64)
+def _token_dtype_error(name: str, limit: int, limit_text: str, device: bool) -> str | None:
+    if device and name in _UNGATHERABLE:
+        return (
+            f": torch cannot gather {name} tensors on the device; pass int32 or int64 tokens "
+            "(tokens.to(torch.int32))"
+        )
+    try:
+        info = np.iinfo(name)
+    except ValueError:
+        return f" needs integer tokens, got {name}"
+    if info.max < limit - 1:
+        return (
+            f": {name} tokens cannot hold every token id 0 .. {limit - 1} ({limit_text}); "
+            "pass int32 or int64 tokens"
+        )
+    return None

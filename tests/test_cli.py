@@ -8,7 +8,7 @@ import json
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, family
 from test_diagnostics import BASE, diagnostics
 
 from bufc import __version__
@@ -116,6 +116,47 @@ def test_report_without_a_spec_reads_the_generated_module(
     code, from_module, err = run(capsys, "report", family, *LLAMA, *extra)
     assert code == 0, err
     assert from_module == from_spec
+
+
+@pytest.mark.parametrize(
+    ("settings", "config"),
+    [
+        (["lora_modules=attn_qkv,attn_qkv"], {"lora_modules": ("attn_qkv", "attn_qkv")}),
+        (
+            ["lora_modules=attn_qkv,attn_k,mlp_gates", "max_batch_size=0"],
+            {"lora_modules": ("attn_qkv", "attn_k", "mlp_gates"), "max_batch_size": 0},
+        ),
+        (
+            ["lora_modules=attn_qkv", "num_layers=3", "pp_size=2", "pp_rank=2"],
+            {"lora_modules": ("attn_qkv",), "num_layers": 3, "pp_size": 2, "pp_rank": 2},
+        ),
+    ],
+    ids=["a_module_twice", "parameters", "checks"],
+)
+def test_report_refuses_what_the_config_refuses_with_its_message(
+    capsys, monkeypatch, tmp_path, settings, config
+):
+    """`--set lora_modules=attn_qkv,attn_qkv` was reported (2 modules) though the Config
+    refuses it: from the spec as from the generated module, the report says what the Config
+    says, every problem at once."""
+    from bufc.runtime import ConfigError
+
+    values = {k: int(v) for k, v in (s.split("=") for s in LLAMA[1::2])} | config
+    with pytest.raises(ConfigError) as refused:
+        family("gpt_lora").Config(**values)
+    said = str(refused.value)
+    assert said.startswith("bufc.generated.gpt_lora.Config: ")
+    argv = [a for s in settings for a in ("--set", s)]
+    monkeypatch.chdir(REPO)
+    code, out, from_spec = run(capsys, "report", "gpt_lora", *LLAMA, *argv)
+    assert (code, out) == (1, "")
+    assert from_spec == f"bufc report: {said.removeprefix('bufc.generated.')}\n"
+    monkeypatch.chdir(tmp_path)  # no buffers.yaml: the installed module's Config
+    code, out, from_module = run(capsys, "report", "gpt_lora", *LLAMA, *argv)
+    assert (code, out) == (1, "")
+    note, refusal = from_module.split("\n", 1)
+    assert "reading the installed module bufc.generated.gpt_lora" in note
+    assert refusal == f"bufc report: {said}\n"
 
 
 def test_report_from_the_module_names_a_bad_parameter(capsys, monkeypatch, tmp_path):

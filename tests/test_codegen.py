@@ -276,6 +276,57 @@ def test_the_compilers_closed_tables_match_the_runtime():
     assert {getattr(rt, k) for k in vocab.MEMORY_KINDS.values()} == set(vocab.MEMORY_KINDS)
 
 
+def test_the_report_s_config_checks_say_what_the_runtime_s_say():
+    """bufc.config_checks (bufc report, no torch) and bufc.runtime.config (the generated
+    Configs) refuse the same values with the same messages and store the same values."""
+    import types
+
+    import numpy as np
+
+    from bufc import config_checks
+    from bufc.runtime import config as rt_config
+
+    allowed = ("attn_qkv", "attn_q", "mlp_gate")
+    names = [
+        lambda: ("attn_qkv", "attn_qkv"),
+        lambda: ("attn_qkv", "bogus", "x"),
+        lambda: ["attn_q", "mlp_gate"],
+        lambda: iter(["attn_q"]),  # read once, before it is checked
+        lambda: "attn_q",
+        lambda: (1, 2),
+        lambda: None,
+        lambda: (),
+        lambda: ("x" * 200,),
+    ]
+    cases = [
+        *(("int", lambda v=v: v) for v in (0, 1, -3, 2**62, 2**62 - 1, True, 2.0, "3")),
+        ("int", lambda: np.int64(7)),
+        *(("bool", lambda v=v: v) for v in (True, False, 1, None, "true")),
+        *(("names", make) for make in names),
+    ]
+    for kind, make in cases:
+        got = []
+        for impl in (config_checks, rt_config):
+            config, errors = types.SimpleNamespace(p=make()), []
+            if kind == "int":
+                impl.check_int(config, "p", minimum=1, errors=errors)
+            elif kind == "bool":
+                impl.check_bool(config, "p", errors)
+            else:
+                impl.check_names(config, "p", allowed, errors)
+            got.append((errors, type(config.p), repr(config.p)[:100]))
+        assert got[0] == got[1], (kind, got)
+    assert config_checks.INT_LIMIT == rt_config.INT_LIMIT
+    for errors in (["a wrong"], ["a wrong", "b wrong"]):
+        config = type("Config", (), {"__module__": "m"})()
+        try:
+            rt_config.require(config, list(errors))
+        except rt_config.ConfigError as exc:
+            assert str(exc) == config_checks.failure("m.Config", errors)
+        else:
+            raise AssertionError("require did not raise")
+
+
 def test_generating_needs_no_torch(tmp_path):
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['numpy'] = None\n"

@@ -654,6 +654,7 @@ FORMAT_CASES = [
             "buffers.yaml:17:5: fill rule 'encoder_output' copies request tensors on the device; 'host_ids' must be device memory",
             "buffers.yaml:19:5: fill rule 'encoder_output' writes shape [num_encoder_tokens, encoder_hidden_size], but 'host_ids' declares [num_tokens]",
             "buffers.yaml:20:18: fill rule 'encoder_output' reads 'encoder_hidden_size' from the Config; declare it as a parameter or derived value",
+            "buffers.yaml:20:18: fill rule 'encoder_output' reads 'model_dtype' from the Config; declare it as a parameter or derived value",
         ],
         id="devicerulehost",
     ),

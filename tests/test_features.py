@@ -456,3 +456,42 @@ def test_model_dtype_is_limited_to_activation_dtypes():
             max_draft_path_len=3,
             model_dtype="int8",
         )
+
+
+@pytest.mark.parametrize(
+    ("model_dtype", "given"),
+    [
+        (torch.float16, torch.float64),
+        (torch.float16, torch.float32),
+        (torch.float16, torch.bfloat16),
+        (torch.float32, torch.float64),
+        (torch.bfloat16, torch.float16),
+    ],
+)
+def test_an_encoder_output_of_another_dtype_than_the_model_dtype_is_refused(model_dtype, given):
+    b = make_buffers("enc_dec", **ENC, model_dtype=model_dtype)
+    fine = Request(
+        seq_slot=0,
+        prompt=[1],
+        **kv(encoder_input_length=3, cross_kv_block_ids=[[1]]),
+        encoder_output=torch.ones(3, 8, dtype=model_dtype),
+    )
+    odd = Request(
+        seq_slot=3,
+        prompt=[2],
+        **kv(encoder_input_length=2, cross_kv_block_ids=[[2]]),
+        encoder_output=torch.ones(2, 8, dtype=given),
+    )
+    before = {k: v.clone() for k, v in b.tensors.items()}
+    with pytest.raises(BatchError) as exc:
+        b.prepare_step([fine, odd], [])
+    assert str(exc.value) == (
+        f"context request 1 (seq_slot 3): encoder_output is {given}, expected the model dtype "
+        f"{model_dtype} (model_dtype); cast it with .to({model_dtype})"
+    )
+    for k, v in b.tensors.items():  # refused before a byte was written
+        assert torch.equal(before[k], v), k
+    odd.encoder_output = odd.encoder_output.to(model_dtype)  # as the message says
+    step = b.prepare_step([fine, odd], [])
+    assert step.inputs["encoder_output"].dtype == model_dtype
+    assert step.inputs["encoder_output"].tolist() == [[1.0] * 8] * 5

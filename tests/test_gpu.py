@@ -145,8 +145,9 @@ def test_cuda_requests_in_flight_equal_cpu_steps(name):
 
 def test_tokens_on_the_device_are_not_waited_for_and_allocate_nothing():
     """Steady decode with the sampled tokens a CUDA tensor: step() returns while the kernel
-    before the tokens still runs (the host never reads them), allocates no device memory and
-    keeps every address; the rows and the host tensor then hold the tokens."""
+    before the tokens still runs (the host never reads them), replays one CUDA graph,
+    allocates no device memory and keeps every address; the rows and the host tensor then
+    hold the tokens."""
     from fuzz_batches import make_buffers as buffers
     from fuzz_batches import make_config
 
@@ -158,10 +159,11 @@ def test_tokens_on_the_device_are_not_waited_for_and_allocate_nothing():
     b.step()
     tokens = torch.zeros(n, dtype=torch.int64, device="cuda")
     ids = b.step(tokens).inputs["input_ids"].data_ptr()
-    b.step(tokens)
+    for _ in range(4):  # per half, a steady step run eagerly, then one captured as a graph
+        b.step(tokens)
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_stats()["allocation.all.allocated"]
-    copied = b.bytes_to_device
+    copied, replayed = b.bytes_to_device, b._replays.replayed
     for i in range(4):
         torch.cuda._sleep(20_000_000)  # some milliseconds of GPU time before the tokens
         tokens.fill_(i + 7)
@@ -169,9 +171,40 @@ def test_tokens_on_the_device_are_not_waited_for_and_allocate_nothing():
         assert not torch.cuda.current_stream().query()  # still sleeping: step() did not wait
         assert step.inputs["input_ids"].data_ptr() == ids
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocated
+    assert b._replays.replayed == replayed + 4  # each step one graph launch
     kv = b.tensors["host_kv_cache_block_offsets"]
     # per step only the block table's used rows go up: no token, position or length
     assert (b.bytes_to_device - copied) // 4 == n * 2 * kv.shape[-1] * kv.element_size()
     torch.cuda.synchronize()
     assert step.inputs["input_ids"].tolist() == [10] * n
     assert b.tensors["host_input_ids"][:n].tolist() == [10] * n
+
+
+@pytest.mark.parametrize("name", ["llama", "glm"])
+def test_steady_device_steps_replay_graphs_and_equal_host_tokens(name):
+    """A long steady run with the tokens on the device is replayed as CUDA graphs (one per
+    half, after a key's first step and its capture), each step equal, tensor for tensor, to
+    buffers given the same tokens on the host; a new batch size captures its own graphs."""
+    from fuzz_batches import make_buffers as buffers
+
+    b = buffers(name, device="cuda", device_tokens=True, max_beam_width=1)
+    host = buffers(name, device="cuda", device_tokens=False, max_beam_width=1)
+    n = b.config.max_batch_size
+    paged = "host_kv_cache_block_offsets" in b.decls
+    for x in (b, host):
+        for s in range(n):
+            blocks = {"kv_block_ids": [[5 * s + k for k in range(5)]]} if paged else {}
+            x.add(Request(seq_slot=s, prompt=[1, 2, 3], **blocks))
+        x.step()
+    tokens = torch.zeros(n, dtype=torch.int32, device="cuda")
+    for i in range(14):
+        if i == 8:
+            for x in (b, host):
+                x.finish(n - 1)  # one row fewer: a full step, then new keys
+        tokens.copy_(torch.arange(n, dtype=torch.int32) * 3 + i)
+        b.step(tokens)
+        host.step(tokens.cpu().numpy())
+        got, want = b.tensors, host.tensors
+        assert [k for k in got if not torch.equal(got[k], want[k])] == [], i
+    # per batch size, a key per half: its first step eager, its second captured, then replayed
+    assert b._replays.replayed == 3 + 1  # steps 5-7, and 13 after the finish

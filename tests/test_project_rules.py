@@ -3,15 +3,19 @@ gets it validated, generated and run like a built-in one, without an edit to buf
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from bufc.codegen import SpecError, compile_text
+from bufc.runtime import BatchError, Request
 
 SPEC = textwrap.dedent(
     """\
@@ -279,3 +283,157 @@ def test_a_request_check_name_must_be_usable_in_generated_code():
     assert _errors(text) == [
         "buffers.yaml:12:3: request check name 'class' is reserved; choose another name"
     ]
+
+
+# ------------------------------------------------------------- a fill's returned count
+COUNT_SPEC = textwrap.dedent(
+    """\
+    version: 1
+    parameters:
+      max_batch_size: {doc: Requests., min: 1}
+      max_num_tokens: {doc: Tokens., min: 1}
+    sizes:
+      num_tokens: {doc: Tokens., max: "max_num_tokens"}
+      num_sequences: {doc: Sequences., max: "max_batch_size"}
+    rules:
+      marks:
+        doc: one mark per input token
+        impl: countpkg.rules:marks
+        dtypes: [int32]
+        shape: ["num_tokens"]
+        sizes: [num_tokens]
+        advance: countpkg.rules:advance_marks
+    families:
+      fam: {doc: A decoder with a project tensor.}
+    tensors:
+      - name: host_input_ids
+        doc: Token ids.
+        dtype: int32
+        memory: pinned
+        capacity: ["max_num_tokens"]
+        shape: ["num_tokens"]
+        fill: {rule: token_ids}
+        pad: 0
+      - name: input_ids
+        doc: Token ids on the device.
+        memory: device
+        fill: {mirror: host_input_ids}
+        bind: [{input: input_ids}]
+      - name: host_marks
+        doc: A mark per token.
+        dtype: int32
+        memory: pinned
+        capacity: ["max_num_tokens"]
+        shape: ["num_tokens"]
+        fill: {rule: marks}
+        pad: -1
+      - name: marks
+        doc: Device copy of host_marks.
+        memory: device
+        fill: {mirror: host_marks}
+        bind: [{input: marks}]
+    """
+)
+
+COUNT_RULES = textwrap.dedent(
+    """\
+    import numpy as np
+
+    COUNT = None  # the test's bad count: COUNT(n, len(out)) instead of n
+
+
+    def marks(out, b):
+        n = b.sizes.num_tokens
+        out[:n] = np.arange(7, 7 + n)
+        return n if COUNT is None else COUNT(n, len(out))
+
+
+    def advance_marks(out, prev, d):
+        n = len(d.tokens)
+        np.add(prev[:n], 1, out=out[:n])
+        return n if COUNT is None else COUNT(n, len(out))
+    """
+)
+
+BAD_COUNTS = {
+    "-1": lambda n, size: -1,
+    "3.0": lambda n, size: 3.0,
+    "1000000000000000000": lambda n, size: 10**18,
+    "True": lambda n, size: True,
+    "21": lambda n, size: size + 5,  # len(out) + 5
+    "None": lambda n, size: None,
+    "np.float64(3.0)": lambda n, size: np.float64(3),
+    "np.int64(-2)": lambda n, size: np.int64(-2),
+}
+
+
+@pytest.fixture
+def counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The generated module of COUNT_SPEC and its rules module (countpkg.rules)."""
+    from bufc.codegen import emit
+
+    (tmp_path / "countpkg").mkdir()
+    (tmp_path / "countpkg" / "__init__.py").write_text("")
+    (tmp_path / "countpkg" / "rules.py").write_text(COUNT_RULES)
+    (tmp_path / "count_fam.py").write_text(emit.render_all(compile_text(COUNT_SPEC))["fam.py"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("countpkg", "countpkg.rules", "count_fam"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    fam = importlib.import_module("count_fam")
+    rules = importlib.import_module("countpkg.rules")
+    yield fam, rules
+    for name in ("countpkg", "countpkg.rules", "count_fam"):
+        sys.modules.pop(name, None)
+
+
+def _same_tensors(a, b) -> None:
+    ta, tb = a.tensors, b.tensors
+    assert ta.keys() == tb.keys()
+    for name in ta:
+        assert torch.equal(ta[name], tb[name]), name
+
+
+@pytest.mark.parametrize("shown", BAD_COUNTS)
+def test_a_project_fill_that_returns_a_bad_count_is_named_and_its_step_abandoned(counted, shown):
+    fam, rules = counted
+    config = fam.Config(max_batch_size=4, max_num_tokens=16)
+    buffers, twin = fam.RuntimeBuffers(config), fam.RuntimeBuffers(config)
+    for b in (buffers, twin):  # a long step: its rows past the next ones must be re-padded
+        b.prepare_step([Request(seq_slot=0, prompt=list(range(1, 9)))], [])
+    rules.COUNT = BAD_COUNTS[shown]
+    with pytest.raises(BatchError) as info:
+        buffers.prepare_step([Request(seq_slot=1, prompt=[4, 5, 6])], [])
+    assert str(info.value) == (
+        f"fill of tensor 'host_marks' (rule countpkg.rules:marks) returned {shown}; a fill "
+        "returns the number of elements it wrote, an int in 0..16. The step was abandoned "
+        "and the last step stays current"
+    )
+    _same_tensors(buffers, twin)  # the last step stays current
+    rules.COUNT = None
+    generation = Request(seq_slot=2, prompt=[3, 4], generated=[[5]])
+    for b in (buffers, twin):  # a shorter step
+        b.prepare_step([], [generation])
+    _same_tensors(buffers, twin)
+
+    # the same from the rule's advance form
+    rules.COUNT = BAD_COUNTS[shown]
+    with pytest.raises(BatchError) as info:
+        buffers.advance([6])
+    assert str(info.value) == (
+        "advance(): the advance form of rule countpkg.rules:marks (tensor 'host_marks') "
+        f"returned {shown}; an advance form returns the number of elements it wrote, an int "
+        "in 0..16. The step was abandoned and the last step stays current"
+    )
+    _same_tensors(buffers, twin)
+    rules.COUNT = None
+    for b in (buffers, twin):
+        b.advance([6])
+    _same_tensors(buffers, twin)
+
+
+def test_a_project_fill_may_count_in_a_numpy_integer(counted):
+    fam, rules = counted
+    buffers = fam.RuntimeBuffers(fam.Config(max_batch_size=4, max_num_tokens=16))
+    rules.COUNT = lambda n, size: np.int32(n)
+    step = buffers.prepare_step([Request(seq_slot=0, prompt=[1, 2, 3])], [])
+    assert step.inputs["marks"].tolist() == [7, 8, 9]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from conftest import BASE, family, make_buffers, make_config
@@ -555,10 +556,32 @@ def test_cuda_graph_preparation_and_views_check_their_arguments():
     for bad in (0, -5, 10.5, "100"):
         with pytest.raises(BatchError, match="max_sequence_length"):
             b.prepare_for_cuda_graph(bad)
-    with pytest.raises(ValueError, match="cannot be negative"):
+    with pytest.raises(ValueError, match="num_tokens must be a non-negative int, got -1"):
         b.views(dataclasses.replace(step.sizes, num_tokens=-1))
     with pytest.raises(ValueError, match="takes StepSizes"):
         b.views({"num_tokens": 1})
+
+
+def test_views_refuses_every_step_size_that_is_not_a_non_negative_int():
+    b = make_buffers("llama")
+    step = b.prepare_step(
+        [], [Request(seq_slot=0, prompt=[1, 2], generated=[[5]], kv_block_ids=[[1]])]
+    )
+    bucket = step.sizes.generation_bucket(4)
+    for field in dataclasses.fields(bucket):
+        for bad in (2.0, "2", None, True, False, -1, np.int64(-3), np.float32(1)):
+            with pytest.raises(ValueError) as info:
+                b.views(dataclasses.replace(bucket, **{field.name: bad}))
+            assert str(info.value) == (
+                f"views(): step size {field.name} must be a non-negative int, got {bad!r}"
+            )
+    # numpy integers are sizes as good as ints
+    numpy_sizes = {f.name: np.int64(getattr(bucket, f.name)) for f in dataclasses.fields(bucket)}
+    got, want = b.views(dataclasses.replace(bucket, **numpy_sizes)), b.views(bucket)
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        for name in g:
+            assert g[name].shape == w[name].shape and torch.equal(g[name], w[name]), name
 
 
 # ------------------------------------------------------------- KV rows under churn
