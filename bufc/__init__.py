@@ -8,4 +8,4 @@ The distribution maps the repository's top-level folders onto subpackages:
 * ``bufc.schema``    (``schema/``)    the JSON Schema of buffers.yaml.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

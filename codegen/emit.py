@@ -19,13 +19,14 @@ import jinja2
 
 from . import expr as E
 from . import vocab
+from .contract import ROLES, describe
 from .model import Check, Impl, Parameter
 from .plan import FamilyPlan, PlannedFill, PlannedIndexSet, PlannedTensor, StepProgram
 
 if TYPE_CHECKING:
     from .pipeline import Compiled
 
-FORMAT_VERSION = 2  # the runtime API the generated modules are written against
+FORMAT_VERSION = 3  # the runtime API the generated modules are written against
 MARKER = "@" + "generated"  # split so that grep finds only outputs
 # the headers name no path, so the output does not depend on how --spec and --out were spelled;
 # `bufc check` prints the exact command
@@ -219,8 +220,11 @@ class _Aliases:
         return f"{self.alias[impl.module]}.{impl.name}"
 
     def imports(self) -> list[str]:
+        """The import lines of bufc's own rule modules."""
         lines = []
         for module, name in sorted(self.alias.items()):
+            if not _own_rule_module(module):
+                continue
             package, _, last = module.rpartition(".")
             if last == name and package:
                 lines.append(f"from {package} import {last}")
@@ -236,21 +240,61 @@ def _own_rule_module(module: str) -> bool:
     return package == "bufc.rules" and last in vocab.RULE_MODULES
 
 
-def _impls(program: StepProgram) -> list[Impl]:
-    out: list[Impl] = []
+def _roles(program: StepProgram) -> list[tuple[str, str, Impl]]:
+    """(role, the rule or check, implementation) of every implementation the program names
+    (roles as ``contract.ROLES``)."""
+    out: list[tuple[str, str, Impl]] = []
     for chk in program.checks:
-        out.append(chk.impl)
+        out.append(("check", chk.name, chk.impl))
         if chk.state is not None:
-            out.append(chk.state)
+            out.append(("state", chk.name, chk.state))
     for f in program.fills:
-        out.append(f.impl)
+        out.append(("fill", f.rule, f.impl))
         if isinstance(f.advance, Impl):
-            out.append(f.advance)
+            out.append(("advance", f.rule, f.advance))
         if f.advance_check is not None:
-            out.append(f.advance_check)
+            out.append(("advance_check", f.rule, f.advance_check))
         if f.device_advance is not None:
-            out.append(f.device_advance)
+            out.append(("device_advance", f.rule, f.device_advance))
     return out
+
+
+def _impls(program: StepProgram) -> list[Impl]:
+    return [impl for _, _, impl in _roles(program)]
+
+
+def _project(program: StepProgram, alias: _Aliases, file: str) -> tuple[list[str], list[str]]:
+    """The spec's own implementation modules (not bufc's): the lines importing each through
+    ``rt.rule_module``, each name it must have with the spec's line that names it (the first
+    one); and the entries of ``project_impls``, each implementation the step calls, so that an
+    exception it raises names it."""
+    roles = [(r, o, i) for r, o, i in _roles(program) if not _own_rule_module(i.module)]
+    names: dict[str, dict[str, str]] = {}
+    for role, owner, impl in sorted(roles, key=lambda x: x[2].loc):
+        kind = "class" if role == "state" else "function"
+        where = f"{file}:{impl.loc.line}:{impl.loc.col}: {describe(role, owner)}"
+        names.setdefault(impl.module, {}).setdefault(
+            impl.name, _call("", [repr(impl.name), repr(kind), repr(where)])
+        )
+    imports = []
+    for module in sorted(names):
+        entries = [*names[module].values()]
+        one = f"{alias.alias[module]} = rt.rule_module({module!r}, {', '.join(entries)})"
+        if len(one) <= 100:
+            imports.append(one)
+        else:
+            imports += [
+                f"{alias.alias[module]} = rt.rule_module(",
+                f"    {module!r},",
+                *(f"    {e}," for e in entries),
+                ")",
+            ]
+    entries = []
+    for role, owner, impl in dict.fromkeys((r, o, i) for r, o, i in roles if r != "state"):
+        args = [repr(ROLES[role][0]), repr(describe(role, owner)), repr(impl.text), alias(impl)]
+        lines = _lines("rt.ProjectImpl", args, 8)
+        entries += [*lines[:-1], lines[-1] + ","]
+    return imports, entries
 
 
 def _kwargs(reads: tuple[str, ...]) -> list[str]:
@@ -478,6 +522,7 @@ def render_family(plan: FamilyPlan, file: str) -> str:
     assert plan.program is not None
     fields = {chk.name for chk in plan.program.checks} | {f.tensor for f in plan.program.fills}
     alias = _Aliases(_impls(plan.program), fields)
+    project_modules, project_impls = _project(plan.program, alias, file)
     context = {
         "imports": [
             "import typing",
@@ -487,6 +532,8 @@ def render_family(plan: FamilyPlan, file: str) -> str:
             *alias.imports(),
             "from bufc.rules.sizes import StepSizes",
         ],
+        "project_modules": project_modules,
+        "project_impls": project_impls,
         **_program(plan, alias, sizes),
         "marker": MARKER,
         "file": file,

@@ -7,7 +7,7 @@ import dataclasses
 from functools import lru_cache
 from importlib import resources
 
-from . import load, schema
+from . import contract, load, schema
 from .errors import SpecError
 from .model import Spec, build_spec
 from .plan import FamilyPlan, lower_family
@@ -39,8 +39,21 @@ def builtin_contracts() -> Spec:
     return build_spec(doc)  # a spec with rules and request checks alone
 
 
-def compile_text(text: str, file: str = "buffers.yaml") -> Compiled:
-    """Parse, check and lower a spec; raise SpecError listing every problem."""
+def own_calls(spec: Spec) -> list[contract.Call]:
+    """The implementations the spec's own rules and request checks name (not bufc's, which
+    come first), as the generated step calls them."""
+    builtin = builtin_contracts()
+    return contract.calls(
+        spec.rules[len(builtin.rules) :],
+        spec.request_checks[len(builtin.request_checks) :],
+        known=spec.request_checks,
+    )
+
+
+def compile_text(text: str, file: str = "buffers.yaml", *, imports: bool = False) -> Compiled:
+    """Parse, check and lower a spec; raise SpecError listing every problem. With `imports`,
+    also import each implementation the spec's own rules and request checks name (its code
+    runs) and check its signature against the declaration (``contract``)."""
     doc = load.load_text(text, file)
     problems = schema.check_document(doc)
     if problems:
@@ -49,9 +62,13 @@ def compile_text(text: str, file: str = "buffers.yaml") -> Compiled:
     check_spec(spec)
     plans = tuple(lower_family(spec, family) for family in spec.families)
     check_plans(spec, plans)
+    if imports:
+        problems = contract.import_problems(own_calls(spec))
+        if problems:
+            raise SpecError(problems)
     return Compiled(spec, plans)
 
 
-def compile_file(path: str, display_name: str | None = None) -> Compiled:
+def compile_file(path: str, display_name: str | None = None, *, imports: bool = False) -> Compiled:
     file = display_name or path
-    return compile_text(load.read(path, file), file)
+    return compile_text(load.read(path, file), file, imports=imports)

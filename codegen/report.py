@@ -156,7 +156,9 @@ def plot(points: list[tuple[str, Report]], parameter: str, path: str, top: int =
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ModuleNotFoundError:
-        raise ReportError("--plot needs matplotlib: pip install 'bufc[plot]'") from None
+        raise ReportError(
+            "--plot needs matplotlib (bufc's [plot] extra): pip install matplotlib"
+        ) from None
     kinds = [m for m in MEMORY_KINDS if any(r.totals()[m] for _, r in points)]
     fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4), squeeze=False)
     labels = [value for value, _ in points]

@@ -35,7 +35,7 @@ def _module(package: str, family: str) -> Any:
     except ModuleNotFoundError as exc:
         if exc.name == "torch" or (exc.name or "").startswith("torch."):
             raise ReportError(
-                "reading a generated module needs torch: pip install 'bufc[runtime]', "
+                "reading a generated module needs torch (bufc's [runtime] extra): pip install torch numpy, "
                 "or give the spec with --spec"
             ) from None
         raise

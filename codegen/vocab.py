@@ -112,6 +112,7 @@ MEMBER_NAMES: frozenset[str] = frozenset(
         "sampled_tokens",
         "advances_on_device",
         "no_advance",
+        "project_impls",
         "__post_init__",
         "_limits",
         "_batch",

@@ -2,11 +2,45 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import random
+from collections.abc import Iterator
 
 import torch
 
 from .executor import Job, Result
+
+THREADS_HELP = (
+    "torch intra-op threads (default 1: the example models are tiny, and on a busy machine "
+    "extra threads wait for a core and stall every operation)"
+)
+
+
+def threads_option(p: argparse.ArgumentParser) -> None:
+    """`--threads N` (default 1) on an example's command line."""
+
+    def at_least_one(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{value} is below 1")
+        return value
+
+    p.add_argument("--threads", type=at_least_one, default=1, metavar="N", help=THREADS_HELP)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` inside, the previous count restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def tiny_llama(seed: int = 0, *, vocab_size: int = 512, init_scale: float = 0.3) -> torch.nn.Module:

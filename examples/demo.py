@@ -51,6 +51,14 @@ def parser() -> argparse.ArgumentParser:
         help="drive the buffers with add/finish/step and keep the sampled tokens on the "
         "device: the host prepares step t+1 while the device runs step t",
     )
+    p.add_argument(
+        "--threads",
+        type=_at_least(1),
+        default=1,
+        metavar="N",
+        help="torch intra-op threads in each process (default 1: the model is tiny, and on a "
+        "busy machine extra threads wait for a core and stall every operation)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the workload")
     p.add_argument("--every", type=_at_least(1), default=10, help="print figures every N steps")
     # the demo model has 2 layers and 4 heads (2 KV heads): 1 or 2 ranks either way
@@ -68,6 +76,23 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        import torch
+    except ImportError as exc:
+        print(
+            f"bufc demo needs torch ({exc}): pip install torch numpy (bufc's [runtime] extra)",
+            file=sys.stderr,
+        )
+        return 1
+    before = torch.get_num_threads()
+    torch.set_num_threads(args.threads)  # the model, the executor and generate alike
+    try:
+        return _demo(args)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    try:
         import transformers  # noqa: F401
         from tqdm import tqdm  # transformers depends on it
 
@@ -75,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         from .executor import Executor, StepStats
     except ImportError as exc:
         print(
-            f"bufc demo needs torch and transformers ({exc}): pip install 'bufc[runtime]' "
-            "transformers",
+            f"bufc demo needs torch and transformers ({exc}): pip install torch numpy transformers",
             file=sys.stderr,
         )
         return 1
@@ -133,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             jobs_args=jobs_args,
             executor_args=executor_args,
             every=args.every,
+            threads=args.threads,
         )
         result, elapsed = run.result, run.elapsed_s
     else:
@@ -163,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         ("tokens generated", f"{tokens}"),
         ("tokens/s (bufc executor)", f"{tokens / elapsed:.0f}"),
+        ("torch intra-op threads", f"{args.threads} per process (--threads)"),
         ("prepare_step median", f"{statistics.median(prep) * 1e6:.0f} us"),
         ("prepare_step share of step time", f"{100 * sum(prep) / step_total:.1f} %"),
         *(

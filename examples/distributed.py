@@ -44,9 +44,10 @@ def _worker(
     jobs_args: dict[str, Any],
     executor_args: dict[str, Any],
     every: int,
+    threads: int,
     queue: Any,
 ) -> None:
-    torch.set_num_threads(1)  # ranks share the machine's cores
+    torch.set_num_threads(threads)  # ranks share the machine's cores (1 by default)
     device = "cpu"
     if backend == "nccl":
         device = f"cuda:{rank % torch.cuda.device_count()}"
@@ -84,6 +85,7 @@ def run_world(
     jobs_args: dict[str, Any] | None = None,
     executor_args: dict[str, Any] | None = None,
     every: int = 0,
+    threads: int = 1,
 ) -> WorldRun:
     """Serve `workload(**jobs_args)` on `tiny_llama(**model_args)` with tp x pp processes."""
     ctx = mp.get_context("spawn")
@@ -97,6 +99,7 @@ def run_world(
         jobs_args or {},
         executor_args or {},
         every,
+        threads,
         queue,
     )
     mp.start_processes(_worker, args=args, nprocs=tp * pp, join=True, start_method="spawn")

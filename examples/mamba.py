@@ -30,6 +30,7 @@ use ``buffers.advance``. A request that has its tokens frees its slot for a late
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import random
 import time
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from bufc.generated import mamba
 from bufc.runtime import Request
 
-from .compare import Mismatch, assert_same_tokens, reference_tokens
+from .compare import Mismatch, assert_same_tokens, reference_tokens, threads_option, torch_threads
 from .executor import Job
 
 CONTEXT, GENERATION = 0, 1
@@ -473,7 +474,15 @@ def check(
     return worst
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    threads_option(p)
+    args = p.parse_args(argv)
+    with torch_threads(args.threads):
+        return _main(args.threads)
+
+
+def _main(threads: int) -> int:
     model = tiny_mamba(0)
     jobs = mamba_workload(16, seed=1, vocab_size=model.config.vocab_size)
     t = time.perf_counter()
@@ -487,7 +496,7 @@ def main() -> int:
         f"{sum(s.kind == 'generation' for s in steps)} generation, "
         f"{sum(s.advanced for s in steps)} by advance), "
         f"{sum(map(len, result.tokens.values()))} tokens in {served:.2f} s, "
-        f"{result.slot_reuses} slot reuses"
+        f"{result.slot_reuses} slot reuses; torch intra-op threads {threads}"
     )
     print(f"all {len(jobs)} requests match transformers.generate; max logit diff {worst:.3g}")
     return 0

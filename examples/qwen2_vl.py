@@ -44,6 +44,7 @@ model does.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import random
 from collections import deque
@@ -54,6 +55,7 @@ import torch
 from bufc.generated import qwen2_vl
 from bufc.runtime import Request
 
+from .compare import threads_option, torch_threads
 from .executor import grow_blocks, schedule
 from .paged_cache import BlockAllocator, PagedKVCache
 
@@ -681,7 +683,15 @@ def reference(
     return tokens, logits
 
 
-def main() -> None:  # pragma: no cover - a manual demo
+def main(argv: list[str] | None = None) -> None:  # pragma: no cover - a manual demo
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    threads_option(p)
+    args = p.parse_args(argv)
+    with torch_threads(args.threads):
+        _main(args.threads)
+
+
+def _main(threads: int) -> None:  # pragma: no cover - a manual demo
     model = tiny_qwen2_vl()
     jobs = vl_workload(model, 8, seed=1)
     result = VLExecutor(model, token_budget=24, chunk_size=7).run(jobs)
@@ -691,7 +701,8 @@ def main() -> None:  # pragma: no cover - a manual demo
     inside = sum(s.chunks_ending_in_image for s in result.steps)
     print(
         f"{len(jobs)} requests, {len(result.steps)} steps ({mixed} mixed), {inside} chunks ending "
-        f"inside an image; tokens equal generate, max |logit - HF| = {worst:.2e}"
+        f"inside an image; tokens equal generate, max |logit - HF| = {worst:.2e}; torch "
+        f"intra-op threads {threads}"
     )
 
 

@@ -629,8 +629,7 @@ def workload(n: int = 12, *, seed: int = 0, vocab_size: int = 512, max_prompt: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .compare import assert_same_tokens, reference_tokens, tiny_llama
-    from .executor import Executor
+    from .compare import threads_option, torch_threads
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=12)
@@ -640,7 +639,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token-budget", type=int, default=40)
     p.add_argument("--chunk-size", type=int, default=12)
     p.add_argument("--tokens-per-block", type=int, default=4)
+    threads_option(p)
     args = p.parse_args(argv)
+    with torch_threads(args.threads):
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from .compare import assert_same_tokens, reference_tokens, tiny_llama
+    from .executor import Executor
 
     model = tiny_llama(0)
     jobs = workload(args.requests, seed=1)
@@ -681,6 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"token steps saved        {result.steps_saved} (over all requests)")
     print(f"max |logits - HF|        {worst:.2e}")
+    print(f"torch intra-op threads   {args.threads}")
     print(f"result                   all {len(jobs)} requests match transformers.generate")
     return 0
 

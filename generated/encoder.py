@@ -26,7 +26,7 @@ from bufc.rules.sizes import StepSizes
 
 import torch
 
-rt.check_format_version(2)
+rt.check_format_version(3)
 
 FAMILY = 'encoder'
 FLAGS = {'model_variant': 'gpt', 'engine': 'encoder', 'transformer': True, 'paged_kv_cache': False, 'rnn': False, 'pipeline_parallel': False, 'cross_attention': False, 'lora': False, 'prompt_tuning': False, 'mrope': False, 'language_adapter': False, 'spec_decoding': 'none'}
@@ -201,6 +201,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     sampled_tokens = None  # generation rows take the sampled tokens
     advances_on_device = False  # decode steps without a copy
     no_advance = ('encoder_input_ids', 'encoder_position_ids', 'encoder_input_lengths')  # rules without an advance form
+    project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:
         """What every request is checked against (decided once, at construction)."""

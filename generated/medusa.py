@@ -27,7 +27,7 @@ from bufc.rules.sizes import StepSizes
 
 import torch
 
-rt.check_format_version(2)
+rt.check_format_version(3)
 
 FAMILY = 'medusa'
 FLAGS = {'model_variant': 'gpt', 'engine': 'decoder', 'transformer': True, 'paged_kv_cache': True, 'rnn': False, 'pipeline_parallel': False, 'cross_attention': False, 'lora': False, 'prompt_tuning': False, 'mrope': False, 'language_adapter': False, 'spec_decoding': 'medusa'}
@@ -526,6 +526,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     advances_on_device = True  # decode steps without a copy
     no_advance = ()  # rules without an advance form
+    project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:
         """What every request is checked against (decided once, at construction)."""

@@ -28,7 +28,7 @@ from bufc.rules.sizes import StepSizes
 
 import torch
 
-rt.check_format_version(2)
+rt.check_format_version(3)
 
 FAMILY = 'qwen2_vl'
 FLAGS = {'model_variant': 'gpt', 'engine': 'decoder', 'transformer': True, 'paged_kv_cache': True, 'rnn': False, 'pipeline_parallel': False, 'cross_attention': False, 'lora': False, 'prompt_tuning': True, 'mrope': True, 'language_adapter': False, 'spec_decoding': 'none'}
@@ -617,6 +617,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     advances_on_device = False  # decode steps without a copy
     no_advance = ('prompt_embedding_table', 'prompt_tasks', 'mrope_rotary_cos_sin', 'mrope_position_deltas')  # rules without an advance form
+    project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:
         """What every request is checked against (decided once, at construction)."""

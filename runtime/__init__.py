@@ -12,7 +12,7 @@ try:
     import torch  # noqa: F401
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised in a subprocess
     raise ModuleNotFoundError(
-        "bufc.runtime and the generated buffer modules need torch: pip install 'bufc[runtime]'",
+        "bufc.runtime and the generated buffer modules need torch (bufc's [runtime] extra): pip install torch numpy",
         name="torch",
     ) from exc
 
@@ -34,16 +34,22 @@ from .decl import (
     Rule,
     TensorDecl,
 )
-from .errors import BatchError, ConfigError
+from .errors import BatchError, ConfigError, RuleError
+from .project import ProjectImpl, rule_module
 from .staging import Targets
 
-FORMAT_VERSION = 2
-"""The generated-module format this runtime implements; bumped on incompatible changes."""
+FORMAT_VERSION = 3
+"""The generated-module format this runtime implements; bumped on incompatible changes (3: a
+spec's own implementation modules imported through ``rule_module``, and ``project_impls``)."""
+
+READS_FORMATS = (2, FORMAT_VERSION)
+"""The formats it reads: a module of format 2 imports a spec's own modules directly (a missing
+one is Python's ImportError, an exception one raises is not named)."""
 
 
 def check_format_version(version: int) -> None:
     """Called at import by every generated module."""
-    if version != FORMAT_VERSION:
+    if version not in READS_FORMATS:
         raise ImportError(
             f"this generated module was written for bufc runtime format {version}, but the "
             f"installed bufc.runtime implements format {FORMAT_VERSION}; regenerate it with the "
@@ -70,8 +76,11 @@ __all__ = [
     "Constant",
     "IndexSet",
     "Mirror",
+    "ProjectImpl",
+    "READS_FORMATS",
     "Request",
     "Rule",
+    "RuleError",
     "RuntimeBuffers",
     "Step",
     "StepSizes",
@@ -85,4 +94,5 @@ __all__ = [
     "check_size",
     "check_names",
     "require",
+    "rule_module",
 ]

@@ -12,6 +12,7 @@ what a family has, and what its step does, is in its generated module.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -21,8 +22,9 @@ import numpy as np
 import torch
 
 from .decl import DEVICE, PINNED, STATIC, Constant, Mirror, Rule, TensorDecl
-from .errors import BatchError, ConfigError, FillCountError
+from .errors import BatchError, ConfigError, FillCountError, RuleError
 from .graphs import Replays
+from .project import ProjectImpl, culprit
 from .staging import ALIGN, HALVES, DeviceStep, Staging, Target, Targets
 from .tokens import Gather, TokenGather, region_bytes
 from .values import INT32_MAX, check_int, int_array
@@ -64,6 +66,8 @@ class RuntimeBuffers:
     # the host tensor whose generation rows take each sequence's sampled token
     sampled_tokens: ClassVar[str | None] = None
     advances_on_device: ClassVar[bool] = False  # the family has ``_advance_on_device``
+    # the spec's own implementations the step calls: an exception one raises names it
+    project_impls: ClassVar[tuple[ProjectImpl, ...]] = ()
 
     def __init__(
         self,
@@ -312,6 +316,19 @@ class RuntimeBuffers:
                     f"(`bufc report` shows each tensor's share)"
                 )
 
+    def _rule_error(self, exc: Exception, where: str = "") -> RuleError | None:
+        """The RuleError naming the spec's own implementation whose call by the generated
+        step raised `exc` (None when bufc's own code raised it)."""
+        if not self.project_impls:
+            return None
+        cls = next(c for c in type(self).__mro__ if "project_impls" in vars(c))
+        generated = {f.__code__: name for name, f in vars(cls).items() if inspect.isfunction(f)}
+        found = culprit(exc, generated, self.project_impls)
+        if not found:
+            return None
+        what = " or ".join(dict.fromkeys(p.what for p in found))
+        return RuleError(what, found[0].impl, f"{type(exc).__name__}: {exc}", where)
+
     def _nbytes(self, name: str) -> int:
         return self._numel[name] * self._dtype[name].itemsize
 
@@ -396,6 +413,10 @@ class RuntimeBuffers:
         except BatchError:
             raise
         except Exception as exc:  # a value a check could not even read (an odd type)
+            named = self._rule_error(exc)
+            if named is not None:  # a project's check raised
+                self.state = self.state_type()  # it may have changed its state: rebuilt
+                raise named from exc
             raise BatchError(
                 f"a request value could not be checked ({type(exc).__name__}: {exc})"
             ) from exc
@@ -409,6 +430,9 @@ class RuntimeBuffers:
             raise
         except Exception as exc:  # a fill raised although every check passed: a bug
             self._abandon_half(h)
+            named = self._rule_error(exc)
+            if named is not None:  # a project's fill raised: the error names it
+                raise named from exc
             raise BatchError(
                 f"a fill failed after the checks passed ({type(exc).__name__}: {exc}); the "
                 "step was abandoned and the last step stays current (host buffers as they were; "
@@ -459,6 +483,10 @@ class RuntimeBuffers:
         except BatchError:
             raise
         except Exception as exc:  # e.g. a request's block list replaced by something odd
+            named = self._rule_error(exc)
+            if named is not None:  # a project's advance check raised
+                self.state = self.state_type()
+                raise named from exc
             raise BatchError(
                 f"advance(): a value could not be checked ({type(exc).__name__}: {exc})"
             ) from exc
@@ -471,6 +499,9 @@ class RuntimeBuffers:
             raise exc.in_advance() from None
         except Exception as exc:  # a bug: the checks passed
             self._abandon_half(h)
+            named = self._rule_error(exc)
+            if named is not None:  # a project's advance form raised
+                raise named from exc
             raise BatchError(
                 f"advance() failed after its checks passed ({type(exc).__name__}: {exc}); the "
                 "buffers are as they were after the last step. Please report this step."
@@ -620,6 +651,9 @@ class RuntimeBuffers:
             if self._tokens is not None:
                 self._tokens.sent = None  # the arena holds the last half's indices now
             self._abandon_half(h)
+            named = self._rule_error(exc, ", on the host and the device")
+            if named is not None:  # a project's device advance form raised
+                raise named from exc
             raise BatchError(
                 f"the step's device work failed ({type(exc).__name__}: {exc}); the step was "
                 "abandoned and the last step stays current, on the host and the device"

@@ -37,3 +37,20 @@ class FillCountError(BatchError):
     def in_advance(self) -> FillCountError:
         """The same error raised by the rule's advance form (advance(), or a steady step)."""
         return FillCountError(self.tensor, self.rule, self.value, self.size, "advance form")
+
+
+class RuleError(BatchError):
+    """One of the spec's own implementations (a project's rule, request check or advance form)
+    raised at step time: a bug or a limit of that rule, which the message names with its
+    implementation (the original exception is its ``__cause__``). The step is abandoned; the
+    last step stays current."""
+
+    def __init__(self, what: str, impl: str, error: str, where: str = "") -> None:
+        super().__init__(
+            f"{what} ({impl}) raised {error}; the step was abandoned and the last step stays "
+            f"current{where}"
+        )
+        self.what, self.impl, self.error, self.where = what, impl, error, where
+
+    def __reduce__(self) -> tuple:  # pickled with its own arguments (not the message)
+        return (type(self), (self.what, self.impl, self.error, self.where))

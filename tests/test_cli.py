@@ -240,6 +240,21 @@ def test_validate_reports_every_file_under_the_path_given(capsys, tmp_path, monk
     assert "b/buffers.yaml:2:8: this list ('[') is never closed with ']'" in err
 
 
+def test_check_of_a_folder_that_does_not_exist_says_so_in_one_line(capsys, tmp_path, monkeypatch):
+    """Not a diff of every module and advice to generate there: the modules may well be in
+    another folder (the default --out is generated), and that would make a second copy."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "buffers.yaml").write_text((REPO / "tests/cases/mini/buffers.yaml").read_text())
+    for argv, out in ((["--out", "mypkg/buffers"], "mypkg/buffers"), ([], "generated")):
+        code, stdout, err = run(capsys, "check", *argv)
+        assert (code, stdout) == (1, "")
+        assert err == (
+            f"bufc check: {out} does not exist; give --out the folder that holds the generated "
+            f"modules, or create it with 'bufc generate --spec buffers.yaml --out {out}'\n"
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["buffers.yaml"]  # nothing created
+
+
 def test_plot_without_matplotlib_says_how_to_install_it(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(REPO)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
@@ -247,7 +262,7 @@ def test_plot_without_matplotlib_says_how_to_install_it(capsys, monkeypatch, tmp
         capsys, "report", "llama", *LLAMA, "--sweep", "max_batch_size=8,16", "--plot", "x.svg"
     )
     assert code == 1
-    assert "--plot needs matplotlib: pip install 'bufc[plot]'" in err
+    assert "--plot needs matplotlib (bufc's [plot] extra): pip install matplotlib" in err
 
 
 # ------------------------------------------------------------------------- spec strictness

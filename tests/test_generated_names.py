@@ -160,21 +160,18 @@ def test_a_rule_module_named_like_a_generated_name_is_imported_under_a_free_alia
     compiled = compile_text(ALIAS_SPEC.replace("MODULE", module), "buffers.yaml")
     source = emit.render_family(compiled.plans[0], "buffers.yaml")
     tree = ast.parse(source)
-    (alias,) = [
-        a.asname or a.name
+    (alias,) = [  # ALIAS = rt.rule_module('aliaspkg.NAME', ...)
+        node.targets[0].id
         for node in tree.body
-        if isinstance(node, ast.Import)
-        for a in node.names
-        if a.name == module
-    ] + [
-        a.asname or a.name
-        for node in tree.body
-        if isinstance(node, ast.ImportFrom) and node.module == "aliaspkg"
-        for a in node.names
-        if a.name == name
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Call)
+        and ast.unparse(node.value.func) == "rt.rule_module"
+        and ast.literal_eval(node.value.args[0]) == module
+        and isinstance(node.targets[0], ast.Name)
     ]
     assert alias != name
     assert _bound_names(tree).count(alias) == 1  # its import, and nothing else
+    assert f"import {module}" not in source and "from aliaspkg" not in source
     assert not hasattr(builtins, alias)
     for fn in ("count_ages", "Ages", "slot_ages", "check_next_ages", "advance_slot_ages"):
         assert f"{alias}.{fn}" in source

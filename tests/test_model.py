@@ -149,10 +149,13 @@ def test_a_mismatch_names_the_request_and_the_step(model, jobs, reference):
         assert_same_tokens(result, reference)
 
 
-@pytest.mark.parametrize("extra", [[], ["--overlap"]])
+@pytest.mark.parametrize("extra", [[], ["--overlap", "--threads", "2"]])
 def test_demo_runs_and_reports_the_match(capsys, extra):
+    import torch
+
     from bufc.codegen.cli import main
 
+    threads = torch.get_num_threads()
     assert (
         main(
             [
@@ -175,6 +178,10 @@ def test_demo_runs_and_reports_the_match(capsys, extra):
     out = capsys.readouterr().out
     assert "prepare_step" in out and "tokens/s (bufc executor)" in out
     assert out.rstrip().endswith("all 8 requests match transformers.generate")
+    # the setting is printed (1 by default) and torch's own is restored afterwards
+    setting = extra[extra.index("--threads") + 1] if "--threads" in extra else "1"
+    assert f"torch intra-op threads             {setting} per process (--threads)" in out
+    assert torch.get_num_threads() == threads
 
 
 @pytest.mark.gpu

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -108,10 +109,29 @@ def test_without_torch_the_runtime_and_report_say_how_to_install_it(installed, t
     block = "import sys; sys.modules['torch'] = None\n"  # as if torch were not installed
     r = run_installed(installed, tmp_path, block + "from bufc.generated import gpt")
     assert r.returncode == 1
-    assert "need torch: pip install 'bufc[runtime]'" in r.stderr
+    assert "need torch (bufc's [runtime] extra): pip install torch numpy" in r.stderr
     report = "from bufc.codegen.cli import main; raise SystemExit(main(['report', 'gpt']))"
     r = run_installed(installed, tmp_path, block + report)
     assert r.returncode == 1
-    assert "bufc report: reading a generated module needs torch: pip install 'bufc[runtime]'" in (
-        r.stderr
+    assert (
+        "bufc report: reading a generated module needs torch (bufc's [runtime] extra): pip install torch numpy"
+        in (r.stderr)
     )
+
+
+def test_one_version_in_the_metadata_the_command_pyproject_and_the_changelog(installed, tmp_path):
+    """`bufc --version` of the installed copy prints the version its metadata carries, which is
+    pyproject.toml's and the newest entry of CHANGELOG.md."""
+    tomllib = pytest.importorskip("tomllib")
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    code = (
+        "import importlib.metadata, bufc\n"
+        "print(importlib.metadata.version('bufc'), bufc.__version__)\n"
+        "from bufc.codegen.cli import main; main(['--version'])"
+    )
+    r = run_installed(installed, tmp_path, code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"{version} {version}\nbufc {version}\n"
+    changelog = (REPO / "CHANGELOG.md").read_text()
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", changelog, re.M)
+    assert releases[0] == version and "0.1.0" in releases

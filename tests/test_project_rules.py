@@ -203,7 +203,8 @@ def test_a_project_rule_is_generated_and_run_like_a_built_in_one(project: Path):
     )
     assert gen.returncode == 0, gen.stderr
     source = (project / "generated" / "fam.py").read_text()
-    assert "from mypkg import rules" in source
+    assert "rules = rt.rule_module(\n    'mypkg.rules',\n" in source  # missing: names the line
+    assert "    ('slot_ages', 'function', \"buffers.yaml:32:11: rule 'slot_ages'\"),\n" in source
     assert (
         "rules.query_start_loc(\n                t.host_query_start_loc.out,\n                b,\n                k.short_queries,\n"
         in source
@@ -367,23 +368,29 @@ BAD_COUNTS = {
 }
 
 
+def _generated_project(tmp_path: Path, monkeypatch, package: str, spec: str, rules: str):
+    """The family `fam` of `spec` generated as module `{package}_fam` beside its rules module
+    `{package}.rules` (source `rules`), both imported afresh; yields (module, rules) and
+    forgets both after."""
+    from bufc.codegen import emit
+
+    names = (package, f"{package}.rules", f"{package}_fam")
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / package / "rules.py").write_text(rules)
+    (tmp_path / f"{package}_fam.py").write_text(emit.render_all(compile_text(spec))["fam.py"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in names:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    yield importlib.import_module(names[2]), importlib.import_module(names[1])
+    for name in names:
+        sys.modules.pop(name, None)
+
+
 @pytest.fixture
 def counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """The generated module of COUNT_SPEC and its rules module (countpkg.rules)."""
-    from bufc.codegen import emit
-
-    (tmp_path / "countpkg").mkdir()
-    (tmp_path / "countpkg" / "__init__.py").write_text("")
-    (tmp_path / "countpkg" / "rules.py").write_text(COUNT_RULES)
-    (tmp_path / "count_fam.py").write_text(emit.render_all(compile_text(COUNT_SPEC))["fam.py"])
-    monkeypatch.syspath_prepend(str(tmp_path))
-    for name in ("countpkg", "countpkg.rules", "count_fam"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    fam = importlib.import_module("count_fam")
-    rules = importlib.import_module("countpkg.rules")
-    yield fam, rules
-    for name in ("countpkg", "countpkg.rules", "count_fam"):
-        sys.modules.pop(name, None)
+    yield from _generated_project(tmp_path, monkeypatch, "countpkg", COUNT_SPEC, COUNT_RULES)
 
 
 def _same_tensors(a, b) -> None:
@@ -437,3 +444,409 @@ def test_a_project_fill_may_count_in_a_numpy_integer(counted):
     rules.COUNT = lambda n, size: np.int32(n)
     step = buffers.prepare_step([Request(seq_slot=0, prompt=[1, 2, 3])], [])
     assert step.inputs["marks"].tolist() == [7, 8, 9]
+
+
+# ------------------------------------------- implementations resolved: bufc validate --import
+@pytest.fixture
+def in_project(project: Path, monkeypatch: pytest.MonkeyPatch):
+    """The project as the current directory, its package imported afresh (and forgotten)."""
+    monkeypatch.chdir(project)
+    _forget("mypkg")
+    yield project
+    _forget("mypkg")
+
+
+def _forget(package: str) -> None:
+    for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+        del sys.modules[name]
+
+
+def _validate(capsys, *argv: str) -> tuple[int, str, str]:
+    from bufc.codegen.cli import main
+
+    code = main(["validate", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _imported_errors(capsys, project: Path, spec: str = SPEC, rules: str = RULES) -> list[str]:
+    """`bufc validate --import buffers.yaml` on the project with this spec and rules module:
+    exit 1, its diagnostics (one line each, then the count)."""
+    (project / "buffers.yaml").write_text(spec)
+    (project / "mypkg" / "rules.py").write_text(rules)
+    _forget("mypkg")  # as a new process would
+    code, out, err = _validate(capsys, "--import", "buffers.yaml")
+    assert (code, out) == (1, ""), err
+    *lines, count = err.splitlines()
+    assert count == f"{len(lines)} error(s)"
+    return lines
+
+
+def test_validate_imports_nothing_without_import(in_project: Path, capsys):
+    (in_project / "mypkg" / "rules.py").write_text("raise SystemExit('imported')\n")
+    assert _validate(capsys, "buffers.yaml") == (0, "buffers.yaml: ok\n", "")
+    assert "mypkg" not in sys.modules
+
+
+def test_validate_import_passes_a_project_whose_implementations_take_their_calls(
+    in_project: Path, capsys
+):
+    assert _validate(capsys, "--import", "buffers.yaml") == (0, "buffers.yaml: ok\n", "")
+    assert "mypkg.rules" in sys.modules
+
+
+def test_a_typo_in_an_impl_module_is_a_located_error(in_project: Path, capsys):
+    spec = SPEC.replace("impl: mypkg.rules:query_start_loc", "impl: mypkg.rulez:query_start_loc")
+    assert _imported_errors(capsys, in_project, spec) == [
+        "buffers.yaml:25:11: rule 'query_start_loc' names mypkg.rulez:query_start_loc, but there "
+        "is no module mypkg.rulez (did you mean 'mypkg.rules'?); fix the impl path or install "
+        "mypkg"
+    ]
+    spec = SPEC.replace("impl: mypkg.rules:query_start_loc", "impl: mypgk.rules:query_start_loc")
+    assert _imported_errors(capsys, in_project, spec) == [
+        "buffers.yaml:25:11: rule 'query_start_loc' names mypgk.rules:query_start_loc, but there "
+        "is no module mypgk; fix the impl path or install mypgk"
+    ]
+
+
+def test_a_typo_in_an_impl_function_is_a_located_error(in_project: Path, capsys):
+    spec = SPEC.replace("impl: mypkg.rules:query_start_loc", "impl: mypkg.rules:query_start_lok")
+    spec = spec.replace("state: mypkg.rules:Ages", "state: mypkg.rules:Age")
+    assert _imported_errors(capsys, in_project, spec) == [
+        "buffers.yaml:20:12: the state of request check 'ages' names mypkg.rules:Age, but "
+        "mypkg.rules has no class Age (did you mean 'Ages'?); fix the impl path or define Age "
+        "in mypkg.rules",
+        "buffers.yaml:25:11: rule 'query_start_loc' names mypkg.rules:query_start_lok, but "
+        "mypkg.rules has no function query_start_lok (did you mean 'query_start_loc'?); fix the "
+        "impl path or define query_start_lok in mypkg.rules",
+    ]
+
+
+def test_a_module_that_fails_to_import_is_a_located_error(in_project: Path, capsys):
+    rules = "import mypkg_helpers  # not installed\n" + RULES
+    assert _imported_errors(capsys, in_project, rules=rules)[0] == (
+        "buffers.yaml:14:11: request check 'short_queries' names mypkg.rules:check_short_queries, "
+        "but importing mypkg.rules raised ModuleNotFoundError: No module named 'mypkg_helpers'; "
+        "install mypkg_helpers, which mypkg.rules imports"
+    )
+    rules = RULES + "\n1 / 0\n"
+    assert _imported_errors(capsys, in_project, rules=rules)[0] == (
+        "buffers.yaml:14:11: request check 'short_queries' names mypkg.rules:check_short_queries, "
+        "but importing mypkg.rules raised ZeroDivisionError: division by zero; fix mypkg.rules"
+    )
+
+
+def test_a_project_signature_that_takes_its_call_another_way_passes(in_project: Path, capsys):
+    """A project's function need only accept the call: a read that is not keyword-only, a
+    parameter with a default, **kwargs (bufc's own keep the exact form)."""
+    rules = RULES.replace(
+        "def slot_ages(out, b, counted):", "def slot_ages(out, b, counted, scale=1, **extra):"
+    )
+    rules = rules.replace(
+        "def check_short_queries(b, *, max_num_tokens):",
+        "def check_short_queries(b, max_num_tokens):",
+    )
+    assert rules != RULES and rules.count("scale=1") == 1
+    assert "def check_short_queries(b, max_num_tokens):" in rules
+    (in_project / "mypkg" / "rules.py").write_text(rules)
+    assert _validate(capsys, "--import", "buffers.yaml") == (0, "buffers.yaml: ok\n", "")
+
+
+def test_a_signature_that_does_not_take_its_call_is_a_located_error(in_project: Path, capsys):
+    # a Config value the declaration reads, which the function does not take
+    spec = SPEC.replace("reads: [max_num_tokens]", "reads: [max_num_tokens, max_batch_size]")
+    # the advance form without `prev`; a fill with a keyword parameter nothing declares
+    rules = RULES.replace("def advance_slot_ages(out, prev, d):", "def advance_slot_ages(out, d):")
+    rules = rules.replace(
+        "def slot_ages(out, b, counted):", "def slot_ages(out, b, counted, *, n):"
+    )
+    rules = rules.replace("def __init__(self):", "def __init__(self, size):")
+    assert _imported_errors(capsys, in_project, spec, rules) == [
+        "buffers.yaml:14:11: request check 'short_queries' names "
+        "mypkg.rules:check_short_queries(b, *, max_num_tokens), which takes no keyword parameter "
+        "max_batch_size, but its declaration's reads pass it (max_batch_size=c.max_batch_size); "
+        "add it after '*', or drop it from reads",
+        "buffers.yaml:20:12: the state of request check 'ages' names mypkg.rules:Ages(size), "
+        "which cannot be made without arguments, as the family's State makes it; give its "
+        "parameters defaults",
+        "buffers.yaml:32:11: rule 'slot_ages' names mypkg.rules:slot_ages(out, b, counted, *, n), "
+        "whose keyword parameter n its declaration's reads do not pass; add n to reads, or "
+        "remove the parameter",
+        "buffers.yaml:37:14: the advance form of rule 'slot_ages' names "
+        "mypkg.rules:advance_slot_ages(out, d), which takes 2 positional parameters, but the step "
+        "passes 3 (out, the last step's values, the decode step); give it 3 before '*', or "
+        "change the declaration",
+    ]
+    # a rule whose check hands on no result: its fill is passed one argument fewer
+    spec = SPEC.replace("    result: true\n  ages:", "  ages:")
+    assert _imported_errors(capsys, in_project, spec) == [
+        "buffers.yaml:24:11: rule 'query_start_loc' names mypkg.rules:query_start_loc(out, b, "
+        "lengths), which takes 3 positional parameters, but the step passes 2 (out, the batch); "
+        "give it 2 before '*', or change the declaration"
+    ]
+
+
+def test_generate_imports_the_implementations_and_writes_nothing_when_one_is_missing(
+    in_project: Path, capsys
+):
+    from bufc.codegen.cli import main
+
+    spec = SPEC.replace("impl: mypkg.rules:query_start_loc", "impl: mypkg.rules:query_start_lok")
+    (in_project / "buffers.yaml").write_text(spec)
+    assert main(["generate", "--out", "generated"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(
+        "buffers.yaml:25:11: rule 'query_start_loc' names mypkg.rules:query_start_lok, but "
+        "mypkg.rules has no function query_start_lok"
+    )
+    assert not (in_project / "generated").exists()
+
+
+# ------------------------------------------ a generated module whose implementation is missing
+def _import_generated(project: Path, name: str):
+    """The family `fam` of SPEC rendered (no implementation imported) into `name`.py and
+    imported, with the project on sys.path."""
+    from bufc.codegen import emit
+
+    (project / f"{name}.py").write_text(emit.render_all(compile_text(SPEC))["fam.py"])
+    sys.path.insert(0, str(project))
+    try:
+        importlib.invalidate_caches()
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(project))
+        sys.modules.pop(name, None)
+
+
+def test_a_missing_implementation_module_is_an_import_error_naming_the_spec_line(
+    in_project: Path,
+):
+    (in_project / "mypkg" / "rules.py").unlink()
+    with pytest.raises(ImportError) as info:
+        _import_generated(in_project, "fam_no_module")
+    assert str(info.value) == (
+        "buffers.yaml:14:11: request check 'short_queries' names mypkg.rules:check_short_queries, "
+        "but there is no module mypkg.rules; fix the impl path or install mypkg"
+    )
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
+
+
+def test_a_missing_implementation_function_is_an_import_error_naming_the_spec_line(
+    in_project: Path,
+):
+    rules = RULES.replace("def slot_ages(", "def slot_age(")
+    (in_project / "mypkg" / "rules.py").write_text(rules)
+    with pytest.raises(ImportError) as info:
+        _import_generated(in_project, "fam_no_function")
+    assert str(info.value) == (
+        "buffers.yaml:32:11: rule 'slot_ages' names mypkg.rules:slot_ages, but mypkg.rules has "
+        "no function slot_ages (did you mean 'slot_age'?); fix the impl path or define "
+        "slot_ages in mypkg.rules"
+    )
+    (in_project / "mypkg" / "rules.py").write_text(RULES)
+    _forget("mypkg")
+    fam = _import_generated(in_project, "fam_whole")
+    assert [p.what for p in fam.RuntimeBuffers.project_impls] == [
+        "request check 'short_queries'",
+        "request check 'ages'",
+        "rule 'query_start_loc'",
+        "rule 'slot_ages'",
+        "the advance form of rule 'slot_ages'",
+    ]
+
+
+# ------------------------------------------------- a project rule that raises at step time
+FAIL_SPEC = textwrap.dedent(
+    """\
+    version: 1
+    parameters:
+      max_batch_size: {doc: Requests., min: 1}
+      max_num_tokens: {doc: Tokens., min: 1}
+    sizes:
+      num_tokens: {doc: Tokens., max: "max_num_tokens"}
+      num_sequences: {doc: Sequences., max: "max_batch_size"}
+    request_checks:
+      first_mark:
+        doc: The first mark of the step.
+        impl: failpkg.rules:check_marks
+        result: true
+    rules:
+      marks:
+        doc: one mark per sequence
+        impl: failpkg.rules:marks
+        dtypes: [int32]
+        shape: ["num_sequences"]
+        sizes: [num_sequences]
+        check: first_mark
+        advance: failpkg.rules:advance_marks
+        advance_check: {impl: failpkg.rules:check_advance_marks}
+        device_advance: failpkg.rules:device_advance_marks
+    families:
+      fam: {doc: A decoder with a project tensor in every form.}
+    tensors:
+      - name: host_input_ids
+        doc: Token ids.
+        dtype: int32
+        memory: pinned
+        capacity: ["max_num_tokens"]
+        shape: ["num_tokens"]
+        fill: {rule: token_ids}
+        pad: 0
+      - name: input_ids
+        doc: Token ids on the device.
+        memory: device
+        fill: {mirror: host_input_ids}
+        bind: [{input: input_ids}]
+      - name: host_marks
+        doc: A mark per sequence.
+        dtype: int32
+        memory: pinned
+        capacity: ["max_batch_size"]
+        shape: ["num_sequences"]
+        fill: {rule: marks}
+        pad: -1
+      - name: marks
+        doc: Device copy of host_marks.
+        memory: device
+        fill: {mirror: host_marks}
+        bind: [{input: marks}]
+    """
+)
+
+FAIL_RULES = textwrap.dedent(
+    """\
+    import numpy as np
+
+    FAIL = set()  # the forms that raise: check, fill, advance_check, advance, device_advance
+
+
+    def _broken(form):  # a helper: the error names the implementation that called it
+        if form in FAIL:
+            raise ValueError(f"{form} is broken")
+
+
+    def check_marks(b):
+        _broken("check")
+        return 7
+
+
+    def marks(out, b, first):
+        n = b.sizes.num_sequences
+        out[:n] = np.arange(first, first + n)  # written before it raises: the step is abandoned
+        _broken("fill")
+        return n
+
+
+    def check_advance_marks(d):
+        _broken("advance_check")
+
+
+    def advance_marks(out, prev, d):
+        n = len(d.tokens)
+        np.add(prev[:n], 1, out=out[:n])
+        _broken("advance")
+        return n
+
+
+    def device_advance_marks(mirror, d):
+        mirror[: len(d.tokens)] += 1
+        _broken("device_advance")
+    """
+)
+
+RAISED = {
+    "check": "request check 'first_mark' (failpkg.rules:check_marks)",
+    "fill": "rule 'marks' (failpkg.rules:marks)",
+    "advance_check": "the advance check of rule 'marks' (failpkg.rules:check_advance_marks)",
+    "advance": "the advance form of rule 'marks' (failpkg.rules:advance_marks)",
+    "device_advance": "the device advance form of rule 'marks' "
+    "(failpkg.rules:device_advance_marks)",
+}
+
+
+@pytest.fixture
+def failing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The generated module of FAIL_SPEC and its rules module (failpkg.rules)."""
+    yield from _generated_project(tmp_path, monkeypatch, "failpkg", FAIL_SPEC, FAIL_RULES)
+
+
+def _raises(buffers, rules, form: str, step) -> None:
+    """`step(buffers)` with the implementation of `form` broken: the BatchError names it."""
+    rules.FAIL = {form}
+    try:
+        with pytest.raises(BatchError) as info:
+            step(buffers)
+    finally:
+        rules.FAIL = set()
+    where = ", on the host and the device" if form == "device_advance" else ""
+    assert str(info.value) == (
+        f"{RAISED[form]} raised ValueError: {form} is broken; the step was abandoned and the "
+        f"last step stays current{where}"
+    )
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+@pytest.mark.parametrize("form", ["check", "fill", "advance_check", "advance"])
+def test_a_project_rule_that_raises_at_step_time_is_named_and_its_step_abandoned(failing, form):
+    fam, rules = failing
+    config = fam.Config(max_batch_size=4, max_num_tokens=16)
+    buffers, twin = fam.RuntimeBuffers(config), fam.RuntimeBuffers(config)
+    long = [Request(seq_slot=s, prompt=[1, 2, 3]) for s in range(3)]
+    generation = Request(seq_slot=3, prompt=[3, 4], generated=[[5]])
+    for b in (buffers, twin):  # a longer step: its rows past the next ones must be re-padded
+        b.prepare_step(long, [])
+        if form.startswith("advance"):
+            b.prepare_step([], [generation])
+    if form.startswith("advance"):
+        _raises(buffers, rules, form, lambda b: b.advance([6]))
+    else:
+        _raises(buffers, rules, form, lambda b: b.prepare_step([], [generation]))
+    _same_tensors(buffers, twin)  # the last step stays current
+    for b in (buffers, twin):  # the next good step equals the twin's, which never failed
+        b.prepare_step([], [generation])
+    _same_tensors(buffers, twin)
+    for b in (buffers, twin):
+        step = b.advance([6])
+    _same_tensors(buffers, twin)
+    assert step.inputs["marks"].tolist() == [8]
+
+
+def test_a_project_device_advance_form_that_raises_is_named_and_its_step_abandoned(failing):
+    fam, rules = failing
+    config = fam.Config(max_batch_size=2, max_num_tokens=16)
+    pair = [fam.RuntimeBuffers(config, device_tokens=True) for _ in range(2)]
+    buffers, twin = pair
+    tokens = torch.full((2,), 9, dtype=torch.int64)
+    for b in pair:
+        for slot in (0, 1):
+            b.add(Request(seq_slot=slot, prompt=[5, 6, 7]))
+        b.step()
+        b.step(tokens)  # the first generation step (a full one); steady ones on the device next
+    _raises(buffers, rules, "device_advance", lambda b: b.step(tokens))
+    _same_tensors(buffers, twin)
+    for _ in range(2):
+        for b in pair:
+            step = b.step(tokens)
+        _same_tensors(buffers, twin)
+    assert step.inputs["marks"].tolist() == [9, 10]  # 7, 8 advanced twice
+
+
+def test_a_built_in_rule_that_raises_is_still_a_bug_to_report(failing, monkeypatch):
+    """Only the spec's own implementations are named: bufc's own, in the same step, ask for a
+    report."""
+    from bufc.rules import core
+
+    fam, _ = failing
+    buffers = fam.RuntimeBuffers(fam.Config(max_batch_size=4, max_num_tokens=16))
+
+    def broken(out, b):
+        raise ValueError("token_ids is broken")
+
+    monkeypatch.setattr(core, "token_ids", broken)
+    with pytest.raises(BatchError) as info:
+        buffers.prepare_step([Request(seq_slot=0, prompt=[1, 2])], [])
+    assert str(info.value).startswith(
+        "a fill failed after the checks passed (ValueError: token_ids is broken)"
+    )
+    assert str(info.value).endswith("Please report this batch.")

@@ -1,0 +1,80 @@
+"""A spec's own implementations (a project's rules and request checks, named by import path):
+their modules imported for a generated module, and an exception one raises at step time
+named.
+
+bufc's own rule modules are plain imports of a generated module; a project's go through
+``rule_module``, so that a module or function that is missing is an ImportError naming the
+line of the spec that names it. A generated ``RuntimeBuffers`` lists them in
+``project_impls``: an exception raised inside one is a ``RuleError`` that names the rule and
+its implementation, not a request to report a bug of bufc.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from collections.abc import Callable, Iterable
+from types import CodeType, ModuleType, TracebackType
+from typing import Any
+
+from bufc import impls
+
+
+def rule_module(module: str, *names: tuple[str, str, str]) -> ModuleType:
+    """`module` imported, with each name the spec names in it there. `names`: (name, "function"
+    or "class", where: ``FILE:LINE:COL: rule 'x'``). An ImportError names the first
+    declaration that cannot be resolved (the module's own error chained); any other error of
+    the module's own code is raised as it is."""
+    try:
+        found = importlib.import_module(module)
+    except ImportError as exc:  # any other error of its own code: its traceback shows where
+        name, _, where = names[0]
+        text = impls.failure(module, exc).where(where, module, name)
+        raise ImportError(text, name=module) from exc
+    for name, kind, where in names:
+        try:
+            impls.attribute(found, module, name, kind)
+        except impls.Unresolved as exc:
+            raise ImportError(exc.where(where, module, name), name=module) from None
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectImpl:
+    """One of the spec's own implementations as a family's step calls it: from the generated
+    method `method` (``_check``, ``_fill``, ...), for `what` (``rule 'x'``), `impl` being its
+    import path and `fn` the function."""
+
+    method: str
+    what: str
+    impl: str
+    fn: Callable[..., Any]
+
+    @property
+    def code(self) -> CodeType | None:
+        fn = inspect.unwrap(self.fn)  # a decorated function: the code it wraps
+        return getattr(fn, "__code__", None)
+
+
+def culprit(
+    exc: BaseException, generated: dict[CodeType, str], project: Iterable[ProjectImpl]
+) -> list[ProjectImpl]:
+    """The project implementations that raised `exc`: in its traceback, the frame of a
+    generated method (`generated`: code -> method name) called one of `project` (more than
+    one only where one function serves several declarations of that method). Empty when the
+    exception came from anything else (bufc's own rules, the runtime)."""
+    tb: TracebackType | None = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code not in generated:
+        tb = tb.tb_next
+    if tb is None or tb.tb_next is None:
+        return []
+    method = generated[tb.tb_frame.f_code]
+    below = []
+    t: TracebackType | None = tb.tb_next
+    while t is not None:
+        below.append(t.tb_frame.f_code)
+        t = t.tb_next
+    mine = [p for p in project if p.method == method and p.code is not None]
+    called = [p for p in mine if p.code is below[0]]  # the function the generated line called
+    return called or [p for p in mine if p.code in below]  # through a decorator
