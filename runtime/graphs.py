@@ -98,6 +98,8 @@ class Replays:
                 finally:
                     graph.capture_end()
         except Exception:
+            if len(self._refused) >= 4 * self.capacity:  # bounded: the oldest may try again
+                self._refused.clear()
             self._refused.add(key)
             return None
         finally:
