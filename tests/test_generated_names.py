@@ -11,67 +11,58 @@ import sys
 import textwrap
 
 import pytest
+from project_spec import with_token_tensors
 
 from bufc.codegen import compile_text, emit, vocab
 from bufc.runtime import Request
 
 # ------------------------------------- implementation modules named like a generated name
-ALIAS_SPEC = textwrap.dedent(
-    """\
-    version: 1
-    parameters:
-      max_batch_size: {doc: Requests., min: 1}
-      max_num_tokens: {doc: Tokens., min: 1}
-    sizes:
-      num_tokens: {doc: Tokens., max: "max_num_tokens"}
-      num_requests: {doc: Requests., max: "max_batch_size"}
-    request_checks:
-      ages:
-        doc: Counts the steps each slot's request has been scheduled.
-        impl: MODULE:count_ages
-        state: MODULE:Ages
-        result: true
-    rules:
-      slot_ages:
-        doc: steps each request has been scheduled, kept per slot between steps
-        impl: MODULE:slot_ages
-        dtypes: [int32]
-        shape: ["num_requests"]
-        sizes: [num_requests]
-        check: ages
-        advance: MODULE:advance_slot_ages
-        advance_check: {impl: MODULE:check_next_ages, result: true}
-        device_advance: MODULE:device_advance_slot_ages
-    families:
-      fam: {doc: One project rule with every form.}
-    tensors:
-      - name: host_input_ids
-        doc: Token ids.
-        dtype: int32
-        memory: pinned
-        capacity: ["max_num_tokens"]
-        shape: ["num_tokens"]
-        fill: {rule: token_ids}
-        pad: 0
-      - name: input_ids
-        doc: Token ids on the device.
-        memory: device
-        fill: {mirror: host_input_ids}
-        bind: [{input: input_ids}]
-      - name: host_slot_ages
-        doc: Steps each request has been scheduled.
-        dtype: int32
-        memory: pinned
-        capacity: ["max_batch_size"]
-        shape: ["num_requests"]
-        fill: {rule: slot_ages}
-        pad: 0
-      - name: slot_ages
-        doc: Device copy of host_slot_ages.
-        memory: device
-        fill: {mirror: host_slot_ages}
-        bind: [{input: slot_ages}]
-    """
+ALIAS_SPEC = with_token_tensors(
+    textwrap.dedent(
+        """\
+        version: 1
+        parameters:
+          max_batch_size: {doc: Requests., min: 1}
+          max_num_tokens: {doc: Tokens., min: 1}
+        sizes:
+          num_tokens: {doc: Tokens., max: "max_num_tokens"}
+          num_requests: {doc: Requests., max: "max_batch_size"}
+        request_checks:
+          ages:
+            doc: Counts the steps each slot's request has been scheduled.
+            impl: MODULE:count_ages
+            state: MODULE:Ages
+            result: true
+        rules:
+          slot_ages:
+            doc: steps each request has been scheduled, kept per slot between steps
+            impl: MODULE:slot_ages
+            dtypes: [int32]
+            shape: ["num_requests"]
+            sizes: [num_requests]
+            check: ages
+            advance: MODULE:advance_slot_ages
+            advance_check: {impl: MODULE:check_next_ages, result: true}
+            device_advance: MODULE:device_advance_slot_ages
+        families:
+          fam: {doc: One project rule with every form.}
+        tensors:
+          - TOKEN_TENSORS
+          - name: host_slot_ages
+            doc: Steps each request has been scheduled.
+            dtype: int32
+            memory: pinned
+            capacity: ["max_batch_size"]
+            shape: ["num_requests"]
+            fill: {rule: slot_ages}
+            pad: 0
+          - name: slot_ages
+            doc: Device copy of host_slot_ages.
+            memory: device
+            fill: {mirror: host_slot_ages}
+            bind: [{input: slot_ages}]
+        """
+    )
 )
 
 ALIAS_RULES = textwrap.dedent(

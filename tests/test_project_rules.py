@@ -13,90 +13,81 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from project_spec import with_token_tensors
 
 from bufc.codegen import SpecError, compile_text
 from bufc.runtime import BatchError, Request
 
-SPEC = textwrap.dedent(
-    """\
-    version: 1
-    flags:
-      flash: {doc: The engine reads cumulative query lengths., type: bool, default: true}
-    parameters:
-      max_batch_size: {doc: Requests., min: 1}
-      max_num_tokens: {doc: Tokens., min: 1}
-    sizes:
-      num_tokens: {doc: Tokens., max: "max_num_tokens"}
-      num_sequences: {doc: Sequences., max: "max_batch_size"}
-      num_requests: {doc: Requests., max: "max_batch_size"}
-    request_checks:
-      short_queries:
-        doc: No sequence feeds more than max_query_tokens tokens.
-        impl: mypkg.rules:check_short_queries
-        reads: [max_num_tokens]
-        result: true
-      ages:
-        doc: Counts the steps each slot's request has been scheduled.
-        impl: mypkg.rules:count_ages
-        state: mypkg.rules:Ages
-        result: true
-    rules:
-      query_start_loc:
-        doc: cumulative query lengths, FlashAttention's cu_seqlens_q
-        impl: mypkg.rules:query_start_loc
-        dtypes: [int32]
-        shape: ["num_sequences + 1"]
-        sizes: [num_sequences]
-        check: short_queries
-      slot_ages:
-        doc: steps each request has been scheduled, kept per slot between steps
-        impl: mypkg.rules:slot_ages
-        dtypes: [int32]
-        shape: ["num_requests"]
-        sizes: [num_requests]
-        check: ages
-        advance: mypkg.rules:advance_slot_ages
-    families:
-      fam: {doc: A decoder with a FlashAttention-style input.}
-      steady: {doc: The same without it (so it can advance)., flags: {flash: false}}
-    tensors:
-      - name: host_input_ids
-        doc: Token ids.
-        dtype: int32
-        memory: pinned
-        capacity: ["max_num_tokens"]
-        shape: ["num_tokens"]
-        fill: {rule: token_ids}
-        pad: 0
-      - name: input_ids
-        doc: Token ids on the device.
-        memory: device
-        fill: {mirror: host_input_ids}
-        bind: [{input: input_ids}]
-      - name: host_query_start_loc
-        doc: Where each sequence's queries start in the packed tokens.
-        dtype: int32
-        memory: pinned
-        capacity: ["max_batch_size + 1"]
-        shape: ["num_sequences + 1"]
-        fill: {rule: query_start_loc}
-        pad: 0
-        when: flash
-      - name: query_start_loc
-        doc: Device copy of host_query_start_loc.
-        memory: device
-        fill: {mirror: host_query_start_loc}
-        bind: [{input: cu_seqlens_q}]
-      - name: host_slot_ages
-        doc: Steps each request has been scheduled.
-        dtype: int32
-        memory: host
-        capacity: ["max_batch_size"]
-        shape: ["num_requests"]
-        fill: {rule: slot_ages}
-        pad: 0
-        bind: [{input: host_slot_ages}]
-    """
+SPEC = with_token_tensors(
+    textwrap.dedent(
+        """\
+        version: 1
+        flags:
+          flash: {doc: The engine reads cumulative query lengths., type: bool, default: true}
+        parameters:
+          max_batch_size: {doc: Requests., min: 1}
+          max_num_tokens: {doc: Tokens., min: 1}
+        sizes:
+          num_tokens: {doc: Tokens., max: "max_num_tokens"}
+          num_sequences: {doc: Sequences., max: "max_batch_size"}
+          num_requests: {doc: Requests., max: "max_batch_size"}
+        request_checks:
+          short_queries:
+            doc: No sequence feeds more than max_query_tokens tokens.
+            impl: mypkg.rules:check_short_queries
+            reads: [max_num_tokens]
+            result: true
+          ages:
+            doc: Counts the steps each slot's request has been scheduled.
+            impl: mypkg.rules:count_ages
+            state: mypkg.rules:Ages
+            result: true
+        rules:
+          query_start_loc:
+            doc: cumulative query lengths, FlashAttention's cu_seqlens_q
+            impl: mypkg.rules:query_start_loc
+            dtypes: [int32]
+            shape: ["num_sequences + 1"]
+            sizes: [num_sequences]
+            check: short_queries
+          slot_ages:
+            doc: steps each request has been scheduled, kept per slot between steps
+            impl: mypkg.rules:slot_ages
+            dtypes: [int32]
+            shape: ["num_requests"]
+            sizes: [num_requests]
+            check: ages
+            advance: mypkg.rules:advance_slot_ages
+        families:
+          fam: {doc: A decoder with a FlashAttention-style input.}
+          steady: {doc: The same without it (so it can advance)., flags: {flash: false}}
+        tensors:
+          - TOKEN_TENSORS
+          - name: host_query_start_loc
+            doc: Where each sequence's queries start in the packed tokens.
+            dtype: int32
+            memory: pinned
+            capacity: ["max_batch_size + 1"]
+            shape: ["num_sequences + 1"]
+            fill: {rule: query_start_loc}
+            pad: 0
+            when: flash
+          - name: query_start_loc
+            doc: Device copy of host_query_start_loc.
+            memory: device
+            fill: {mirror: host_query_start_loc}
+            bind: [{input: cu_seqlens_q}]
+          - name: host_slot_ages
+            doc: Steps each request has been scheduled.
+            dtype: int32
+            memory: host
+            capacity: ["max_batch_size"]
+            shape: ["num_requests"]
+            fill: {rule: slot_ages}
+            pad: 0
+            bind: [{input: host_slot_ages}]
+        """
+    )
 )
 
 RULES = textwrap.dedent(
@@ -287,53 +278,43 @@ def test_a_request_check_name_must_be_usable_in_generated_code():
 
 
 # ------------------------------------------------------------- a fill's returned count
-COUNT_SPEC = textwrap.dedent(
-    """\
-    version: 1
-    parameters:
-      max_batch_size: {doc: Requests., min: 1}
-      max_num_tokens: {doc: Tokens., min: 1}
-    sizes:
-      num_tokens: {doc: Tokens., max: "max_num_tokens"}
-      num_sequences: {doc: Sequences., max: "max_batch_size"}
-    rules:
-      marks:
-        doc: one mark per input token
-        impl: countpkg.rules:marks
-        dtypes: [int32]
-        shape: ["num_tokens"]
-        sizes: [num_tokens]
-        advance: countpkg.rules:advance_marks
-    families:
-      fam: {doc: A decoder with a project tensor.}
-    tensors:
-      - name: host_input_ids
-        doc: Token ids.
-        dtype: int32
-        memory: pinned
-        capacity: ["max_num_tokens"]
-        shape: ["num_tokens"]
-        fill: {rule: token_ids}
-        pad: 0
-      - name: input_ids
-        doc: Token ids on the device.
-        memory: device
-        fill: {mirror: host_input_ids}
-        bind: [{input: input_ids}]
-      - name: host_marks
-        doc: A mark per token.
-        dtype: int32
-        memory: pinned
-        capacity: ["max_num_tokens"]
-        shape: ["num_tokens"]
-        fill: {rule: marks}
-        pad: -1
-      - name: marks
-        doc: Device copy of host_marks.
-        memory: device
-        fill: {mirror: host_marks}
-        bind: [{input: marks}]
-    """
+COUNT_SPEC = with_token_tensors(
+    textwrap.dedent(
+        """\
+        version: 1
+        parameters:
+          max_batch_size: {doc: Requests., min: 1}
+          max_num_tokens: {doc: Tokens., min: 1}
+        sizes:
+          num_tokens: {doc: Tokens., max: "max_num_tokens"}
+          num_sequences: {doc: Sequences., max: "max_batch_size"}
+        rules:
+          marks:
+            doc: one mark per input token
+            impl: countpkg.rules:marks
+            dtypes: [int32]
+            shape: ["num_tokens"]
+            sizes: [num_tokens]
+            advance: countpkg.rules:advance_marks
+        families:
+          fam: {doc: A decoder with a project tensor.}
+        tensors:
+          - TOKEN_TENSORS
+          - name: host_marks
+            doc: A mark per token.
+            dtype: int32
+            memory: pinned
+            capacity: ["max_num_tokens"]
+            shape: ["num_tokens"]
+            fill: {rule: marks}
+            pad: -1
+          - name: marks
+            doc: Device copy of host_marks.
+            memory: device
+            fill: {mirror: host_marks}
+            bind: [{input: marks}]
+        """
+    )
 )
 
 COUNT_RULES = textwrap.dedent(
@@ -657,61 +638,51 @@ def test_a_missing_implementation_function_is_an_import_error_naming_the_spec_li
 
 
 # ------------------------------------------------- a project rule that raises at step time
-FAIL_SPEC = textwrap.dedent(
-    """\
-    version: 1
-    parameters:
-      max_batch_size: {doc: Requests., min: 1}
-      max_num_tokens: {doc: Tokens., min: 1}
-    sizes:
-      num_tokens: {doc: Tokens., max: "max_num_tokens"}
-      num_sequences: {doc: Sequences., max: "max_batch_size"}
-    request_checks:
-      first_mark:
-        doc: The first mark of the step.
-        impl: failpkg.rules:check_marks
-        result: true
-    rules:
-      marks:
-        doc: one mark per sequence
-        impl: failpkg.rules:marks
-        dtypes: [int32]
-        shape: ["num_sequences"]
-        sizes: [num_sequences]
-        check: first_mark
-        advance: failpkg.rules:advance_marks
-        advance_check: {impl: failpkg.rules:check_advance_marks}
-        device_advance: failpkg.rules:device_advance_marks
-    families:
-      fam: {doc: A decoder with a project tensor in every form.}
-    tensors:
-      - name: host_input_ids
-        doc: Token ids.
-        dtype: int32
-        memory: pinned
-        capacity: ["max_num_tokens"]
-        shape: ["num_tokens"]
-        fill: {rule: token_ids}
-        pad: 0
-      - name: input_ids
-        doc: Token ids on the device.
-        memory: device
-        fill: {mirror: host_input_ids}
-        bind: [{input: input_ids}]
-      - name: host_marks
-        doc: A mark per sequence.
-        dtype: int32
-        memory: pinned
-        capacity: ["max_batch_size"]
-        shape: ["num_sequences"]
-        fill: {rule: marks}
-        pad: -1
-      - name: marks
-        doc: Device copy of host_marks.
-        memory: device
-        fill: {mirror: host_marks}
-        bind: [{input: marks}]
-    """
+FAIL_SPEC = with_token_tensors(
+    textwrap.dedent(
+        """\
+        version: 1
+        parameters:
+          max_batch_size: {doc: Requests., min: 1}
+          max_num_tokens: {doc: Tokens., min: 1}
+        sizes:
+          num_tokens: {doc: Tokens., max: "max_num_tokens"}
+          num_sequences: {doc: Sequences., max: "max_batch_size"}
+        request_checks:
+          first_mark:
+            doc: The first mark of the step.
+            impl: failpkg.rules:check_marks
+            result: true
+        rules:
+          marks:
+            doc: one mark per sequence
+            impl: failpkg.rules:marks
+            dtypes: [int32]
+            shape: ["num_sequences"]
+            sizes: [num_sequences]
+            check: first_mark
+            advance: failpkg.rules:advance_marks
+            advance_check: {impl: failpkg.rules:check_advance_marks}
+            device_advance: failpkg.rules:device_advance_marks
+        families:
+          fam: {doc: A decoder with a project tensor in every form.}
+        tensors:
+          - TOKEN_TENSORS
+          - name: host_marks
+            doc: A mark per sequence.
+            dtype: int32
+            memory: pinned
+            capacity: ["max_batch_size"]
+            shape: ["num_sequences"]
+            fill: {rule: marks}
+            pad: -1
+          - name: marks
+            doc: Device copy of host_marks.
+            memory: device
+            fill: {mirror: host_marks}
+            bind: [{input: marks}]
+        """
+    )
 )
 
 FAIL_RULES = textwrap.dedent(
