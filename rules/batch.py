@@ -494,16 +494,31 @@ def _build_encoder_engine(
 
 def _prompt(prompts: dict, r: Any, token_limit: int) -> np.ndarray | None:
     """Context request r's prompt as a checked int64 array, converted once per request and kept
-    while the request is scheduled (a long prompt is read in chunks over several steps); None
-    if a token is not an integer in the vocabulary."""
+    while the request is scheduled (a long prompt is read in chunks over several steps) and its
+    prompt compares equal to the copy it was converted from (a list refilled in place is read
+    again); None if a token is not an integer in the vocabulary."""
+    prompt = r.prompt
     cached = prompts.get(id(r))
-    if cached is not None and cached[0] is r.prompt:
+    if cached is not None and _unchanged(cached[0], prompt):
         return cached[1]
-    a = int_array(r.prompt)
+    a = int_array(prompt)
     if a is None or not in_range(a, 0, token_limit):
         return None
-    prompts[id(r)] = (r.prompt, a)
+    if a is prompt:  # an int64 array: ours is a copy
+        a = a.copy()
+    # what the next step compares with: a tuple cannot change, a list or an array can
+    kept = prompt if type(prompt) is tuple else list(prompt) if type(prompt) is list else a
+    prompts[id(r)] = (kept, a)
     return a
+
+
+def _unchanged(kept: Any, prompt: Any) -> bool:
+    """The prompt still holds the tokens of `kept` (what ``_prompt`` kept from it)."""
+    if type(prompt) is tuple or type(prompt) is list:
+        return kept is prompt or type(kept) is type(prompt) and kept == prompt
+    if isinstance(prompt, np.ndarray) and isinstance(kept, np.ndarray):
+        return kept.shape == prompt.shape and bool((kept == prompt).all())
+    return False
 
 
 def _tokens_ok(tokens: Any, token_limit: int) -> bool:

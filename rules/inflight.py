@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,15 @@ import torch
 
 from ..runtime.errors import BatchError
 from ..runtime.tokens import Gather
-from ..runtime.values import INT32_MAX, check_token_dtype, in_range, int_array, is_int, show
+from ..runtime.values import (
+    BOOLS,
+    INT32_MAX,
+    check_token_dtype,
+    in_range,
+    int_array,
+    is_int,
+    show,
+)
 from .batch import (
     Batch,
     FlightRows,
@@ -63,16 +72,18 @@ class Entry:
         "__dict__",  # what a rule stores on a request (GLM's mask position)
     )
 
-    def __init__(self, request: Any, slot: int, blocks: list[list[Any]] | None) -> None:
+    def __init__(
+        self, request: Any, slot: int, blocks: list[list[Any]] | None, arrival: Arrival
+    ) -> None:
         self.request = request
         self.seq_slot = slot
-        self.prompt = request.prompt
-        self.beam_width = request.beam_width
-        self.position_ids = request.position_ids
+        # the checked copies taken at add(): the caller's objects may change afterwards
+        self.prompt = arrival.prompt
+        self.beam_width = int(request.beam_width)
+        self.position_ids = arrival.positions
         self.kv_block_ids = blocks
-        drafts = request.draft_tokens
-        self.context_drafts = () if drafts is None else drafts  # ride on the last chunk
-        self.draft_tokens = self.context_drafts
+        self.context_drafts = arrival.drafts  # ride on the last chunk
+        self.draft_tokens: Any = self.context_drafts  # this step's (an array in generation)
         self.context_position = request.context_position
         self.context_chunk_size: int | None = None
 
@@ -196,8 +207,8 @@ class InFlight:
         if self.entries[slot] is not None:
             raise BatchError(f"{w}: seq_slot {slot} already holds a request in flight")
         try:
-            prompt = _arrival(request, L)
-            if prompt is None:  # walk the fields to name the culprit
+            arrival = _arrival(request, L)
+            if arrival is None:  # walk the fields to name the culprit
                 check_request(request, w, L, True)
                 raise BatchError(f"{w}: the request is invalid")  # pragma: no cover
             ids = request.kv_block_ids
@@ -211,7 +222,8 @@ class InFlight:
                 f"{w}: in flight, context chunks are scheduled per step (step(chunks=...)); "
                 "leave context_chunk_size None"
             )
-        entry = Entry(request, slot, blocks)
+        entry = Entry(request, slot, blocks, arrival)
+        prompt = arrival.prompt
         self.entries[slot] = entry
         # lists absent, or more than the beams: 0, and the KV check walks (and refuses) them
         n_lists = 0 if blocks is None or not 1 <= len(blocks) <= L.max_beam_width else len(blocks)
@@ -883,7 +895,25 @@ class InFlight:
         )
 
 
-def _arrival(r: Any, L: Limits) -> np.ndarray | None:
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    """An arriving request's token fields, checked and copied: nothing the caller changes
+    afterwards reaches a step (the prompt and positions as read-only int64 arrays)."""
+
+    prompt: np.ndarray
+    positions: np.ndarray | None
+    drafts: tuple[int, ...]
+
+
+def _frozen(a: np.ndarray, source: Any) -> np.ndarray:
+    """`a` as a read-only array of its own (not the caller's `source` array)."""
+    if isinstance(source, np.ndarray) and np.shares_memory(a, source):
+        a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+def _arrival(r: Any, L: Limits) -> Arrival | None:
     """An arriving request's prompt as a checked int64 array, with every other field it
     brings checked too (vectorised: a prompt is long); None if any is wrong (``check_request``
     then names it)."""
@@ -899,22 +929,22 @@ def _arrival(r: Any, L: Limits) -> np.ndarray | None:
     if g is not None and len(g) and any(map(len, g)):
         return None
     drafts = () if r.draft_tokens is None else r.draft_tokens
-    if len(drafts):
-        d = int_array(drafts)
-        if (
-            d is None
-            or len(d) > L.max_draft_tokens
-            or beam > 1
-            or not in_range(d, 0, L.token_limit)
-        ):
-            return None
+    d = int_array(drafts)
+    if (
+        d is None
+        or len(d)
+        and (len(d) > L.max_draft_tokens or beam > 1 or not in_range(d, 0, L.token_limit))
+    ):
+        return None
+    p = None
     if r.position_ids is not None:
         p = int_array(r.position_ids)
         if p is None or len(p) != n or not in_range(p, 0, INT32_MAX + 1):
             return None
         if int(p[-1]) + len(drafts) > INT32_MAX:
             return None
-    return prompt
+        p = _frozen(p, r.position_ids)
+    return Arrival(_frozen(prompt, r.prompt), p, tuple(d.tolist()))
 
 
 def _check_tokens(values: np.ndarray, L: Limits) -> None:
@@ -962,10 +992,18 @@ def _token_table(tokens: Any, L: Limits) -> np.ndarray:
         )
     if isinstance(tokens, np.ndarray):  # a list's ints are read as int64
         check_token_dtype(a.dtype, L.token_limit, L.token_limit_text, "step()", False)
+    elif _has_bool(tokens, a.ndim):
+        raise BatchError("step() needs integer tokens indexed by seq slot; got a bool among them")
     if a.dtype.kind == "u" and a.size and int(a.max()) > INT32_MAX:
         raise BatchError("step(): a token is outside the int32 range")
     a = a.astype(np.int64, copy=False)
     return a.reshape(len(a), 1) if a.ndim == 1 else a
+
+
+def _has_bool(values: Any, ndim: int) -> bool:
+    """A bool among a list's (or a list of lists') values, which numpy reads as 0 or 1."""
+    rows = values if ndim == 1 else chain.from_iterable(values)
+    return not BOOLS.isdisjoint(frozenset(map(type, rows)))
 
 
 def _device_table(tokens: Any, L: Limits) -> tuple[torch.Tensor, int]:

@@ -12,11 +12,13 @@ what a family has, and what its step does, is in its generated module.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
@@ -30,6 +32,29 @@ from .tokens import Gather, TokenGather, region_bytes
 from .values import INT32_MAX, check_int, int_array
 
 KV_CACHE_LENGTH_ROUND = 256  # the reference's CUDA-graph key rounding
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _exclusive(method: _F) -> _F:
+    """One call into the buffers at a time: a call made while another runs (from a rule the
+    step calls, or from a second thread) is refused before it reads or writes anything, and
+    the running call is unaffected."""
+
+    @functools.wraps(method)
+    def call(self: RuntimeBuffers, *args: Any, **kwargs: Any) -> Any:
+        if not self._busy.acquire(blocking=False):
+            raise BatchError(
+                f"{method.__name__}(): another call into these buffers is running (a call "
+                "from inside a step, or from a second thread); drive one RuntimeBuffers from "
+                "one thread, one call at a time"
+            )
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._busy.release()
+
+    return call  # type: ignore[return-value]
 
 
 def check_size(name: str, value: int, bound: int) -> None:
@@ -68,6 +93,7 @@ class RuntimeBuffers:
     advances_on_device: ClassVar[bool] = False  # the family has ``_advance_on_device``
     # the spec's own implementations the step calls: an exception one raises names it
     project_impls: ClassVar[tuple[ProjectImpl, ...]] = ()
+    VIEW_CACHE: ClassVar[int] = 16  # shapes whose views each tensor keeps, per staging half
 
     def __init__(
         self,
@@ -88,6 +114,7 @@ class RuntimeBuffers:
             )
         self.config = config
         self.device = torch.device(device)
+        self._busy = threading.Lock()
         c = config
         decls = [d for d in self.tensor_decls if d.when is None or d.when(c)]
         self.decls: dict[str, TensorDecl] = {d.name: d for d in decls}
@@ -256,6 +283,7 @@ class RuntimeBuffers:
         self._last: Any = None  # the sizes of the last step
         self._longest = 0  # the longest past-KV length of the last step
         self._decode: Any = None  # the state a following advance() continues from, if any
+        self._by_step = False  # the last step was step()'s: advance() does not continue it
         # the run of decode steps (a prepare_step and the advance() calls after it) whose
         # values each half holds: advance() skips what a half already has
         self._run = 0
@@ -343,13 +371,22 @@ class RuntimeBuffers:
 
     def _view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         # the reference's reshape: the step tensor is the leading part of the capacity. Views
-        # are cached per shape, so a repeated shape hands out the very same tensor object.
+        # are cached per shape, so a repeated shape (steady decoding, a CUDA-graph bucket)
+        # hands out the very same tensor object; the VIEW_CACHE most recent shapes are kept.
         cache = self._views[self._half][name]
         view = cache.get(shape)
         if view is None:
+            if len(cache) >= self.VIEW_CACHE:
+                del cache[next(iter(cache))]  # the oldest shape
             view = cache[shape] = self._flat[self._half][name][: math.prod(shape)].view(shape)
         return view
 
+    @property
+    def cached_views(self) -> int:
+        """Views held for reuse, over every tensor and half (at most VIEW_CACHE each)."""
+        return sum(len(cache) for half in self._views for cache in half.values())
+
+    @_exclusive
     def set_static(self, name: str, values: Any) -> None:
         """Write a static tensor (broadcast to its capacity shape), e.g. the KV pool pointers
         once the pools exist. Its engine bindings are in ``static_inputs``. Raises ConfigError
@@ -371,6 +408,7 @@ class RuntimeBuffers:
             ) from None
 
     @property
+    @_exclusive
     def static_inputs(self) -> dict[str, torch.Tensor]:
         """Engine inputs bound once (the reference's setStaticInputTensors)."""
         out = {}
@@ -385,6 +423,7 @@ class RuntimeBuffers:
         return self._staging.bytes_up
 
     @property
+    @_exclusive
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor at its capacity shape (staged host tensors: the half of the last step;
         where the last step gathered sampled tokens on the device, once they are back)."""
@@ -393,6 +432,7 @@ class RuntimeBuffers:
         return {name: flat[name].view(shape) for name, shape in self._capacity_shape.items()}
 
     # ------------------------------------------------------------------------ per step
+    @_exclusive
     def prepare_step(
         self, context_requests: Sequence[Any], generation_requests: Sequence[Any]
     ) -> Step:
@@ -403,7 +443,9 @@ class RuntimeBuffers:
         capacity. The engine must run on the current CUDA stream (the copy is ordered on it).
         """
         self._not_in_flight("prepare_step")
-        return self._prepare(lambda: self._batch(context_requests, generation_requests))
+        step = self._prepare(lambda: self._batch(context_requests, generation_requests))
+        self._by_step = False
+        return step
 
     def _prepare(self, batch: Callable[[], Any], gather: Gather | None = None) -> Step:
         """Check and fill the step of the batch `batch()` reads, copy it (and gather the
@@ -451,6 +493,7 @@ class RuntimeBuffers:
         self._decode = decode
         return self._step(s)
 
+    @_exclusive
     def advance(self, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> Step:
         """The next decode step of the same generation requests, each beam one token longer.
 
@@ -458,10 +501,17 @@ class RuntimeBuffers:
         It may follow a generation-only step without draft tokens (prepared by prepare_step or
         advance). The buffers are updated from the last step's values in O(1) Python work; the
         requests are read only where a sequence starts a new KV block, whose id must already be
-        in its kv_block_ids. The caller still appends the tokens to its requests (a later
-        prepare_step reads them). Raises BatchError, with the buffers untouched, otherwise.
+        in its kv_block_ids: between advance() calls a block list may only grow (a block
+        replaced in place is not seen: call prepare_step, or use step(), whose lists are its
+        own). The caller still appends the tokens to its requests (a later prepare_step reads
+        them). Raises BatchError, with the buffers untouched, otherwise.
         """
         self._not_in_flight("advance")
+        if self._by_step:
+            raise BatchError(
+                "advance() continues a prepare_step or advance step, but the last step was "
+                "step()'s; call prepare_step to start a stateless run"
+            )
         return self._advance_step(tokens)
 
     def _advance_step(self, tokens: Any, grown: tuple = (), gather: Gather | None = None) -> Step:
@@ -519,17 +569,20 @@ class RuntimeBuffers:
         return self._step(self._last)
 
     # ------------------------------------------------------------- requests in flight
+    @_exclusive
     def add(self, request: Any) -> None:
         """A request arrives, in the context phase, in its ``seq_slot``: its prompt, beam
         width, drafts, explicit positions and KV block lists are read and checked now, once
         (BatchError otherwise, nothing kept). Its first step is the next ``step``."""
         self._flight.add(request)
 
+    @_exclusive
     def finish(self, seq_slot: int) -> None:
         """The request in ``seq_slot`` leaves (finished or cancelled); the slot is free for
         the next ``add``. The last generation row moves into its row."""
         self._flight.finish(seq_slot)
 
+    @_exclusive
     def step(
         self,
         tokens: Any = None,
@@ -571,9 +624,11 @@ class RuntimeBuffers:
         before a byte is written (BatchError, nothing changed). A step where only the tokens
         changed continues the last step's buffers in place (as ``advance`` does).
         """
+        if generation is not True and generation is not False:
+            raise BatchError(f"step(): generation must be True or False, got {generation!r}")
         # the in-flight state continues in place only a step of its own (prepare_step and
         # advance are refused while it holds requests)
-        steady = self._decode is not None and not self.no_advance
+        steady = self._decode is not None and not self.no_advance and self._by_step
         on_device = (
             self._tokens is not None
             and isinstance(tokens, torch.Tensor)
@@ -606,6 +661,7 @@ class RuntimeBuffers:
             plan.undo()
             raise
         self._flight.commit(plan)
+        self._by_step = True
         return step
 
     def _not_in_flight(self, what: str) -> None:
@@ -746,7 +802,7 @@ class RuntimeBuffers:
     def _step(self, s: Any) -> Step:
         cached = self._step_views[self._half]
         if cached is None or cached[0] != s:  # steady decoding repeats the sizes: reuse the views
-            cached = self._step_views[self._half] = (s, *self.views(s))
+            cached = self._step_views[self._half] = (s, *self._views_at(s))
         inputs, outputs = dict(cached[1]), dict(cached[2])
         slots = {}
         for which, engine_name, name, ring in self._rings:
@@ -764,10 +820,14 @@ class RuntimeBuffers:
             ring_slots=slots,
         )
 
+    @_exclusive
     def views(self, sizes: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Engine IO views for arbitrary sizes (e.g. a CUDA-graph batch bucket larger than the
         step): the same storage as the step's views, with the rows past the step holding their
         pad values."""
+        return self._views_at(sizes)
+
+    def _views_at(self, sizes: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         c = self.config
         if not isinstance(sizes, self.sizes_type):
             raise ValueError(f"views() takes StepSizes, got {type(sizes).__name__}")
@@ -824,6 +884,7 @@ class RuntimeBuffers:
             return 0
         return -(-self._longest // KV_CACHE_LENGTH_ROUND) * KV_CACHE_LENGTH_ROUND
 
+    @_exclusive
     def prepare_for_cuda_graph(self, max_sequence_length: int) -> None:
         """Before capturing the last (generation-only) step as a CUDA graph: raise its
         past-KV lengths to min(max_sequence_length - 1, the rounded max KV length), so the

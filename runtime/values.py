@@ -41,9 +41,13 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
+BOOLS = frozenset((bool, np.bool_))
+
+
 def int_array(values: Any) -> np.ndarray | None:
     """`values` (a flat sequence or array of integers) as an int64 array; None unless every
-    value is an integer that fits int64. An empty sequence is an empty array."""
+    value is an integer that fits int64. An empty sequence is an empty array. A bool is not
+    an integer here, even among ints (numpy would read ``[True, 5]`` as ``[1, 5]``)."""
     try:
         a = np.asarray(values)
     except (TypeError, ValueError, OverflowError):
@@ -52,6 +56,8 @@ def int_array(values: Any) -> np.ndarray | None:
         return None
     kind = a.dtype.kind
     if kind == "i":
+        if a is not values and not BOOLS.isdisjoint(frozenset(map(type, values))):
+            return None
         return a.astype(np.int64, copy=False)
     if kind == "u":
         return a.astype(np.int64) if not a.size or int(a.max()) <= INT64_MAX else None
