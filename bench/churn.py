@@ -1,22 +1,33 @@
 """prepare_step under serving traffic: the batch changes every step (requests finish, new ones
 arrive as 512-token prompts, the rest decode one more token and their KV block lists grow).
 
-Four implementations prepare the same llama step, timed in the same loop on the same batch:
+Five implementations prepare the same llama step, timed in the same loop on the same batch:
 - bufc's `prepare_step` (the generated module, stateless: it reads every request);
 - bufc's requests in flight: `finish` for the requests that left, `add` for those that arrived,
   and `step(tokens, blocks=...)` with the sampled tokens (indexed by seq slot) and the KV
   blocks added (what an engine loop hands it; derived from the traffic outside the timing);
+- the lean in-flight step (bench/lean_llama.py): a hand-written implementation of the same
+  in-flight step for this one family, driven by exactly the same events as bufc's (the same
+  finished slots, arrived requests, tokens array and block dict, interleaved with bufc's step
+  in alternating order): persistent per-slot numpy state with the block rows kept encoded,
+  bufc's condensed row order, +1 in place on decode and only the changed rows patched,
+  vectorised checks, one pinned arena and one host-to-device copy of its used prefix. On the
+  first steps of every case (CHECK_STEPS, and the start-up), every tensor it writes is compared
+  with bufc's at the step's shapes, outside the timing; a difference raises;
 - the floor: a minimal hand-written numpy fill of the step's tensors (the ones bufc writes for
   this family at these sizes) that re-reads every request, plus one pinned host-to-device copy;
 - the loop-by-loop reference (tests/reference.py) with one tensor and copy per input.
 
-    python bench/churn.py [--device cpu|cuda] [--steps N] [--busy K] [--json PATH]
+    python bench/churn.py [--device cpu|cuda] [--steps N] [--batches 64,256,1024] [--busy K]
+                          [--json PATH]
 
 Prints medians of host microseconds per step and the ratios bufc / floor and reference / bufc,
-for B = 64, 256, 1024 requests with 1, 2 and 8 changes per step, the steady case (no change:
-prepare_step and advance) and the mixed case of bench/prepare_step.py. With `--busy K`, every
-case runs again with K busy processes beside it (a loaded host), and the table adds bufc's
-median and worst step under load, as ratios to its quiet median.
+for B = 64, 256, 1024 requests with 1, 2 and 8 changes per step (and 4 at B = 1024), the steady
+case (no change: prepare_step and advance) and the mixed case of bench/prepare_step.py. The
+in-flight row of each churn and steady case adds the lean median and the ratio bufc in flight /
+lean (the columns `lean` and `flight/lean`). With `--busy K`, every case runs again with K busy
+processes beside it (a loaded host), and the table adds bufc's median and worst step under
+load, as ratios to its quiet median.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import multiprocessing
 import platform
 import random
@@ -39,12 +51,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from lean_llama import LeanLlama  # noqa: E402
 from prepare_step import bench_buffers, mixed, plain  # noqa: E402
 
-from bufc.runtime import Request  # noqa: E402
+from bufc.runtime import Constant, Mirror, Request, Rule  # noqa: E402
 
 PROMPT = 512
 TPB = 64  # tokens per KV block (bench_buffers)
+CHECK_STEPS = 5  # the first steps of every case whose tensors lean and bufc must agree on
 
 
 class Traffic:
@@ -152,10 +166,12 @@ class InFlightDriver:
     finished, those that arrived, the sampled tokens (indexed by seq slot) and the KV blocks
     added per slot. Derived from consecutive steps of a Traffic outside the timed region;
     `run` is the timed part (finish, add, step). `on_device`: the tokens are handed over as a
-    tensor on the buffers' device (gathered there)."""
+    tensor on the buffers' device (gathered there). `lean`: a LeanLlama driven by the same
+    events (`run_lean`), its start-up included."""
 
-    def __init__(self, buffers, on_device: bool = False) -> None:
+    def __init__(self, buffers, on_device: bool = False, lean: LeanLlama | None = None) -> None:
         self.buffers = buffers
+        self.lean = lean
         self.tokens = np.zeros(buffers.config.max_batch_size, np.int64)
         self.on_device = (
             torch.zeros(len(self.tokens), dtype=torch.int64, device=buffers.device)
@@ -189,30 +205,75 @@ class InFlightDriver:
         self.on_device.copy_(torch.from_numpy(self.tokens))  # untimed: what the sampler leaves
         return self.on_device
 
-    def start(self, ctx: list, gen: list) -> None:
+    def start(self, ctx: list, gen: list):
         """Untimed: the traffic's first requests arrive (as prompts, with two blocks to spare:
         their sequences start shorter than the traffic's) and run their context in chunks of
-        the step's token budget."""
-        b = self.buffers
+        the step's token budget; the lean step, if any, gets the same calls. Returns bufc's
+        last step."""
+        targets = [self.buffers] + ([self.lean] if self.lean is not None else [])
         for r in chain(ctx, gen):
             blocks = [list(r.kv_block_ids[0]) + [0, 0]]
-            b.add(Request(r.seq_slot, r.prompt, kv_block_ids=blocks))
+            for b in targets:
+                b.add(Request(r.seq_slot, r.prompt, kv_block_ids=blocks))
             self.known[r.seq_slot] = (r, len(r.kv_block_ids[0]))
         waiting = [r.seq_slot for r in chain(ctx, gen)]
-        per_step = (b.config.max_num_tokens - len(waiting)) // PROMPT
+        per_step = (self.buffers.config.max_num_tokens - len(waiting)) // PROMPT
         tokens = None
         while waiting:
-            b.step(tokens, chunks={s: PROMPT for s in waiting[:per_step]})
+            chunks = {s: PROMPT for s in waiting[:per_step]}
+            for b in targets:
+                b.step(tokens, chunks=chunks)
             waiting, tokens = waiting[per_step:], self._tokens()
-        b.step(tokens)
+        if self.lean is not None:
+            self.lean.step(tokens)
+        return self.buffers.step(tokens)
 
-    def run(self, finished: list, arrived: list, tokens, blocks: dict) -> None:
+    def run(self, finished: list, arrived: list, tokens, blocks: dict):
         b = self.buffers
         for slot in finished:
             b.finish(slot)
         for r in arrived:
             b.add(r)
-        b.step(tokens, blocks=blocks)
+        return b.step(tokens, blocks=blocks)
+
+    def run_lean(self, finished: list, arrived: list, tokens, blocks: dict) -> None:
+        lean = self.lean
+        assert lean is not None
+        for slot in finished:
+            lean.finish(slot)
+        for r in arrived:
+            lean.add(r)
+        lean.step(tokens, blocks=blocks)
+
+
+def check_lean(buffers, step, lean: LeanLlama, where: str) -> None:
+    """Every tensor bufc's llama module writes (its rule, mirror and constant tensors) at the
+    step's shapes, against the lean step's: the same names, shapes, dtypes and values, or
+    AssertionError (untimed)."""
+    c = buffers.config
+    written = [n for n, d in buffers.decls.items() if isinstance(d.fill, (Rule, Mirror, Constant))]
+    ours, theirs = buffers.tensors, lean.tensors()
+    if set(written) != set(theirs):
+        raise AssertionError(
+            f"{where}: bufc writes {sorted(set(written) - set(theirs))} that lean does not, "
+            f"lean writes {sorted(set(theirs) - set(written))} that bufc does not"
+        )
+    for name in written:
+        shape = tuple(buffers.decls[name].shape(c, step.sizes))
+        want = ours[name].reshape(-1)[: math.prod(shape)].view(shape).cpu()
+        got = theirs[name].cpu()
+        if got.shape != want.shape or got.dtype != want.dtype:
+            raise AssertionError(
+                f"{where}: {name}: bufc {want.dtype} {list(want.shape)}, "
+                f"lean {got.dtype} {list(got.shape)}"
+            )
+        if not torch.equal(got, want):
+            diff = (got != want).nonzero()
+            first = tuple(diff[0].tolist())
+            raise AssertionError(
+                f"{where}: {name} differs at {len(diff)} of {want.numel()} elements; first at "
+                f"{list(first)}: bufc {want[first].item()}, lean {got[first].item()}"
+            )
 
 
 def _time(fn, *args) -> float:
@@ -224,42 +285,72 @@ def _time(fn, *args) -> float:
 def churn_case(buffers, floor, device: str, batch: int, changes: int, steps: int) -> dict:
     traffic = Traffic(batch, changes, seed=batch * 10 + changes)
     drivers = _drivers(device)
-    ours, low, ref = [], [], []
+    ours, low, ref, lean = [], [], [], []
     flight: list[list[float]] = [[] for _ in drivers]
+    where = f"B={batch}, {changes} changes"
     for i in range(steps + 3):
         ctx, gen = traffic.step()
         t_ours = _time(buffers.prepare_step, ctx, gen)
-        t_flight = [_drive(d, i, ctx, gen) for d in drivers]
+        t_flight = [_drive(d, i, ctx, gen, where) for d in drivers]
         t_low = _time(floor, ctx, gen)
         t_ref = _time(plain, ctx, gen, buffers.config, device) if i % 8 == 3 else None
         if i >= 3:  # warm-up
             ours.append(t_ours)
-            for times, t in zip(flight, t_flight):
+            for times, (t, _) in zip(flight, t_flight):
                 times.append(t)
+            lean.append(t_flight[0][1])
             low.append(t_low)
             if t_ref is not None:
                 ref.append(t_ref)
-    return _with_flight(_row(ours, low, ref), flight)
+    return _with_flight(_row(ours, low, ref), flight, lean)
 
 
 def _drivers(device: str) -> list[InFlightDriver]:
-    """The in-flight drivers of a case: host tokens, and on CUDA tokens on the device."""
-    drivers = [InFlightDriver(bench_buffers(device))]
+    """The in-flight drivers of a case: host tokens (with the lean step beside it), and on
+    CUDA tokens on the device."""
+    buffers = bench_buffers(device)
+    drivers = [InFlightDriver(buffers, lean=LeanLlama(buffers.config, device))]
     if device.startswith("cuda"):
         drivers.append(InFlightDriver(bench_buffers(device), on_device=True))
     return drivers
 
 
-def _drive(driver: InFlightDriver, i: int, ctx: list, gen: list) -> float:
+def _drive(
+    driver: InFlightDriver, i: int, ctx: list, gen: list, where: str = ""
+) -> tuple[float, float]:
+    """Step i of a case through the driver: bufc's in-flight time and, with a lean step, its
+    time on the same events (the two in alternating order; 0.0 without one). Step 0 is the
+    untimed start-up. On the start-up and the first CHECK_STEPS steps the lean step's tensors
+    are compared with bufc's."""
+    lean = driver.lean
     if i == 0:
-        driver.start(ctx, gen)
-        return 0.0
-    return _time(driver.run, *driver.changes(ctx, gen))
+        step = driver.start(ctx, gen)
+        if lean is not None:
+            check_lean(driver.buffers, step, lean, f"{where}, start-up")
+        return 0.0, 0.0
+    events = driver.changes(ctx, gen)
+    if lean is None:
+        return _time(driver.run, *events), 0.0
+    if i % 2:
+        t_lean = _time(driver.run_lean, *events)
+        t0 = time.perf_counter()
+        step = driver.run(*events)
+        t = (time.perf_counter() - t0) * 1e6
+    else:
+        t0 = time.perf_counter()
+        step = driver.run(*events)
+        t = (time.perf_counter() - t0) * 1e6
+        t_lean = _time(driver.run_lean, *events)
+    if where and i <= CHECK_STEPS:
+        check_lean(driver.buffers, step, lean, f"{where}, step {i}")
+    return t, t_lean
 
 
-def _with_flight(row: dict, flight: list[list[float]]) -> dict:
+def _with_flight(row: dict, flight: list[list[float]], lean: list[float]) -> dict:
     row["in_flight_us"] = statistics.median(flight[0])
     row["in_flight_vs_floor"] = row["in_flight_us"] / row["floor_us"]
+    row["lean_us"] = statistics.median(lean)
+    row["in_flight_vs_lean"] = row["in_flight_us"] / row["lean_us"]
     if len(flight) > 1:
         row["in_flight_device_us"] = statistics.median(flight[1])
         row["in_flight_device_vs_floor"] = row["in_flight_device_us"] / row["floor_us"]
@@ -269,12 +360,12 @@ def _with_flight(row: dict, flight: list[list[float]]) -> dict:
 def steady_case(buffers, floor, device: str, batch: int, steps: int) -> dict:
     traffic = Traffic(batch, 0, seed=batch)
     drivers = _drivers(device)
-    ours, adv, low, ref = [], [], [], []
+    ours, adv, low, ref, lean = [], [], [], [], []
     flight: list[list[float]] = [[] for _ in drivers]
     for i in range(steps + 3):
         ctx, gen = traffic.step()
         t_ours = _time(buffers.prepare_step, ctx, gen)
-        t_flight = [_drive(d, i, ctx, gen) for d in drivers]
+        t_flight = [_drive(d, i, ctx, gen, f"B={batch}, steady") for d in drivers]
         t_low = _time(floor, ctx, gen)
         tokens = np.full(len(gen), 7, np.int64)
         t_adv = _time(buffers.advance, tokens)
@@ -285,11 +376,12 @@ def steady_case(buffers, floor, device: str, batch: int, steps: int) -> dict:
             ours.append(t_ours)
             adv.append(t_adv)
             low.append(t_low)
-            for times, t in zip(flight, t_flight):
+            for times, (t, _) in zip(flight, t_flight):
                 times.append(t)
+            lean.append(t_flight[0][1])
             if t_ref is not None:
                 ref.append(t_ref)
-    row = _with_flight(_row(ours, low, ref), flight)
+    row = _with_flight(_row(ours, low, ref), flight, lean)
     before = [d.buffers.bytes_to_device for d in drivers]
     for _ in range(4):
         ctx, gen = traffic.step()
@@ -376,6 +468,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument(
+        "--batches", default="64,256,1024", help="comma-separated batch sizes (default: all)"
+    )
     ap.add_argument("--busy", type=int, default=0, help="busy background processes (0: none)")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -387,9 +482,10 @@ def main() -> None:
     print(f"churn: host microseconds per step ({where}); {args.steps} steps, medians")
     print(
         f"{'case':34} {'bufc':>9} {'floor':>9} {'bufc/floor':>10} {'reference':>10} {'ref/bufc':>9}"
+        f" {'lean':>9} {'flight/lean':>11}"
     )
     rows = {}
-    for batch in (64, 256, 1024):
+    for batch in (int(b) for b in args.batches.split(",")):
         for changes in (1, 2, 4, 8) if batch == 1024 else (1, 2, 8):
             rows[f"B={batch}, {changes} changes"] = churn_case(
                 buffers, floor, args.device, batch, changes, args.steps
@@ -413,7 +509,8 @@ def main() -> None:
         if "in_flight_us" in r:
             print(
                 f"{'  in flight (finish/add/step)':34} {r['in_flight_us']:9.1f} "
-                f"{r['floor_us']:9.1f} {r['in_flight_vs_floor']:9.2f}x"
+                f"{r['floor_us']:9.1f} {r['in_flight_vs_floor']:9.2f}x {'':10} {'':9} "
+                f"{r['lean_us']:9.1f} {r['in_flight_vs_lean']:10.2f}x"
             )
         if "in_flight_device_us" in r:
             print(
