@@ -11,7 +11,7 @@ STAMP := $(VENV)/.dev-$(shell cat requirements-gen.txt requirements-dev.txt pypr
 generate: $(GEN_STAMP) ; $(PY) -m bufc.codegen generate
 check: check-generated lint
 check-generated: $(GEN_STAMP) ; $(PY) -m bufc.codegen check
-lint: $(STAMP) ; $(VENV)/bin/ruff check codegen runtime rules tests bufc schema bench examples && $(VENV)/bin/ruff format --check codegen runtime rules tests bufc schema bench examples && $(VENV)/bin/mypy --ignore-missing-imports codegen runtime rules
+lint: $(STAMP) ; $(VENV)/bin/ruff check codegen runtime rules requests tests bufc schema bench examples && $(VENV)/bin/ruff format --check codegen runtime rules requests tests bufc schema bench examples && $(VENV)/bin/mypy --ignore-missing-imports codegen runtime rules requests
 test: $(STAMP) ; $(PY) -m pytest
 demo: $(STAMP) ; $(PY) -m bufc.codegen demo --device $(or $(DEVICE),cpu) --pp $(or $(PP),1) --tp $(or $(TP),1) --backend $(or $(BACKEND),gloo)
 bench: $(STAMP) ; $(PY) bench/prepare_step.py --device $(or $(DEVICE),cpu) --json bench/results/$(or $(DEVICE),cpu).json && $(PY) bench/churn.py --device $(or $(DEVICE),cpu) --json bench/results/churn-$(or $(DEVICE),cpu).json

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..runtime.errors import BatchError
-from ..runtime.values import INT32_MAX, check_int, is_int, show
+from ..errors import BatchError
+from ..requests.values import INT32_MAX, check_int, is_int, show
 from .batch import Batch
 from .decode import Decode
 

@@ -6,10 +6,9 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-import torch
 
-from ..runtime.errors import BatchError
-from ..runtime.values import check_token_dtype, in_range, int_array
+from ..errors import BatchError
+from ..requests.values import check_token_dtype, in_range, int_array
 from .batch import Batch, Limits
 
 
@@ -58,13 +57,8 @@ def next_step(d: Decode, tokens: Any, limits: Limits, holds_run: bool, grown: tu
     if type(tokens) is Sampled:
         assert len(tokens.values) == count  # the in-flight state lays out both
         return Decode(d.batch, tokens.values, d.seq_tokens + 1, holds_run, grown)
-    L = limits
-    if isinstance(tokens, torch.Tensor):
-        if tokens.layout != torch.strided:
-            raise BatchError(f"advance() needs a strided tensor of tokens, got {tokens.layout}")
-        check_token_dtype(tokens.dtype, L.token_limit, L.token_limit_text, "advance()", False)
-        tokens = tokens.detach().cpu().numpy()
-    elif isinstance(tokens, np.ndarray) and tokens.dtype.kind in "iu":
+    L = limits  # (a torch tensor of tokens reaches here as numpy: runtime.tokens.tokens_on_host)
+    if isinstance(tokens, np.ndarray) and tokens.dtype.kind in "iu":
         check_token_dtype(tokens.dtype, L.token_limit, L.token_limit_text, "advance()", False)
     a = int_array(np.ravel(tokens) if isinstance(tokens, np.ndarray) else tokens)
     if a is None:

@@ -15,24 +15,31 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from ..runtime.errors import BatchError
-from ..runtime.values import INT32_MAX, INT64_MAX, check_int, checked_ints, show
+from ..errors import BatchError
+from ..requests.values import INT32_MAX, INT64_MAX, check_int, checked_ints, show
 from .batch import Batch, encoder_input_length, encoder_output_length
 from .kv_rows import BlockPlan, check_block_lists, id_limit, write_kv_rows
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_POSTERIOR_THRESHOLD = 0.09  # Eagle's default (EagleConfig)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _plain_tensor(t: Any) -> bool:
-    """A dense tensor with data (a sparse or meta tensor would fail the device copy)."""
-    return isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"
+    """A dense tensor with data (a sparse or meta tensor would fail the device copy). The rules
+    import no torch: where torch was never imported, nothing is a tensor."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(t, torch.Tensor):
+        return False
+    return t.layout == torch.strided and t.device.type != "meta"
 
 
 # ------------------------------------------------------------------------------- helpers

@@ -27,11 +27,9 @@ from itertools import chain
 from typing import Any
 
 import numpy as np
-import torch
 
-from ..runtime.errors import BatchError
-from ..runtime.tokens import Gather
-from ..runtime.values import (
+from ..errors import BatchError
+from ..requests.values import (
     BOOLS,
     INT32_MAX,
     check_token_dtype,
@@ -98,6 +96,24 @@ class Entry:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class OnDevice:
+    """Sampled tokens that stay on the buffers' device: what the host knows of them (the
+    runtime checked the tensor's shape and dtype)."""
+
+    columns: int  # per seq slot: tokens[slot] (1) or tokens[slot, beam]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenGather:
+    """A step's gather of tokens that stay on the device: value i is the flat element
+    ``src[i]`` of the tokens; the first ``len(dst)`` go to input position ``dst[i]`` (the
+    others only go back to the host)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+
+
 @dataclasses.dataclass
 class Plan:
     """One checked step of the requests in flight, not yet committed: the batch its rules
@@ -120,7 +136,7 @@ class Plan:
     grew: set[int] = dataclasses.field(default_factory=set)  # slots whose block lists grew
     # tokens that stay on the device: the gather the step runs there, and the (slot, beam) of
     # each value it copies back (their state entries once they land)
-    gather: Gather | None = None
+    gather: TokenGather | None = None
     gathered: tuple[np.ndarray, np.ndarray] | None = None
 
     def undo(self) -> None:
@@ -327,7 +343,7 @@ class InFlight:
 
         `steady`: the last step can be continued in place (generation only, no drafts); the
         plan then has no batch when nothing but the tokens changed. `on_device`: `tokens` is
-        a tensor on the buffers' device, gathered there (``Plan.gather``), not read here."""
+        ``OnDevice``, a tensor on the buffers' device gathered there (``Plan.gather``)."""
         if self.bad:
             slot, value = next(iter(self.bad.items()))
             L = self.limits
@@ -359,9 +375,9 @@ class InFlight:
             promoted_a = np.array(promoted, np.int64) if promoted else _EMPTY
             producers = np.concatenate((promoted_a, alive)) if promoted else alive
             generated, last = self.generated, self.last
-            table: torch.Tensor | None = None
+            k = 0
             if producers.size and on_device:  # the values stay there: counts only
-                table, k = _device_table(tokens, L)
+                k = tokens.columns
                 widest = int(self.beam_width[producers].max()) if self.n_wide else 1
                 if widest > k:
                     raise BatchError(
@@ -467,9 +483,7 @@ class InFlight:
             # ---- this step's context chunks
             context, positions, completing = self._context(chunks)
             batch = self._batch(context, rows, row_entries, generated, last, ndraft, set(grew))
-            gather, gathered = (
-                self._gather(batch, table, k, producers) if table is not None else (None, None)
-            )
+            gather, gathered = self._gather(batch, k, producers) if k else (None, None)
             return Plan(
                 batch,
                 None,
@@ -498,9 +512,8 @@ class InFlight:
         L = self.limits
         rows = self.rows[: self.n_rows]
         widths = self.beam_width[rows] if self.n_wide else _EMPTY
-        table: torch.Tensor | None = None
         if on_device:
-            table, k = _device_table(tokens, L)
+            k = tokens.columns
         else:
             tok = _token_table(tokens, L)
             k = tok.shape[1]
@@ -510,7 +523,7 @@ class InFlight:
                 f"{int(widths.max())} beams"
             )
         gather, gathered = None, None
-        if table is None:
+        if not on_device:
             values = _sequence_values(tok, rows, widths, self.n_wide)
             _check_tokens(values, L)
         else:  # the host writes the last tokens it knows; the device then writes the new
@@ -528,7 +541,7 @@ class InFlight:
                     slots,
                     beams,
                 )
-            gather = Gather(table, held[1], held[2], L.token_limit)
+            gather = TokenGather(held[1], held[2])
             gathered = (held[3], held[4])
         undo: list[tuple[list, int]] = []
         grew: dict[int, list[int]] = {}
@@ -622,8 +635,8 @@ class InFlight:
 
     # ---------------------------------------------------------------------------- helpers
     def _gather(
-        self, b: Batch, table: torch.Tensor, k: int, producers: np.ndarray
-    ) -> tuple[Gather, tuple[np.ndarray, np.ndarray]]:
+        self, b: Batch, k: int, producers: np.ndarray
+    ) -> tuple[TokenGather, tuple[np.ndarray, np.ndarray]]:
         """The device gather of a full step: each generation sequence of a producing slot
         takes ``tokens[slot, beam]`` into its first input token (core.token_ids' layout:
         context tokens, then per request each beam's token and the drafts); the tokens of
@@ -647,7 +660,7 @@ class InFlight:
             rest = producers[mask[producers]]
             s, bm = _beam_index(rest, self.beam_width[rest])
             seq_slots, beams = np.concatenate((seq_slots, s)), np.concatenate((beams, bm))
-        gather = Gather(table, seq_slots * k + beams, dst, self.limits.token_limit)
+        gather = TokenGather(seq_slots * k + beams, dst)
         return gather, (seq_slots, beams)
 
     def _count_blocks(self, slot: int, lists: Any, into: np.ndarray) -> None:
@@ -976,11 +989,6 @@ def _token_table(tokens: Any, L: Limits) -> np.ndarray:
             return tokens
         if tokens.ndim == 1:
             return tokens.reshape(len(tokens), 1)
-    if isinstance(tokens, torch.Tensor):
-        if tokens.layout != torch.strided:
-            raise BatchError(f"step() needs a strided tensor of tokens, got {tokens.layout}")
-        check_token_dtype(tokens.dtype, L.token_limit, L.token_limit_text, "step()", False)
-        tokens = tokens.detach().cpu().numpy()
     try:
         a = np.asarray(tokens)
     except (TypeError, ValueError, OverflowError):
@@ -1004,22 +1012,6 @@ def _has_bool(values: Any, ndim: int) -> bool:
     """A bool among a list's (or a list of lists') values, which numpy reads as 0 or 1."""
     rows = values if ndim == 1 else chain.from_iterable(values)
     return not BOOLS.isdisjoint(frozenset(map(type, rows)))
-
-
-def _device_table(tokens: Any, L: Limits) -> tuple[torch.Tensor, int]:
-    """Sampled tokens on the device: the tensor, [slots] or [slots, k], and its columns per
-    slot k (its shape and dtype checked; its values are checked on the device)."""
-    t: torch.Tensor = tokens
-    slots = L.max_batch_size
-    if t.layout != torch.strided:
-        raise BatchError(f"step() needs a strided tensor of tokens, got {t.layout}")
-    check_token_dtype(t.dtype, L.token_limit, L.token_limit_text, "step()", True)
-    if t.ndim not in (1, 2) or t.shape[0] < slots or (t.ndim == 2 and t.shape[1] < 1):
-        raise BatchError(
-            f"step() needs integer tokens indexed by seq slot: a tensor of {slots} rows "
-            f"(max_batch_size), or [{slots}, beams]; got shape {list(t.shape)}"
-        )
-    return t, 1 if t.ndim == 1 else int(t.shape[1])
 
 
 def _beam_index(slots: np.ndarray, widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

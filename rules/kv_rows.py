@@ -20,8 +20,8 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from ..runtime.errors import BatchError
-from ..runtime.values import INT32_MAX, in_range, int_array, is_int, show
+from ..errors import BatchError
+from ..requests.values import INT32_MAX, in_range, int_array, is_int, show
 from .batch import Batch, FlightRows
 
 _FIRST = itemgetter(0)

@@ -16,6 +16,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised in a subproce
         name="torch",
     ) from exc
 
+from ..errors import BatchError, ConfigError, RuleError
 from ..rules.request import Request
 from ..rules.sizes import ENCODER_SIZES, STEP_SIZES, StepSizes
 from .buffers import KV_CACHE_LENGTH_ROUND, RuntimeBuffers, Step, check_size
@@ -34,7 +35,6 @@ from .decl import (
     Rule,
     TensorDecl,
 )
-from .errors import BatchError, ConfigError, RuleError
 from .project import ProjectImpl, rule_module
 from .staging import Targets
 

@@ -23,13 +23,13 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 import torch
 
+from ..errors import BatchError, ConfigError, FillCountError, RuleError
+from ..requests.values import INT32_MAX, check_int, int_array
 from .decl import DEVICE, PINNED, STATIC, Constant, Mirror, Rule, TensorDecl
-from .errors import BatchError, ConfigError, FillCountError, RuleError
 from .graphs import Replays
 from .project import ProjectImpl, culprit
 from .staging import ALIGN, HALVES, DeviceStep, Staging, Target, Targets
-from .tokens import Gather, TokenGather, region_bytes
-from .values import INT32_MAX, check_int, int_array
+from .tokens import Gather, TokenGather, region_bytes, tokens_on_device, tokens_on_host
 
 KV_CACHE_LENGTH_ROUND = 256  # the reference's CUDA-graph key rounding
 
@@ -512,7 +512,7 @@ class RuntimeBuffers:
                 "advance() continues a prepare_step or advance step, but the last step was "
                 "step()'s; call prepare_step to start a stateless run"
             )
-        return self._advance_step(tokens)
+        return self._advance_step(tokens_on_host(tokens, self.limits, "advance()"))
 
     def _advance_step(self, tokens: Any, grown: tuple = (), gather: Gather | None = None) -> Step:
         if self.no_advance:
@@ -635,7 +635,13 @@ class RuntimeBuffers:
             and tokens.device == self._tokens.device.device
         )
         self._tokens_back()
+        tensor = tokens
         try:
+            tokens = (
+                tokens_on_device(tokens, self.limits)
+                if on_device
+                else tokens_on_host(tokens, self.limits, "step()")
+            )
             plan = self._flight.plan(
                 tokens,
                 accepted=accepted,
@@ -652,11 +658,14 @@ class RuntimeBuffers:
             raise BatchError(
                 f"step(): a value could not be checked ({type(exc).__name__}: {exc})"
             ) from exc
+        gather = None
+        if plan.gather is not None:  # the tokens stay on the device: gathered there
+            gather = Gather(tensor, plan.gather.src, plan.gather.dst, self.limits.token_limit)
         try:
             if plan.batch is not None:
-                step = self._prepare(lambda: plan.batch, plan.gather)
+                step = self._prepare(lambda: plan.batch, gather)
             else:
-                step = self._advance_step(plan.tokens, plan.grown, plan.gather)
+                step = self._advance_step(plan.tokens, plan.grown, gather)
         except BaseException:
             plan.undo()
             raise

@@ -18,7 +18,7 @@ import torch
 from bufc import config_checks as _checks
 from bufc.config_checks import INT_LIMIT  # noqa: F401 - re-exported
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 _DTYPES = {
     name: getattr(torch, name)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import FillCountError
+from ..errors import FillCountError
 
 ALIGN = 256  # bytes; every arena member starts on this boundary
 HALVES = 2

@@ -21,11 +21,45 @@ rows of the arena and the host half.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from ..errors import BatchError
+from ..requests.values import check_token_dtype
+from ..rules.batch import Limits
+from ..rules.inflight import OnDevice
 from .staging import ALIGN, HALVES, Staging
+
+
+def tokens_on_host(tokens: Any, limits: Limits, where: str) -> Any:
+    """Sampled tokens handed over as a torch tensor, as a numpy array (its layout and dtype
+    checked first: a dtype that cannot hold every id is refused, not converted); anything
+    else as it is (the request layer checks it)."""
+    if not isinstance(tokens, torch.Tensor):
+        return tokens
+    if tokens.layout != torch.strided:
+        raise BatchError(f"{where} needs a strided tensor of tokens, got {tokens.layout}")
+    check_token_dtype(tokens.dtype, limits.token_limit, limits.token_limit_text, where, False)
+    return tokens.detach().cpu().numpy()
+
+
+def tokens_on_device(tokens: torch.Tensor, limits: Limits) -> OnDevice:
+    """Sampled tokens that stay on the device, [slots] or [slots, k]: their shape and dtype
+    checked here (their values are checked on the device), their columns per slot handed to
+    the request layer."""
+    slots = limits.max_batch_size
+    if tokens.layout != torch.strided:
+        raise BatchError(f"step() needs a strided tensor of tokens, got {tokens.layout}")
+    check_token_dtype(tokens.dtype, limits.token_limit, limits.token_limit_text, "step()", True)
+    shape = tokens.shape
+    if tokens.ndim not in (1, 2) or shape[0] < slots or (tokens.ndim == 2 and shape[1] < 1):
+        raise BatchError(
+            f"step() needs integer tokens indexed by seq slot: a tensor of {slots} rows "
+            f"(max_batch_size), or [{slots}, beams]; got shape {list(shape)}"
+        )
+    return OnDevice(1 if tokens.ndim == 1 else int(shape[1]))
 
 
 @dataclass(frozen=True, slots=True)

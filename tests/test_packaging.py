@@ -119,6 +119,26 @@ def test_without_torch_the_runtime_and_report_say_how_to_install_it(installed, t
     )
 
 
+def test_the_rules_and_the_request_layer_run_without_torch(installed, tmp_path):
+    """The rule functions and the request state are plain numpy: importing every module of
+    bufc.rules and bufc.requests loads no torch, and a request is checked and laid out."""
+    code = (
+        "import sys\n"
+        "from bufc.rules import batch, core, decode, features, inflight, kv_rows, request, sizes\n"
+        "from bufc.requests import values\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "limits = batch.limits(max_batch_size=2, vocab_size=10)\n"
+        "state = inflight.InFlight(limits)\n"
+        "state.add(request.Request(seq_slot=0, prompt=[1, 2, 3]))\n"
+        "plan = state.plan(None)\n"
+        "assert plan.batch.sizes.num_tokens == 3 and 'torch' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    r = run_installed(installed, tmp_path, code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+
+
 def test_one_version_in_the_metadata_the_command_pyproject_and_the_changelog(installed, tmp_path):
     """`bufc --version` of the installed copy prints the version its metadata carries, which is
     pyproject.toml's and the newest entry of CHANGELOG.md."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import BatchError
+from ..errors import BatchError
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
