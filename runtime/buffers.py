@@ -24,12 +24,14 @@ import numpy as np
 import torch
 
 from ..errors import BatchError, ConfigError, FillCountError, RuleError
-from ..requests.values import INT32_MAX, check_int, int_array
-from .decl import DEVICE, PINNED, STATIC, Constant, Mirror, Rule, TensorDecl
-from .graphs import Replays
+from ..requests.values import INT32_MAX, check_int
+from .bindings import bindings, prefix_layout
+from .decl import DEVICE, STATIC, Mirror, Rule, TensorDecl
 from .project import ProjectImpl, culprit
-from .staging import ALIGN, HALVES, DeviceStep, Staging, Target, Targets
-from .tokens import Gather, TokenGather, region_bytes, tokens_on_device, tokens_on_host
+from .staging import HALVES, DeviceStep, Targets
+from .storage import allocate, records, static_values
+from .tokens import Gather, tokens_on_device, tokens_on_host
+from .transfer import Transfer
 
 KV_CACHE_LENGTH_ROUND = 256  # the reference's CUDA-graph key rounding
 
@@ -118,165 +120,27 @@ class RuntimeBuffers:
         c = config
         decls = [d for d in self.tensor_decls if d.when is None or d.when(c)]
         self.decls: dict[str, TensorDecl] = {d.name: d for d in decls}
-        self._numel = {d.name: math.prod(d.capacity(c)) for d in decls}
-        self._dtype = {
-            d.name: d.dtype if isinstance(d.dtype, torch.dtype) else d.dtype(c) for d in decls
-        }
-        pin = self.device.type == "cuda"
+        self._t = records(decls, c)  # one record per tensor: storage, targets, views
         self._check_allocatable(decls)
         self.limits = self._limits()
-        sampled = self.sampled_tokens if self.sampled_tokens in self.decls else None
-        mirror = next(
-            (d.name for d in decls if isinstance(d.fill, Mirror) and d.fill.source == sampled),
-            None,
-        )
         if device_tokens is None:
-            device_tokens = pin
+            device_tokens = self.device.type == "cuda"
+        sampled, mirror = self._sampled_tokens(decls) if device_tokens else (None, None)
         gather_rows = self.limits.max_batch_size * self.limits.max_beam_width
-
-        # the staging layout: mirror sources, smallest first, so the per-step copy can stop
-        # inside the last (largest) member
-        mirror_of = {d.fill.source: d.name for d in decls if isinstance(d.fill, Mirror)}
-        sources = sorted(
-            (self.decls[name] for name in mirror_of), key=lambda d: self._nbytes(d.name)
-        )
-        offsets: dict[str, int] = {}
-        # sampled tokens gathered on the device: their indices lead the arena (always copied)
-        end = region_bytes(gather_rows) if device_tokens and mirror else 0
-        for src in sources:
-            offsets[src.name] = end
-            end += -(-self._nbytes(src.name) // ALIGN) * ALIGN
-        self._staging = Staging(end, self.device)
-
-        # per half, the flat storage of every tensor (only mirror sources differ between halves)
-        self._flat: list[dict[str, torch.Tensor]] = [{} for _ in range(HALVES)]
-        for d in decls:
-            n, dtype = self._nbytes(d.name), self._dtype[d.name]
-            if isinstance(d.fill, Mirror):  # same dtype and capacity as its source (generator)
-                flats = [self._staging.view(None, offsets[d.fill.source], n, dtype)] * HALVES
-            elif d.name in offsets:
-                flats = [self._staging.view(h, offsets[d.name], n, dtype) for h in range(HALVES)]
-            elif d.memory == DEVICE:
-                flats = [torch.empty(self._numel[d.name], dtype=dtype, device=self.device)] * HALVES
-            else:
-                # host tensors a rule fills get one storage per half, like the staged ones, so a
-                # step that fails half-way never touches the last step's values
-                flats = [
-                    torch.empty(
-                        self._numel[d.name], dtype=dtype, pin_memory=pin and d.memory == PINNED
-                    )
-                    for _ in range(HALVES if isinstance(d.fill, Rule) else 1)
-                ]
-                flats *= HALVES // len(flats)
-            value = d.fill.value(c) if isinstance(d.fill, Constant) else (d.pad or 0)
-            for flat in dict.fromkeys(flats):  # each distinct storage once
-                flat.fill_(value)
-            for h in range(HALVES):
-                self._flat[h][d.name] = flats[h]
-        self._staging.start()  # mirrors start with their pads
-        self._tokens: TokenGather | None = None
-        if device_tokens and mirror and sampled:
-            self._tokens = TokenGather(
-                self._staging,
-                gather_rows,
-                [self._flat[h][sampled] for h in range(HALVES)],
-                self._flat[0][mirror],
-                self.decls[sampled].pad or 0,
-            )
-        self._gathered: int | None = None  # the half whose gathered tokens are in flight
-        self._offsets = offsets
-        self._device_steps = [
-            DeviceStep(
-                {m: self._flat[0][m] for m in mirror_of.values()},
-                lambda source, h=h: self._copy_member(h, source),  # type: ignore[misc]
-            )
-            for h in range(HALVES)
-        ]
-        self._capacity_shape = {d.name: tuple(d.capacity(c)) for d in decls}
-
-        # the fill targets of each half: host rules write numpy views of their storage,
-        # device rules the torch tensor (copies of request tensors, enqueued on the current
-        # stream). Elements written by the last fill of each storage are counted per storage
-        # (shared by the halves where the storage is), so rows past a shorter step are re-padded.
-        rules = [d for d in decls if isinstance(d.fill, Rule)]
-        written = {d.name: [0] for d in rules}
+        storage = allocate(self._t, c, self.device, gather_rows if mirror else 0)
+        self._staging = storage.staging
         self._targets = [
-            Targets(
-                {
-                    d.name: Target(
-                        self._flat[h][d.name]
-                        if d.memory == DEVICE
-                        else self._flat[h][d.name].numpy(),
-                        d.pad,
-                        written[d.name] if self._flat[0][d.name] is self._flat[1][d.name] else [0],
-                        d.name,
-                        d.fill.impl,  # type: ignore[union-attr]
-                    )
-                    for d in rules
-                }
-            )
+            Targets({t.name: t.targets[h] for t in self._t.values() if t.targets})
             for h in range(HALVES)
         ]
-        # the copy: whole members but the last, whose used prefix is copied (with the rows the
-        # device still holds from a longer earlier step, now pads)
-        last = sources[-1].name if sources else None
-        self._copy_last = (
-            last if last is not None and isinstance(self.decls[last].fill, Rule) else None
-        )
-        self._copy_base = offsets[self._copy_last] if self._copy_last else end
-        self._copy_itemsize = self._dtype[last].itemsize if last else 0
-        self._device_high_water = 0
-        self.copies_per_step = 1 if end else 0
-        self._mirrored = [  # the fill targets of the mirrored host tensors, per half
-            [self._targets[h].__dict__[d.name] for d in sources if isinstance(d.fill, Rule)]
-            for h in range(HALVES)
-        ]
-        self._replays = Replays(self.device)
-
-        # engine bindings: (engine name, tensor, step shape, index into its leading dims);
-        # static tensors of a fixed shape are bound once (static_inputs); those with a step
-        # shape (Medusa's tree, set once, read [num_generation_requests, ...]) are bound every
-        # step at it, as views of their storage, as the reference resizes them; ring tensors
-        # bind one slot per step
-        zero = self.sizes_type(**{f.name: 0 for f in dataclasses.fields(self.sizes_type)})
-        step_shaped = {
-            d.name for d in decls if tuple(d.shape(c, zero)) != self._capacity_shape[d.name]
-        }
-
-        def bindings(which: str) -> tuple:
-            return tuple(
-                (name, d.name, d.shape, index)
-                for d in decls
-                if (d.fill is not STATIC or d.name in step_shaped) and d.ring is None
-                for b in getattr(d, which)
-                if b.when is None or b.when(c)
-                for name, index in b.expand(c)
-            )
-
-        self._inputs = bindings("inputs")
-        self._outputs = bindings("outputs")
-        self._rings = tuple(
-            (which, b.engine_name, d.name, d.ring)
-            for d in decls
-            if d.ring is not None
-            for which in ("inputs", "outputs")
-            for b in getattr(d, which)
-            if b.when is None or b.when(c)
-        )
+        self._io = Transfer(storage, self.device, sampled, mirror, gather_rows)
+        self._tokens = self._io.tokens  # None: sampled tokens are read on the host
+        self._replays = self._io.replays
+        self.copies_per_step = self._io.copies_per_step
+        self._bind = bindings(decls, c, self.sizes_type)
         self._ring_step = 0
-        self._static_bindings = {
-            name: (d.name, index)
-            for d in decls
-            if d.fill is STATIC and d.name not in step_shaped
-            for b in d.inputs
-            if b.when is None or b.when(c)
-            for name, index in b.expand(c)
-        }
         for name, values in (static_inputs or {}).items():
             self.set_static(name, values)
-        self._views: list[dict[str, dict[tuple[int, ...], torch.Tensor]]] = [
-            {name: {} for name in self.decls} for _ in range(HALVES)
-        ]
         self._past_kv = self.kv_lengths if self.kv_lengths in self.decls else None
         self._half = 1  # the first step writes half 0
         self._step_views: list[tuple[Any, dict, dict] | None] = [None] * HALVES
@@ -290,6 +154,15 @@ class RuntimeBuffers:
         self._half_run: list[int | None] = [None] * HALVES
         self.state = self.state_type()
         self._flight = self._in_flight()  # the requests in flight (add, finish, step)
+
+    def _sampled_tokens(self, decls: list[TensorDecl]) -> tuple[str | None, str | None]:
+        """The host tensor whose generation rows take the sampled tokens, and its mirror."""
+        sampled = self.sampled_tokens if self.sampled_tokens in self.decls else None
+        mirror = next(
+            (d.name for d in decls if isinstance(d.fill, Mirror) and d.fill.source == sampled),
+            None,
+        )
+        return sampled, mirror
 
     # the step program, generated per family
     def _limits(self) -> Any:
@@ -321,9 +194,9 @@ class RuntimeBuffers:
         """A ConfigError with the bytes needed when the Config asks for more memory than the
         machine has (instead of a failure deep inside torch, or an out-of-memory kill while
         the pads are written)."""
-        device = sum(self._nbytes(d.name) for d in decls if d.memory == DEVICE)
+        device = sum(self._t[d.name].nbytes for d in decls if d.memory == DEVICE)
         host = sum(
-            (HALVES if isinstance(d.fill, Rule) else 1) * self._nbytes(d.name)
+            (HALVES if isinstance(d.fill, Rule) else 1) * self._t[d.name].nbytes
             for d in decls
             if d.memory != DEVICE
         )
@@ -357,34 +230,22 @@ class RuntimeBuffers:
         what = " or ".join(dict.fromkeys(p.what for p in found))
         return RuleError(what, found[0].impl, f"{type(exc).__name__}: {exc}", where)
 
-    def _nbytes(self, name: str) -> int:
-        return self._numel[name] * self._dtype[name].itemsize
-
     def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         """A step shape within the tensor's capacity (the generated checks call this for the
         shapes the generator could not prove)."""
-        if math.prod(shape) > self._numel[name]:
+        if math.prod(shape) > self._t[name].numel:
             raise BatchError(
                 f"tensor {name!r} needs shape {list(shape)}, beyond its capacity of "
-                f"{self._numel[name]} elements"
+                f"{self._t[name].numel} elements"
             )
 
     def _view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        # the reference's reshape: the step tensor is the leading part of the capacity. Views
-        # are cached per shape, so a repeated shape (steady decoding, a CUDA-graph bucket)
-        # hands out the very same tensor object; the VIEW_CACHE most recent shapes are kept.
-        cache = self._views[self._half][name]
-        view = cache.get(shape)
-        if view is None:
-            if len(cache) >= self.VIEW_CACHE:
-                del cache[next(iter(cache))]  # the oldest shape
-            view = cache[shape] = self._flat[self._half][name][: math.prod(shape)].view(shape)
-        return view
+        return self._t[name].view(self._half, shape, self.VIEW_CACHE)
 
     @property
     def cached_views(self) -> int:
         """Views held for reuse, over every tensor and half (at most VIEW_CACHE each)."""
-        return sum(len(cache) for half in self._views for cache in half.values())
+        return sum(len(cache) for t in self._t.values() for cache in t.views)
 
     @_exclusive
     def set_static(self, name: str, values: Any) -> None:
@@ -397,14 +258,15 @@ class RuntimeBuffers:
         if d is None or d.fill is not STATIC:
             statics = ", ".join(n for n, x in self.decls.items() if x.fill is STATIC) or "none"
             raise ConfigError(f"{name!r} is not a static tensor of this family (static: {statics})")
-        target = self._flat[0][name].view(self._capacity_shape[name])
-        source = _static_values(name, values, target.dtype)
+        t = self._t[name]
+        target = t.capacity_view()
+        source = static_values(name, values, target.dtype)
         try:
             target.copy_(source.expand_as(target))
         except RuntimeError:
             raise ConfigError(
                 f"{name}: values of shape {list(source.shape)} do not broadcast to its shape "
-                f"{list(self._capacity_shape[name])}"
+                f"{list(t.capacity)}"
             ) from None
 
     @property
@@ -412,8 +274,8 @@ class RuntimeBuffers:
     def static_inputs(self) -> dict[str, torch.Tensor]:
         """Engine inputs bound once (the reference's setStaticInputTensors)."""
         out = {}
-        for engine_name, (name, index) in self._static_bindings.items():
-            view = self._flat[0][name].view(self._capacity_shape[name])
+        for engine_name, (name, index) in self._bind.static.items():
+            view = self._t[name].capacity_view()
             out[engine_name] = view[index] if index else view
         return out
 
@@ -428,8 +290,7 @@ class RuntimeBuffers:
         """Every tensor at its capacity shape (staged host tensors: the half of the last step;
         where the last step gathered sampled tokens on the device, once they are back)."""
         self._tokens_back()
-        flat = self._flat[self._half]
-        return {name: flat[name].view(shape) for name, shape in self._capacity_shape.items()}
+        return {name: t.capacity_view(self._half) for name, t in self._t.items()}
 
     # ------------------------------------------------------------------------ per step
     @_exclusive
@@ -482,7 +343,7 @@ class RuntimeBuffers:
                 "Please report this batch."
             ) from exc
         s = checked.batch.sizes
-        self._to_device(h, lambda: self._copy(h, targets, gather))
+        self._to_device(h, lambda: self._io.copy(h, targets, gather))
         self._half = h
         self._run += 1
         self._half_run[h] = self._run
@@ -559,9 +420,14 @@ class RuntimeBuffers:
         if gather is not None and self.advances_on_device:
             # the tokens stay on the device: so does the step (the mirrors updated in place,
             # only what has no device form copied up)
-            self._to_device(h, lambda: self._device_step(h, gather, advancing))
+            self._to_device(
+                h,
+                lambda: self._io.device_step(
+                    h, gather, self._last, lambda v: self._advance_on_device(v, advancing)
+                ),
+            )
         else:
-            self._to_device(h, lambda: self._copy(h, targets, gather))
+            self._to_device(h, lambda: self._io.copy(h, targets, gather))
         self._half = h
         self._half_run[h] = self._run
         self._longest += 1
@@ -687,34 +553,26 @@ class RuntimeBuffers:
         written (its high-water marks at capacity). Rule state is rebuilt from the requests."""
         self._half_run[h] = None
         for name, target in vars(self._targets[h]).items():
-            target.written[0] = self._numel[name]
+            target.written[0] = self._t[name].numel
         self.state = self.state_type()
 
     def _tokens_back(self) -> None:
         """The sampled tokens the last step gathered on the device are back on the host: the
         in-flight state takes them (BatchError from the next plan for one that was out of
         range)."""
-        h = self._gathered
-        if h is None or self._tokens is None:
-            return
-        self._staging.wait(h)
-        self._gathered = None
-        self._flight.tokens_back(self._tokens.values(h))
+        values = self._io.tokens_back()
+        if values is not None:
+            self._flight.tokens_back(values)
 
     def _to_device(self, h: int, work: Callable[[], None]) -> None:
         """The device work of the step written into half h (its copy, or a decode step on
         the device), all or nothing: should it raise, the device arena is restored from the
         last step's half, half h is abandoned and the error is a BatchError."""
-        high_water = self._device_high_water
+        high_water = self._io.high_water
         try:
             work()
         except Exception as exc:
-            prev = h ^ 1
-            self._staging.wait(prev)  # its rows copied back from the device have landed
-            self._staging.copy(prev, self._staging.nbytes)
-            self._device_high_water = high_water
-            if self._tokens is not None:
-                self._tokens.sent = None  # the arena holds the last half's indices now
+            self._io.restore(h, high_water)
             self._abandon_half(h)
             named = self._rule_error(exc, ", on the host and the device")
             if named is not None:  # a project's device advance form raised
@@ -724,102 +582,18 @@ class RuntimeBuffers:
                 "abandoned and the last step stays current, on the host and the device"
             ) from exc
 
-    def _device_step(self, h: int, gather: Gather, advancing: Any) -> None:
-        """A decode step whose tokens stay on the device: the tokens gathered there and each
-        mirror updated in place by its device form (or its host tensor copied up), replayed
-        as one CUDA graph per key once the key recurs (``graphs.Replays``)."""
-        tokens, staging, v = self._tokens, self._staging, self._device_steps[h]
-        assert tokens is not None
-        tokens.send(h, gather)
-        tokens.counted(h, gather)
-        up, high_water = staging.bytes_up, self._device_high_water
-
-        def work() -> None:
-            tokens.gather(h, gather)  # nothing shared written before this returns
-            self._advance_on_device(v, advancing)
-            tokens.write(h, gather)
-
-        def load_and_work() -> None:
-            tokens.load(gather)
-            work()
-
-        def effects() -> Callable[[], None]:  # what a replay does again on the host
-            grew, after = staging.bytes_up - up, self._device_high_water
-
-            def again() -> None:
-                staging.bytes_up += grew
-                self._device_high_water = after
-
-            return again
-
-        def undo() -> None:
-            staging.bytes_up, self._device_high_water = up, high_water
-
-        # what the work enqueues depends on: the half, the sizes, the gather's shape, and
-        # the used part of each mirrored host tensor a device step may copy up; with the
-        # load of the tokens, also their tensor's address (a sampler's persistent buffer
-        # keeps it: then the load is part of the graph)
-        spans = tuple(t.written[0] for t in self._mirrored[h])
-        key = (h, self._last, high_water, spans, tokens.key(gather))
-        replays, loading = self._replays, (key, tokens.source(gather))
-        if replays.seen(loading):
-            replays.run(loading, load_and_work, effects, undo)
-        else:
-            replays.note(loading)
-            tokens.load(gather)
-            replays.run(key, work, effects, undo)
-        staging.record(h)
-        self._gathered = h
-
-    def _copy(self, h: int, targets: Targets, gather: Gather | None = None) -> None:
-        """The one host-to-device copy of the step: whole members but the last, and of the
-        last the used prefix plus the rows the device still holds from a longer step. With
-        `gather`, its indices go up with it and the device then writes the sampled tokens."""
-        if not self.copies_per_step:
-            return
-        tokens = self._tokens if gather is not None else None
-        if tokens is not None:
-            tokens.stage(h, gather)  # type: ignore[arg-type]
-        elif self._tokens is not None:
-            self._tokens.sent = None  # the copy carries this half's stale indices up
-        span = self._copy_base
-        if self._copy_last is not None:
-            used = getattr(targets, self._copy_last).written[0]
-            span += max(used, self._device_high_water) * self._copy_itemsize
-            self._device_high_water = used
-        else:
-            span = self._staging.nbytes
-        self._staging.copy(h, span)
-        if tokens is not None:
-            assert gather is not None
-            tokens.load(gather)
-            tokens.counted(h, gather)
-            tokens.gather(h, gather)
-            tokens.write(h, gather)
-            self._staging.record(h)
-            self._gathered = h
-
-    def _copy_member(self, h: int, source: str) -> None:
-        """The used part of the mirrored host tensor `source` up from half h (a decode step
-        on the device), with the rows the device still holds from a longer step."""
-        used = getattr(self._targets[h], source).written[0]
-        if source == self._copy_last:
-            used, self._device_high_water = max(used, self._device_high_water), used
-        n = used * self._dtype[source].itemsize
-        self._staging.copy_range(h, self._offsets[source], n)
-
     def _step(self, s: Any) -> Step:
         cached = self._step_views[self._half]
         if cached is None or cached[0] != s:  # steady decoding repeats the sizes: reuse the views
             cached = self._step_views[self._half] = (s, *self._views_at(s))
         inputs, outputs = dict(cached[1]), dict(cached[2])
         slots = {}
-        for which, engine_name, name, ring in self._rings:
+        for which, engine_name, name, ring in self._bind.rings:
             slot = self._ring_step % ring
-            view = self._view(name, self._capacity_shape[name])[slot]
+            view = self._view(name, self._t[name].capacity)[slot]
             (inputs if which == "inputs" else outputs)[engine_name] = view
             slots[name] = slot
-        if self._rings:
+        if self._bind.rings:
             self._ring_step += 1
         return Step(
             inputs=inputs,
@@ -860,8 +634,8 @@ class RuntimeBuffers:
             moved = sorted(
                 {
                     e
-                    for e, n, f, _ in self._inputs + self._outputs
-                    if not _prefix_layout(tuple(f(c, last)), tuple(f(c, sizes)))
+                    for e, n, f, _ in self._bind.inputs + self._bind.outputs
+                    if not prefix_layout(tuple(f(c, last)), tuple(f(c, sizes)))
                 }
             )
             if moved:
@@ -873,18 +647,18 @@ class RuntimeBuffers:
 
         def view(n: str, f: Any, index: tuple[int, ...]) -> torch.Tensor:
             shape = tuple(f(c, sizes))
-            if math.prod(shape) > self._numel[n]:
+            if math.prod(shape) > self._t[n].numel:
                 raise ValueError(
                     f"views(): {n!r} would be {list(shape)} at these sizes, beyond its "
-                    f"capacity {list(self._capacity_shape[n])}"
+                    f"capacity {list(self._t[n].capacity)}"
                 )
             v = self._view(n, shape)
             return v[index] if index else v
 
-        inputs = {e: view(n, f, i) for e, n, f, i in self._inputs}
-        outputs = {e: view(n, f, i) for e, n, f, i in self._outputs}
-        for which, engine_name, name, ring in self._rings:  # the slot the next step binds
-            slot_view = self._view(name, self._capacity_shape[name])[self._ring_step % ring]
+        inputs = {e: view(n, f, i) for e, n, f, i in self._bind.inputs}
+        outputs = {e: view(n, f, i) for e, n, f, i in self._bind.outputs}
+        for which, engine_name, name, ring in self._bind.rings:  # the slot the next step binds
+            slot_view = self._view(name, self._t[name].capacity)[self._ring_step % ring]
             (inputs if which == "inputs" else outputs)[engine_name] = slot_view
         return inputs, outputs
 
@@ -912,42 +686,6 @@ class RuntimeBuffers:
         if self._past_kv is None:
             return
         value = min(max_sequence_length - 1, self._max_kv_rounded())
-        self._flat[self._half][self._past_kv][: s.num_sequences] = value
+        self._t[self._past_kv].flat[self._half][: s.num_sequences] = value
         self._decode = None  # the past-KV lengths no longer follow the tokens
         self._half_run[self._half] = None
-
-
-def _prefix_layout(small: tuple[int, ...], large: tuple[int, ...]) -> bool:
-    """True when a row-major tensor of shape `small` is the leading part of one of shape
-    `large`: the shapes differ at most in one dimension, and only 1s come before it."""
-    k = next((i for i, (a, b) in enumerate(zip(small, large)) if a != b), None)
-    return k is None or (math.prod(small[:k]) == 1 and small[k + 1 :] == large[k + 1 :])
-
-
-def _static_values(name: str, values: Any, dtype: torch.dtype) -> torch.Tensor:
-    """`values` as a tensor of `dtype`, refusing what the dtype would not hold exactly."""
-    try:
-        a = (
-            values.detach().cpu().numpy()
-            if isinstance(values, torch.Tensor)
-            else np.asarray(values)
-        )
-    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
-        raise ConfigError(f"{name}: cannot read {type(values).__name__} values ({exc})") from None
-    if dtype.is_floating_point:
-        if a.dtype.kind not in "biuf":
-            raise ConfigError(f"{name}: needs numbers, got {a.dtype}")
-        return torch.as_tensor(a.astype(np.float64), dtype=dtype)
-    if dtype == torch.bool:
-        if a.dtype.kind != "b":
-            raise ConfigError(f"{name}: needs booleans, got {a.dtype}")
-        return torch.as_tensor(a)
-    info = torch.iinfo(dtype)
-    flat = int_array(a.reshape(-1)) if a.dtype.kind in "iu" else None
-    if flat is None or not (not flat.size or (flat.min() >= info.min and flat.max() <= info.max)):
-        raise ConfigError(
-            f"{name}: needs integers in {info.min}..{info.max} ({dtype}), got "
-            f"{a.dtype} values"
-            + (f" from {flat.min()} to {flat.max()}" if flat is not None else "")
-        )
-    return torch.as_tensor(flat.reshape(a.shape), dtype=dtype)

@@ -14,9 +14,9 @@ import yaml
 from fuzz_batches import make_buffers
 
 from bufc.runtime import BatchError, Request
-from bufc.runtime.buffers import RuntimeBuffers
 from bufc.runtime.staging import Staging
 from bufc.runtime.tokens import TokenGather
+from bufc.runtime.transfer import Transfer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SLOTS = (0, 1)
@@ -206,7 +206,7 @@ def test_a_failed_device_step_leaves_the_last_step_current(
         mod = importlib.import_module(module)
         monkeypatch.setattr(mod, function, _raising_after(getattr(mod, function)))
     elif where == "copy up":  # the step's one copy, or a steady step's block table
-        owner, name = (RuntimeBuffers, "_copy_member") if steady else (Staging, "copy")
+        owner, name = (Transfer, "_copy_member") if steady else (Staging, "copy")
         monkeypatch.setattr(owner, name, _raising_after(getattr(owner, name)))
     else:
         monkeypatch.setattr(TokenGather, where, _raising_after(getattr(TokenGather, where)))
