@@ -344,14 +344,7 @@ class InFlight:
         `steady`: the last step can be continued in place (generation only, no drafts); the
         plan then has no batch when nothing but the tokens changed. `on_device`: `tokens` is
         ``OnDevice``, a tensor on the buffers' device gathered there (``Plan.gather``)."""
-        if self.bad:
-            slot, value = next(iter(self.bad.items()))
-            L = self.limits
-            raise BatchError(
-                f"step(): a step sampled token {value} for seq_slot {slot}, outside 0 .. "
-                f"{L.token_limit - 1} ({L.token_limit_text}); the device wrote the pad token "
-                f"in its place. Finish that request (finish({slot})) before the next step"
-            )
+        self._refuse_bad()
         if (
             steady
             and generation
@@ -360,13 +353,11 @@ class InFlight:
             and self.n_rows
         ):
             return self._steady(tokens, blocks, on_device)
-        L = self.limits
-        mbw = L.max_beam_width
         undo_blocks: list[tuple[list, int]] = []
         undo_drafts: list[tuple[Entry, Any]] = []
         try:
-            # ---- the tokens the last step produced: its generation rows still in flight and
-            # the prompts it finished (they join the generation rows now)
+            # the tokens the last step produced: its generation rows still in flight and the
+            # prompts it finished (they join the generation rows now)
             if self.changed:  # requests left or arrived: only those still in flight produce
                 alive = self.produced[self.serial[self.produced] == self.produced_serial]
             else:
@@ -374,61 +365,10 @@ class InFlight:
             promoted = [s for s, serial in self.completing if self.serial[s] == serial]
             promoted_a = np.array(promoted, np.int64) if promoted else _EMPTY
             producers = np.concatenate((promoted_a, alive)) if promoted else alive
-            generated, last = self.generated, self.last
-            k = 0
-            if producers.size and on_device:  # the values stay there: counts only
-                k = tokens.columns
-                widest = int(self.beam_width[producers].max()) if self.n_wide else 1
-                if widest > k:
-                    raise BatchError(
-                        f"step(): tokens has {k} column(s) per slot, but a request in flight "
-                        f"has {widest} beams"
-                    )
-                generated = generated.copy()
-                generated[producers] += 1
-            elif producers.size:
-                tok = _token_table(tokens, L)
-                if self.n_wide:
-                    widths = self.beam_width[producers]
-                    if int(widths.max()) > tok.shape[1]:
-                        raise BatchError(
-                            f"step(): tokens has {tok.shape[1]} column(s) per slot, but a "
-                            f"request in flight has {int(widths.max())} beams"
-                        )
-                    values = _beam_values(tok, producers, widths)
-                else:
-                    values = tok[:, 0][producers]
-                _check_tokens(values, L)
-                generated = generated.copy()
-                generated[producers] += 1
-                last = last.copy()
-                if self.n_wide:
-                    k = min(tok.shape[1], mbw)
-                    last[producers, :k] = tok[producers, :k]
-                else:  # one beam each: the values just checked (a one-axis scatter)
-                    last[:, 0][producers] = values
-            elif tokens is not None and not _empty(tokens):
-                raise BatchError(
-                    "step(): no request in flight produced a token in the last step; pass "
-                    "tokens=None"
-                )
+            generated, last = self._produced_tokens(tokens, producers, on_device)
             if accepted:
-                generated = generated if producers.size else generated.copy()
-                produced = set(producers.tolist())
-                for slot, n in accepted.items():
-                    before = self._drafts_run(slot, promoted)
-                    if slot not in produced or not before:
-                        raise BatchError(
-                            f"step(): accepted[{show(slot)}]: that slot verified no draft "
-                            "tokens in the last step"
-                        )
-                    if not is_int(n) or not 0 <= n <= before:
-                        raise BatchError(
-                            f"step(): accepted[{slot}] = {show(n)}, not a count in 0 .. {before} "
-                            "(the drafts it verified)"
-                        )
-                    generated[slot] += n
-            # ---- this step's generation rows: the rows in flight, then the promoted prompts
+                generated = self._accepted(accepted, generated, producers, promoted)
+            # this step's generation rows: the rows in flight, then the promoted prompts
             n_old = self.n_rows
             rows = (
                 np.concatenate((self.rows[:n_old], promoted_a)) if promoted else self.rows[:n_old]
@@ -440,50 +380,15 @@ class InFlight:
                         "step(): drafts given, but generation=False runs no generation"
                     )
                 rows, row_entries = _EMPTY, []
-            # ---- drafts of this step's generation requests
-            ndraft, drafted = self.ndraft, self.drafted
-            given: dict[int, np.ndarray] = {}
-            if drafts or drafted or any(self.entries[s].context_drafts for s in promoted):  # type: ignore[union-attr]
-                ndraft = ndraft.copy()
-                ndraft[drafted] = 0
-                drafted = []
-                for slot, values in (drafts or {}).items():
-                    entry = self._entry(slot, "drafts")
-                    if not (promoted and slot in promoted) and self.row_of[slot] < 0:
-                        raise BatchError(
-                            f"step(): drafts[{slot}]: seq_slot {slot} is not a generation "
-                            "request in this step"
-                        )
-                    a = _drafts(values, slot, entry, L)
-                    ndraft[slot] = len(a)
-                    if len(a):
-                        drafted.append(slot)
-                        given[slot] = a
-                # the entries' drafts: this step's, none for the others (a promoted prompt's
-                # drafts rode on its last chunk)
-                for slot in dict.fromkeys(self.drafted + promoted + drafted):
-                    held = self.entries[slot]
-                    assert held is not None
-                    undo_drafts.append((held, held.draft_tokens))
-                    held.draft_tokens = given.get(slot, ())
-            if L.exact_drafts and len(rows) and (ndraft[rows] != L.max_draft_tokens).any():
-                slot = int(rows[np.flatnonzero(ndraft[rows] != L.max_draft_tokens)[0]])
-                raise BatchError(
-                    f"step(): generation request in seq_slot {slot}: Medusa verifies a "
-                    f"fixed tree, so every generation request carries max_draft_tokens="
-                    f"{L.max_draft_tokens} draft tokens; got {int(ndraft[slot])}"
-                )
-            # ---- KV blocks added to slots
-            grew: dict[int, list[int]] = {}  # slot -> its lists' lengths before
-            for slot, new in (blocks or {}).items():
-                entry = self._entry(slot, "blocks")
-                undo = _append_blocks(entry, new, slot)
-                undo_blocks += undo
-                grew[int(slot)] = [n for _, n in undo]
-            # ---- this step's context chunks
+            ndraft, drafted = self._step_drafts(drafts, promoted, rows, undo_drafts)
+            grew = self._grow(blocks, undo_blocks)
             context, positions, completing = self._context(chunks)
             batch = self._batch(context, rows, row_entries, generated, last, ndraft, set(grew))
-            gather, gathered = self._gather(batch, k, producers) if k else (None, None)
+            gather, gathered = (
+                self._gather(batch, tokens.columns, producers)
+                if on_device and producers.size
+                else (None, None)
+            )
             return Plan(
                 batch,
                 None,
@@ -505,6 +410,144 @@ class InFlight:
         except BaseException:
             _undo(undo_blocks, undo_drafts)
             raise
+
+    def _refuse_bad(self) -> None:
+        """A step sampled an out-of-range token on the device: no step until it is finished."""
+        if self.bad:
+            slot, value = next(iter(self.bad.items()))
+            L = self.limits
+            raise BatchError(
+                f"step(): a step sampled token {value} for seq_slot {slot}, outside 0 .. "
+                f"{L.token_limit - 1} ({L.token_limit_text}); the device wrote the pad token "
+                f"in its place. Finish that request (finish({slot})) before the next step"
+            )
+
+    def _produced_tokens(
+        self, tokens: Any, producers: np.ndarray, on_device: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The slots' generated counts and last tokens once the producers' tokens are in
+        (copies; the state's own arrays when no slot produced). Tokens that stay on the
+        device are counted only: their values land later (``tokens_back``)."""
+        L = self.limits
+        generated, last = self.generated, self.last
+        if not producers.size:
+            if tokens is not None and (on_device or not _empty(tokens)):
+                raise BatchError(
+                    "step(): no request in flight produced a token in the last step; pass "
+                    "tokens=None"
+                )
+            return generated, last
+        if on_device:
+            k = tokens.columns
+            widest = int(self.beam_width[producers].max()) if self.n_wide else 1
+            if widest > k:
+                raise BatchError(
+                    f"step(): tokens has {k} column(s) per slot, but a request in flight has "
+                    f"{widest} beams"
+                )
+            generated = generated.copy()
+            generated[producers] += 1
+            return generated, last
+        tok = _token_table(tokens, L)
+        if self.n_wide:
+            widths = self.beam_width[producers]
+            if int(widths.max()) > tok.shape[1]:
+                raise BatchError(
+                    f"step(): tokens has {tok.shape[1]} column(s) per slot, but a request in "
+                    f"flight has {int(widths.max())} beams"
+                )
+            values = _beam_values(tok, producers, widths)
+        else:
+            values = tok[:, 0][producers]
+        _check_tokens(values, L)
+        generated = generated.copy()
+        generated[producers] += 1
+        last = last.copy()
+        if self.n_wide:
+            k = min(tok.shape[1], L.max_beam_width)
+            last[producers, :k] = tok[producers, :k]
+        else:  # one beam each: the values just checked (a one-axis scatter)
+            last[:, 0][producers] = values
+        return generated, last
+
+    def _accepted(
+        self,
+        accepted: Mapping[int, int],
+        generated: np.ndarray,
+        producers: np.ndarray,
+        promoted: list[int],
+    ) -> np.ndarray:
+        """The generated counts once each slot's accepted drafts are in (checked)."""
+        generated = generated if producers.size else generated.copy()
+        produced = set(producers.tolist())
+        for slot, n in accepted.items():
+            before = self._drafts_run(slot, promoted)
+            if slot not in produced or not before:
+                raise BatchError(
+                    f"step(): accepted[{show(slot)}]: that slot verified no draft tokens in "
+                    "the last step"
+                )
+            if not is_int(n) or not 0 <= n <= before:
+                raise BatchError(
+                    f"step(): accepted[{slot}] = {show(n)}, not a count in 0 .. {before} (the "
+                    "drafts it verified)"
+                )
+            generated[slot] += n
+        return generated
+
+    def _step_drafts(
+        self,
+        drafts: Mapping[int, Any] | None,
+        promoted: list[int],
+        rows: np.ndarray,
+        undo: list[tuple[Entry, Any]],
+    ) -> tuple[np.ndarray, list[int]]:
+        """Each slot's draft count in this step and the slots with drafts (checked); the
+        entries get this step's drafts, none for the others (a promoted prompt's drafts rode
+        on its last chunk), each change recorded in `undo`."""
+        L = self.limits
+        ndraft, drafted = self.ndraft, self.drafted
+        if drafts or drafted or any(self._held(s).context_drafts for s in promoted):
+            ndraft = ndraft.copy()
+            ndraft[drafted] = 0
+            drafted = []
+            given: dict[int, np.ndarray] = {}
+            for slot, values in (drafts or {}).items():
+                entry = self._entry(slot, "drafts")
+                if not (promoted and slot in promoted) and self.row_of[slot] < 0:
+                    raise BatchError(
+                        f"step(): drafts[{slot}]: seq_slot {slot} is not a generation request "
+                        "in this step"
+                    )
+                a = _drafts(values, slot, entry, L)
+                ndraft[slot] = len(a)
+                if len(a):
+                    drafted.append(slot)
+                    given[slot] = a
+            for slot in dict.fromkeys(self.drafted + promoted + drafted):
+                held = self._held(slot)
+                undo.append((held, held.draft_tokens))
+                held.draft_tokens = given.get(slot, ())
+        if L.exact_drafts and len(rows) and (ndraft[rows] != L.max_draft_tokens).any():
+            slot = int(rows[np.flatnonzero(ndraft[rows] != L.max_draft_tokens)[0]])
+            raise BatchError(
+                f"step(): generation request in seq_slot {slot}: Medusa verifies a fixed tree, "
+                f"so every generation request carries max_draft_tokens={L.max_draft_tokens} "
+                f"draft tokens; got {int(ndraft[slot])}"
+            )
+        return ndraft, drafted
+
+    def _grow(
+        self, blocks: Mapping[int, Any] | None, undo: list[tuple[list, int]]
+    ) -> dict[int, list[int]]:
+        """Append the step's KV blocks to their slots' lists: each slot's lists' lengths
+        before, each append recorded in `undo`."""
+        grew: dict[int, list[int]] = {}
+        for slot, new in (blocks or {}).items():
+            done = _append_blocks(self._entry(slot, "blocks"), new, slot)
+            undo += done
+            grew[int(slot)] = [n for _, n in done]
+        return grew
 
     def _steady(self, tokens: Any, blocks: Mapping[int, Any] | None, on_device: bool) -> Plan:
         """A step of the same generation rows where only the tokens changed (and block lists
@@ -544,12 +587,8 @@ class InFlight:
             gather = TokenGather(held[1], held[2])
             gathered = (held[3], held[4])
         undo: list[tuple[list, int]] = []
-        grew: dict[int, list[int]] = {}
         try:
-            for slot, new in (blocks or {}).items():
-                done = _append_blocks(self._entry(slot, "blocks"), new, slot)
-                undo += done
-                grew[int(slot)] = [n for _, n in done]
+            grew = self._grow(blocks, undo)
         except BaseException:
             _undo(undo, [])
             raise
