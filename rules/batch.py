@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain
 from operator import attrgetter, itemgetter
 from typing import Any, NoReturn
@@ -194,6 +194,14 @@ class Batch:  # not slotted: cached_property needs __dict__
         return np.repeat(np.arange(len(self.generation)), self.gen_beam_width)
 
     @functools.cached_property
+    def gen_starts(self) -> np.ndarray:
+        """Each generation request's first input token in the packed tokens (after the context
+        tokens: per request each beam's token, then its drafts), computed once for the token
+        rule and the device gather alike."""
+        width = self.gen_beam_width + self.gen_drafts
+        return self.sizes.num_context_tokens + np.cumsum(width) - width
+
+    @functools.cached_property
     def seq_first(self) -> np.ndarray:
         """The first generation sequence of each generation request."""
         return np.add.accumulate(self.gen_beam_width) - self.gen_beam_width
@@ -245,159 +253,40 @@ def step_sizes(
     )
 
 
-def int64s(values: Sequence[int]) -> np.ndarray:
-    """A flat int64 column of `values` (the builders' small Python lists)."""
-    return np.asarray(values, dtype=np.int64).reshape(-1)
-
-
-def _build(
+def view(
     context: tuple[Any, ...],
     generation: tuple[Any, ...],
     limits: Limits,
-    memo: Memo | None,
-    encoder: bool,
+    *,
+    ctx: Sequence[np.ndarray],
+    gen: Sequence[np.ndarray],
+    slots: np.ndarray,
+    last: np.ndarray,
+    explicit: tuple[int, ...],
+    prompts: dict,
+    encoder: bool = False,
+    flight: FlightRows | None = None,
 ) -> Batch:
-    def fail() -> NoReturn:
-        _diagnose(context, generation, limits)
-        raise BatchError("the batch is invalid")  # pragma: no cover - _diagnose raised
-
-    mbw, token_limit = limits.max_beam_width, limits.token_limit
-    for size, count in (
-        ("num_context_requests", len(context)),
-        ("num_generation_requests", len(generation)),
-        ("num_requests", len(context) + len(generation)),
-    ):  # before the slots: more requests than slots cannot all have one
-        if count > limits.max_batch_size:
-            raise BatchError(
-                f"{size} = {count} exceeds its capacity {limits.max_batch_size}; schedule fewer "
-                "requests"
-            )
-
-    # ---- context columns: one pass in plain Python (context lists are short, and numpy's
-    # per-call cost outweighs its loops at these sizes; a decode step has none)
-    prompts = _prompt_cache(memo, context)
-    if context:
-        plen_l, begin_l, chunk_l, ndraft_l, beam_l = [], [], [], [], []
-        for r in context:
-            n, b, x, beam = len(r.prompt), r.context_position, r.context_chunk_size, r.beam_width
-            c = n - b if x is None else x
-            drafts = r.draft_tokens
-            plen_l.append(n)
-            begin_l.append(b)
-            chunk_l.append(c)
-            ndraft_l.append(0 if drafts is None else len(drafts))
-            beam_l.append(beam)
-            g = r.generated
-            if (
-                n < 1
-                or not 0 <= b < n
-                or c < 1
-                or b + c > n
-                or (g is not None and len(g) and any(map(len, g)))
-                or not 1 <= beam <= mbw
-            ):
-                fail()
-        c_plen, c_ndraft = int64s(plen_l), int64s(ndraft_l)
-        c_begin, c_chunk, c_beam = int_array(begin_l), int_array(chunk_l), int_array(beam_l)
-        if c_begin is None or c_chunk is None or c_beam is None:
-            fail()  # a float or another non-integer
-        for r in context:  # each prompt converted and checked once while it is scheduled
-            if _prompt(prompts, r, token_limit) is None:
-                fail()
-        c_explicit = list(map(_POSITION_IDS, context))
-    else:
-        c_plen = c_begin = c_chunk = c_ndraft = c_beam = _EMPTY
-        c_explicit = []
-
-    # ---- generation columns; per-beam columns come from one flat pass over the beams.
-    # A request's prompt, beam_width, position_ids and seq_slot are fixed while it is in
-    # flight, so when the generation list is the previous step's (same objects, same order:
-    # steady decoding) those columns are reused (they were checked then) and only the
-    # generated tokens and drafts are read.
-    static = memo.generation if memo is not None else None
-    reused = static is not None and static.requests == generation
-    if reused:
-        assert static is not None
-        g_plen, g_bw, g_explicit, bw_list = (
-            static.prompt_len,
-            static.beam_width,
-            static.explicit,
-            static.beam_list,
-        )
-        g_explicit_at = static.explicit_at
-    else:
-        plen_list = list(map(len, map(_PROMPT, generation)))
-        bw_list = [r.beam_width for r in generation]
-        bw = int_array(bw_list)
-        if bw is None or (generation and (min(plen_list) < 1 or not in_range(bw, 1, mbw + 1))):
-            fail()
-        g_plen, g_bw = int64s(plen_list), bw
-        g_explicit = list(map(_POSITION_IDS, generation))
-        g_explicit_at = [i for i, p in enumerate(g_explicit) if p is not None]
-    drafts = list(map(_DRAFT_TOKENS, generation))
-    try:
-        drafts_list = list(map(len, drafts))
-    except TypeError:  # None for no drafts (or not a list: _diagnose names it)
-        drafts_list = [0 if d is None else len(d) for d in drafts]
-    beams = list(map(_GENERATED, generation))
-    if any(map(_IS_NONE, beams)):
-        fail()
-    flat = list(chain.from_iterable(beams))
-    len_list = list(map(len, flat))
-    if generation and (list(map(len, beams)) != bw_list or min(len_list, default=0) < 1):
-        fail()
-    last = int_array(list(map(_LAST, flat)))
-    if last is None or not in_range(last, 0, token_limit):
-        fail()
-    g_ndraft = int64s(drafts_list) if any(drafts_list) else np.zeros(len(generation), np.int64)
-    seq_len = int64s(len_list)
-    seq_offsets = np.cumsum(g_bw) - g_bw
-    g_max = np.maximum.reduceat(seq_len, seq_offsets) if len(seq_len) else seq_len
-    if len(flat) != len(generation) and (np.minimum.reduceat(seq_len, seq_offsets) != g_max).any():
-        fail()  # beams of unequal length
-
-    if limits.exact_drafts and generation and (g_ndraft != limits.max_draft_tokens).any():
-        fail()
-    ndraft = np.concatenate((c_ndraft, g_ndraft))
-    if ndraft.any():
-        beam = np.concatenate((c_beam, g_bw))
-        if (ndraft > limits.max_draft_tokens).any() or ((ndraft > 0) & (beam > 1)).any():
-            fail()
-        for d in chain(map(_DRAFT_TOKENS, context), drafts):
-            if d is not None and len(d) and not _tokens_ok(d, token_limit):
-                fail()
-    n_ctx = len(context)
-    explicit = tuple(
-        [i for i, p in enumerate(c_explicit) if p is not None] + [n_ctx + i for i in g_explicit_at]
-    )
-    if not context and reused:
-        assert static is not None
-        slot_array = static.slots  # the same requests as the last step: slots checked then
-    else:
-        slot_array = int_array(list(map(_SEQ_SLOT, context)) + list(map(_SEQ_SLOT, generation)))
-        if (
-            slot_array is None
-            or not in_range(slot_array, 0, limits.max_batch_size)
-            or len(np.unique(slot_array)) != len(slot_array)
-        ):
-            fail()
-    c_drafts = np.where(c_begin + c_chunk == c_plen, c_ndraft, 0)  # drafts ride on a last chunk
+    """The step's ``Batch`` from its checked columns: the only place one is made, whichever
+    path read the requests. `ctx` holds the context requests' columns (first position, chunk,
+    prompt length, the drafts each carries), `gen` the generation requests' (beam width, prompt
+    length, drafts this step, tokens generated per beam); `slots` each request's seq slot,
+    context first, and `last` each generation sequence's last token. Drafts ride on a last
+    chunk only."""
+    c_begin, c_chunk, c_plen, c_ndraft = ctx
+    g_bw, g_plen, g_ndraft, g_max = gen
+    c_drafts = np.where(c_begin + c_chunk == c_plen, c_ndraft, 0)
     c_input = c_chunk + c_drafts
-    if explicit and not _explicit_positions_ok(
-        context, generation, explicit, c_drafts, g_max, checked=reused
-    ):
-        fail()
-    if memo is not None:  # only once every check of the build has passed
-        memo.generation = _Reused(
-            generation, g_plen, g_bw, g_explicit, bw_list, slot_array[n_ctx:], g_explicit_at
-        )
+    wide = len(last) != len(g_bw)
+    seq_len = np.repeat(g_plen + g_max, g_bw) if wide else g_plen + g_max
+    n_ctx = len(context)
     sizes = step_sizes(
         n_ctx,
         int(c_input.sum()),
         int(c_drafts.sum()),
         int(c_plen.max()) if n_ctx else 0,
         len(generation),
-        len(flat),
+        len(last),
         int(g_ndraft.sum()),
     )
     if encoder:
@@ -415,13 +304,184 @@ def _build(
         gen_prompt_len=g_plen,
         gen_drafts=g_ndraft,
         gen_max_generated=g_max,
-        seq_num_tokens=np.repeat(g_plen, g_bw) + seq_len,
+        seq_num_tokens=seq_len,
         seq_last_token=last,
-        seq_slot=slot_array,  # (reused arrays are never written)
+        seq_slot=slots,
         explicit_positions=explicit,
         limits=limits,
         prompts=prompts,
+        flight=flight,
     )
+
+
+def int64s(values: Sequence[int]) -> np.ndarray:
+    """A flat int64 column of `values` (the builders' small Python lists)."""
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def _build(
+    context: tuple[Any, ...],
+    generation: tuple[Any, ...],
+    limits: Limits,
+    memo: Memo | None,
+    encoder: bool,
+) -> Batch:
+    def fail() -> NoReturn:
+        _diagnose(context, generation, limits)
+        raise BatchError("the batch is invalid")  # pragma: no cover - _diagnose raised
+
+    for size, count in (
+        ("num_context_requests", len(context)),
+        ("num_generation_requests", len(generation)),
+        ("num_requests", len(context) + len(generation)),
+    ):  # before the slots: more requests than slots cannot all have one
+        if count > limits.max_batch_size:
+            raise BatchError(
+                f"{size} = {count} exceeds its capacity {limits.max_batch_size}; schedule fewer "
+                "requests"
+            )
+    prompts = _prompt_cache(memo, context)
+    c_begin, c_chunk, c_plen, c_ndraft, c_beam = _context_columns(context, limits, prompts, fail)
+    # A request's prompt, beam_width, position_ids and seq_slot are fixed while it is in
+    # flight, so when the generation list is the previous step's (same objects, same order:
+    # steady decoding) those columns are reused (they were checked then) and only the
+    # generated tokens and drafts are read.
+    static = memo.generation if memo is not None else None
+    reused = static is not None and static.requests == generation
+    if not reused:
+        static = _fixed_columns(generation, limits, fail)
+    assert static is not None
+    g_ndraft, g_max, last = _generation_columns(generation, static, limits, fail)
+    ndraft = np.concatenate((c_ndraft, g_ndraft))
+    if ndraft.any():
+        beam = np.concatenate((c_beam, static.beam_width))
+        if (ndraft > limits.max_draft_tokens).any() or ((ndraft > 0) & (beam > 1)).any():
+            fail()
+        for d in chain(map(_DRAFT_TOKENS, context), map(_DRAFT_TOKENS, generation)):
+            if d is not None and len(d) and not _tokens_ok(d, limits.token_limit):
+                fail()
+    n_ctx = len(context)
+    explicit = tuple(
+        [i for i, r in enumerate(context) if r.position_ids is not None]
+        + [n_ctx + i for i in static.explicit_at]
+    )
+    if not context and reused:
+        slot_array = static.slots  # the same requests as the last step: slots checked then
+    else:
+        slot_array = int_array(list(map(_SEQ_SLOT, context)) + list(map(_SEQ_SLOT, generation)))
+        if (
+            slot_array is None
+            or not in_range(slot_array, 0, limits.max_batch_size)
+            or len(np.unique(slot_array)) != len(slot_array)
+        ):
+            fail()
+    b = view(
+        context,
+        generation,
+        limits,
+        ctx=(c_begin, c_chunk, c_plen, c_ndraft),
+        gen=(static.beam_width, static.prompt_len, g_ndraft, g_max),
+        slots=slot_array,  # (reused arrays are never written)
+        last=last,
+        explicit=explicit,
+        prompts=prompts,
+        encoder=encoder,
+    )
+    if explicit and not _explicit_positions_ok(
+        context, generation, explicit, b.ctx_drafts, g_max, checked=reused
+    ):
+        fail()
+    if memo is not None:  # only once every check of the build has passed
+        memo.generation = dataclasses.replace(static, slots=slot_array[n_ctx:])
+    return b
+
+
+def _context_columns(
+    context: tuple[Any, ...], limits: Limits, prompts: dict, fail: Callable[[], NoReturn]
+) -> tuple[np.ndarray, ...]:
+    """The context requests' first positions, chunks, prompt lengths, drafts and beams, each
+    checked, in one pass in plain Python (context lists are short, and numpy's per-call cost
+    outweighs its loops at these sizes; a decode step has none)."""
+    if not context:
+        return _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY
+    mbw = limits.max_beam_width
+    plen_l, begin_l, chunk_l, ndraft_l, beam_l = [], [], [], [], []
+    for r in context:
+        n, b, x, beam = len(r.prompt), r.context_position, r.context_chunk_size, r.beam_width
+        c = n - b if x is None else x
+        drafts = r.draft_tokens
+        plen_l.append(n)
+        begin_l.append(b)
+        chunk_l.append(c)
+        ndraft_l.append(0 if drafts is None else len(drafts))
+        beam_l.append(beam)
+        g = r.generated
+        if (
+            n < 1
+            or not 0 <= b < n
+            or c < 1
+            or b + c > n
+            or (g is not None and len(g) and any(map(len, g)))
+            or not 1 <= beam <= mbw
+        ):
+            fail()
+    c_begin, c_chunk, c_beam = int_array(begin_l), int_array(chunk_l), int_array(beam_l)
+    if c_begin is None or c_chunk is None or c_beam is None:
+        fail()  # a float or another non-integer
+    for r in context:  # each prompt converted and checked once while it is scheduled
+        if _prompt(prompts, r, limits.token_limit) is None:
+            fail()
+    return c_begin, c_chunk, int64s(plen_l), int64s(ndraft_l), c_beam
+
+
+def _fixed_columns(
+    generation: tuple[Any, ...], limits: Limits, fail: Callable[[], NoReturn]
+) -> _Reused:
+    """The generation requests' columns that cannot change in flight, checked."""
+    plen_list = list(map(len, map(_PROMPT, generation)))
+    bw_list = [r.beam_width for r in generation]
+    bw = int_array(bw_list)
+    if bw is None or (
+        generation and (min(plen_list) < 1 or not in_range(bw, 1, limits.max_beam_width + 1))
+    ):
+        fail()
+    explicit = list(map(_POSITION_IDS, generation))
+    at = [i for i, p in enumerate(explicit) if p is not None]
+    return _Reused(generation, int64s(plen_list), bw, explicit, bw_list, _EMPTY, at)
+
+
+def _generation_columns(
+    generation: tuple[Any, ...],
+    static: _Reused,
+    limits: Limits,
+    fail: Callable[[], NoReturn],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each generation request's drafts and tokens generated per beam, and each sequence's
+    last token, checked; per-beam columns come from one flat pass over the beams."""
+    drafts = list(map(_DRAFT_TOKENS, generation))
+    try:
+        drafts_list = list(map(len, drafts))
+    except TypeError:  # None for no drafts (or not a list: _diagnose names it)
+        drafts_list = [0 if d is None else len(d) for d in drafts]
+    beams = list(map(_GENERATED, generation))
+    if any(map(_IS_NONE, beams)):
+        fail()
+    flat = list(chain.from_iterable(beams))
+    len_list = list(map(len, flat))
+    if generation and (list(map(len, beams)) != static.beam_list or min(len_list, default=0) < 1):
+        fail()
+    last = int_array(list(map(_LAST, flat)))
+    if last is None or not in_range(last, 0, limits.token_limit):
+        fail()
+    g_ndraft = int64s(drafts_list) if any(drafts_list) else np.zeros(len(generation), np.int64)
+    seq_len = int64s(len_list)
+    seq_offsets = np.cumsum(static.beam_width) - static.beam_width
+    g_max = np.maximum.reduceat(seq_len, seq_offsets) if len(seq_len) else seq_len
+    if len(flat) != len(generation) and (np.minimum.reduceat(seq_len, seq_offsets) != g_max).any():
+        fail()  # beams of unequal length
+    if limits.exact_drafts and generation and (g_ndraft != limits.max_draft_tokens).any():
+        fail()
+    return g_ndraft, g_max, last
 
 
 @dataclasses.dataclass(frozen=True)

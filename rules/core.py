@@ -52,7 +52,7 @@ def token_ids(out: np.ndarray, b: Batch) -> int:
     if not b.has_generation_drafts:
         out[o:n] = b.seq_last_token
         return n
-    starts = o + np.cumsum(b.gen_beam_width + b.gen_drafts) - (b.gen_beam_width + b.gen_drafts)
+    starts = b.gen_starts
     beam_in_request = np.arange(len(b.seq_last_token)) - np.repeat(
         np.cumsum(b.gen_beam_width) - b.gen_beam_width, b.gen_beam_width
     )

@@ -38,14 +38,7 @@ from ..requests.values import (
     is_int,
     show,
 )
-from .batch import (
-    Batch,
-    FlightRows,
-    Limits,
-    check_request,
-    encoder_sizes,
-    step_sizes,
-)
+from .batch import Batch, FlightRows, Limits, check_request, view
 from .decode import Sampled
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -682,8 +675,7 @@ class InFlight:
         producing slots without a row this step are only taken back."""
         n_ctx = b.sizes.num_context_requests
         slots = b.seq_slot[n_ctx:]
-        bw, nd = b.gen_beam_width, b.gen_drafts
-        starts = b.sizes.num_context_tokens + np.cumsum(bw + nd) - (bw + nd)
+        bw, starts = b.gen_beam_width, b.gen_starts
         if self.n_wide and (bw > 1).any():
             seq_slots, beams = _beam_index(slots, bw)
             dst = np.repeat(starts, bw) + beams
@@ -793,34 +785,25 @@ class InFlight:
         ndraft: np.ndarray,
         grew: set[int],
     ) -> Batch:
-        L = self.limits
         n_ctx = len(context)
-        # context columns in plain Python (a step has few context requests, and numpy's cost
-        # per call outweighs its loops at these sizes)
         ctx = tuple(e for e, _, _ in context)
-        slots_l, begin_l, chunk_l, plen_l, drafts_l, input_l = [], [], [], [], [], []
+        # one conversion for the context columns (rows of one table: a step has few context
+        # requests, and numpy's cost per call outweighs its loops at these sizes)
         prompt_len = self.prompt_len
-        for e, begin, chunk in context:
-            slot = e.seq_slot
-            n = int(prompt_len[slot])
-            drafts = len(e.context_drafts) if begin + chunk == n else 0  # on a last chunk
-            slots_l.append(slot)
-            begin_l.append(begin)
-            chunk_l.append(chunk)
-            plen_l.append(n)
-            drafts_l.append(drafts)
-            input_l.append(chunk + drafts)
-        # one conversion for the six columns (rows of one table)
-        columns = np.array((slots_l, begin_l, chunk_l, plen_l, drafts_l, input_l), np.int64)
-        ctx_slots, c_begin, c_chunk, c_plen, c_drafts, c_input = columns
+        columns = np.array(
+            [
+                (e.seq_slot, begin, chunk, prompt_len[e.seq_slot], len(e.context_drafts))
+                for e, begin, chunk in context
+            ],
+            np.int64,
+        ).reshape(-1, 5)
+        ctx_slots, c_begin, c_chunk, c_plen, c_ndraft = columns.T
         g_bw = self.beam_width[rows]
-        g_plen = prompt_len[rows]
         # no drafts in the last step nor in this one: the zero column without a gather
         undrafted = not self.drafted and ndraft is self.ndraft
         g_ndraft = self.no_drafts[: len(rows)] if undrafted else ndraft[rows]
         g_max = generated[rows]
         wide = bool(self.n_wide) and bool((g_bw > 1).any())
-        seq_len = np.repeat(g_plen + g_max, g_bw) if wide else g_plen + g_max
         explicit: tuple[int, ...] = ()
         if self.n_explicit:
             c_explicit = [i for i, e in enumerate(ctx) if e.position_ids is not None]
@@ -834,40 +817,18 @@ class InFlight:
                     "run past the int32 range"
                 )
             explicit = tuple(c_explicit + (g_explicit + n_ctx).tolist())
-        sizes = step_sizes(
-            n_ctx,
-            sum(input_l),
-            sum(drafts_l),
-            max(plen_l, default=0),
-            len(rows),
-            len(seq_len),
-            0 if undrafted or not len(g_ndraft) else int(g_ndraft.sum()),
-        )
-        generation = tuple(row_entries)
-        flight = self._flight_rows(rows, g_bw, wide, grew)
-        if self.encoder:
-            sizes = dataclasses.replace(sizes, **encoder_sizes(ctx, generation, L))
-        prompts = {id(e): (e.prompt, self.prompt_arrays[e.seq_slot]) for e in ctx}
-        return Batch(
-            context=ctx,
-            generation=generation,
-            sizes=sizes,
-            ctx_begin=c_begin,
-            ctx_chunk=c_chunk,
-            ctx_prompt_len=c_plen,
-            ctx_drafts=c_drafts,
-            ctx_input_len=c_input,
-            gen_beam_width=g_bw,
-            gen_prompt_len=g_plen,
-            gen_drafts=g_ndraft,
-            gen_max_generated=g_max,
-            seq_num_tokens=seq_len,
-            seq_last_token=_sequence_values(last, rows, g_bw, self.n_wide),
-            seq_slot=np.concatenate((ctx_slots, rows)),
-            explicit_positions=explicit,
-            limits=L,
-            prompts=prompts,
-            flight=flight,
+        return view(
+            ctx,
+            tuple(row_entries),
+            self.limits,
+            ctx=(c_begin, c_chunk, c_plen, c_ndraft),
+            gen=(g_bw, prompt_len[rows], g_ndraft, g_max),
+            slots=np.concatenate((ctx_slots, rows)),
+            last=_sequence_values(last, rows, g_bw, self.n_wide),
+            explicit=explicit,
+            prompts={id(e): (e.prompt, self.prompt_arrays[e.seq_slot]) for e in ctx},
+            encoder=self.encoder,
+            flight=self._flight_rows(rows, g_bw, wide, grew),
         )
 
     def _flight_rows(
