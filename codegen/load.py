@@ -173,10 +173,24 @@ def load_text(text: str, file: str) -> Document:
     if len(text) > MAX_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_BYTES:
         errors.error(Location(file, 1, 1), _too_large())
         errors.raise_if_any()
+    root = _compose(text, file)
+    if root is None:
+        errors.error(Location(file, 1, 1), "the file is empty; a spec needs at least 'version'")
+        errors.raise_if_any()
+    builder = _Builder(file, errors)
+    data = builder.walk(root, ())
+    builder.constructor.dispose()
+    errors.raise_if_any()
+    return Document(file=file, data=data, locs=builder.locs, key_locs=builder.key_locs)
+
+
+def _compose(text: str, file: str) -> yaml.Node | None:
+    """The node tree of `text` (None for an empty document); SpecError, located where the
+    user can fix it, for text that is not YAML or uses what a spec refuses."""
     loader: _NoAliasLoader | None = None
     try:
         loader = _NoAliasLoader(text)  # checks every character first
-        root = loader.get_single_node()
+        return loader.get_single_node()
     except yaml.MarkedYAMLError as exc:
         # an unclosed string, list or mapping is found at the end of the file: point at its start
         unclosed = any(
@@ -185,30 +199,37 @@ def load_text(text: str, file: str) -> Document:
         mark = (exc.context_mark if unclosed else None) or exc.problem_mark or exc.context_mark
         loc = _mark(file, mark) if mark else Location(file, 1, 1)
         problem = _plain(exc.problem or "invalid YAML", exc.context or "")
-        errors.error(loc, problem)
-        errors.raise_if_any()
+        raise SpecError([Diagnostic(loc, problem)]) from exc
     except yaml.reader.ReaderError as exc:  # a character YAML does not allow (NUL, ...)
         char = exc.character if isinstance(exc.character, str) else chr(exc.character)
-        errors.error(
-            _offset(file, text, exc.position),
-            f"character {char!r} (U+{ord(char):04X}) is not allowed in a YAML file",
-        )
-        errors.raise_if_any()
+        raise SpecError(
+            [
+                Diagnostic(
+                    _offset(file, text, exc.position),
+                    f"character {char!r} (U+{ord(char):04X}) is not allowed in a YAML file",
+                )
+            ]
+        ) from exc
     except yaml.YAMLError as exc:  # pragma: no cover - PyYAML raises marked errors for text
-        errors.error(Location(file, 1, 1), " ".join(str(exc).split()))
-        errors.raise_if_any()
+        raise SpecError([Diagnostic(Location(file, 1, 1), " ".join(str(exc).split()))]) from exc
     finally:
         if loader is not None:
             loader.dispose()
-    if root is None:
-        errors.error(Location(file, 1, 1), "the file is empty; a spec needs at least 'version'")
-        errors.raise_if_any()
 
-    locs: dict[Path, Location] = {}
-    key_locs: dict[Path, Location] = {}
-    constructor = yaml.SafeLoader("")  # only used to resolve scalar values
 
-    def explicit_tag(node: yaml.Node) -> bool:
+@dataclasses.dataclass(frozen=True)
+class _Builder:
+    """Plain data from a composed node tree, recording where each value and key starts;
+    problems go to `errors` (all of them are reported, after the whole tree is walked)."""
+
+    file: str
+    errors: Collector
+    locs: dict[Path, Location] = dataclasses.field(default_factory=dict)
+    key_locs: dict[Path, Location] = dataclasses.field(default_factory=dict)
+    # only used to resolve and construct scalar values
+    constructor: yaml.SafeLoader = dataclasses.field(default_factory=lambda: yaml.SafeLoader(""))
+
+    def explicit_tag(self, node: yaml.Node) -> bool:
         """True for a node whose tag was written (!!int "1", !!set {...}) rather than read
         from its text: a spec's values mean what they say."""
         if isinstance(node, yaml.MappingNode):
@@ -216,14 +237,15 @@ def load_text(text: str, file: str) -> Document:
         if isinstance(node, yaml.SequenceNode):
             return node.tag != "tag:yaml.org,2002:seq"
         plain = node.style is None
-        return node.tag != constructor.resolve(yaml.ScalarNode, node.value, (plain, not plain))
+        return node.tag != self.constructor.resolve(yaml.ScalarNode, node.value, (plain, not plain))
 
-    def walk(node: yaml.Node, path: Path) -> Any:
+    def walk(self, node: yaml.Node, path: Path) -> Any:
+        file, errors = self.file, self.errors
         loc = _mark(file, node.start_mark)
         if isinstance(node, yaml.ScalarNode) and node.style in ("'", '"'):
             loc = loc.shifted(1)  # point at the text, so formula columns line up
-        locs[path] = loc
-        if explicit_tag(node) and node.tag != "tag:yaml.org,2002:merge":
+        self.locs[path] = loc
+        if self.explicit_tag(node) and node.tag != "tag:yaml.org,2002:merge":
             errors.error(
                 _mark(file, node.start_mark),
                 f"tag '{node.tag.removeprefix('tag:yaml.org,2002:')}' is not allowed in a buffer "
@@ -231,41 +253,9 @@ def load_text(text: str, file: str) -> Document:
             )
             return None
         if isinstance(node, yaml.MappingNode):
-            out: dict[str, Any] = {}
-            for key_node, value_node in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    errors.error(
-                        _mark(file, key_node.start_mark), "merge keys (<<) are not allowed"
-                    )
-                    continue
-                if (
-                    not isinstance(key_node, yaml.ScalarNode)
-                    or key_node.tag != "tag:yaml.org,2002:str"
-                ):
-                    shown = key_node.value if isinstance(key_node, yaml.ScalarNode) else "..."
-                    why = (
-                        " (YAML 1.1 reads on/off/yes/no as booleans)"
-                        if key_node.tag == "tag:yaml.org,2002:bool"
-                        else ""
-                    )
-                    errors.error(
-                        _mark(file, key_node.start_mark),
-                        f"key {shown!r} is not a string; quote it{why}",
-                    )
-                    continue
-                key = key_node.value
-                if key in out:
-                    first = key_locs[(*path, key)]
-                    errors.error(
-                        _mark(file, key_node.start_mark),
-                        f"duplicate key '{key}' (first defined at line {first.line})",
-                    )
-                    continue
-                key_locs[(*path, key)] = _mark(file, key_node.start_mark)
-                out[key] = walk(value_node, (*path, key))
-            return out
+            return self.mapping(node, path)
         if isinstance(node, yaml.SequenceNode):
-            return [walk(item, (*path, i)) for i, item in enumerate(node.value)]
+            return [self.walk(item, (*path, i)) for i, item in enumerate(node.value)]
         if node.tag == "tag:yaml.org,2002:timestamp":
             errors.error(
                 _mark(file, node.start_mark),
@@ -280,17 +270,44 @@ def load_text(text: str, file: str) -> Document:
             )
             return None
         try:
-            return constructor.construct_object(node, deep=True)
+            return self.constructor.construct_object(node, deep=True)
         except yaml.YAMLError:
             errors.error(
                 _mark(file, node.start_mark), f"tag '{node.tag}' is not allowed in a buffer spec"
             )
             return None
 
-    data = walk(root, ())
-    constructor.dispose()
-    errors.raise_if_any()
-    return Document(file=file, data=data, locs=locs, key_locs=key_locs)
+    def mapping(self, node: yaml.MappingNode, path: Path) -> dict[str, Any]:
+        """A mapping with string keys only, each once (merge keys refused)."""
+        file, errors = self.file, self.errors
+        out: dict[str, Any] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                errors.error(_mark(file, key_node.start_mark), "merge keys (<<) are not allowed")
+                continue
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != "tag:yaml.org,2002:str":
+                shown = key_node.value if isinstance(key_node, yaml.ScalarNode) else "..."
+                why = (
+                    " (YAML 1.1 reads on/off/yes/no as booleans)"
+                    if key_node.tag == "tag:yaml.org,2002:bool"
+                    else ""
+                )
+                errors.error(
+                    _mark(file, key_node.start_mark),
+                    f"key {shown!r} is not a string; quote it{why}",
+                )
+                continue
+            key = key_node.value
+            if key in out:
+                first = self.key_locs[(*path, key)]
+                errors.error(
+                    _mark(file, key_node.start_mark),
+                    f"duplicate key '{key}' (first defined at line {first.line})",
+                )
+                continue
+            self.key_locs[(*path, key)] = _mark(file, key_node.start_mark)
+            out[key] = self.walk(value_node, (*path, key))
+        return out
 
 
 def load_file(path: str, display_name: str | None = None) -> Document:

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from . import expr as E
 from .errors import Collector, Location
+from .expr_parse import ExprError, parse
 from .load import Document, Path
 
 FillKind = Literal["rule", "mirror", "constant", "engine", "external", "static"]
@@ -262,8 +263,8 @@ class _Builder:
         loc = self.doc.loc(path)
         text = str(value) if type(value) is int else value
         try:
-            parsed = E.parse(text)
-        except E.ExprError as exc:
+            parsed = parse(text)
+        except ExprError as exc:
             self.errors.error(loc.shifted(exc.col), exc.message)
             parsed = E.Int(0)
         return Formula(text, parsed, loc)

@@ -156,8 +156,61 @@ def _fold(cond: E.Expr | None, flags: Mapping[str, int | str | bool]) -> E.Expr 
 
 
 def lower_family(spec: Spec, family: Family) -> FamilyPlan:
-    prover = prove.prover(spec)
+    """`family`'s plan: its tensors and index sets, the names and checks it uses, the facts
+    those checks pin down folded in, and its step program."""
     flags = family_flags(spec, family)
+    tensors = _planned_tensors(spec, flags) + _additional_outputs(spec, family, flags)
+    set_names = {n for pt in tensors for b in pt.bindings for n in b.each}
+    index_sets = tuple(
+        PlannedIndexSet(
+            x.name,
+            x.doc,
+            x.names,
+            x.first.expr if x.first else None,
+            x.count.expr if x.count else None,
+            _fold(x.where.expr if x.where else None, flags),
+        )
+        for x in spec.index_sets
+        if x.name in set_names
+    )
+    sizes = _step_sizes(spec, tensors)
+    derived_by_name = {d.name: d for d in spec.derived}
+    used = _closure(_used_names(spec, tensors, sizes, index_sets), derived_by_name)
+    checks = []
+    for c in spec.checks:
+        if c.when is not None and _fold(c.when.expr, flags) == E.FALSE:
+            continue  # not this family's check
+        needs = _closure({n.id for n in E.names(c.require.expr)}, derived_by_name)
+        params_needed = {n for n in needs if n not in derived_by_name}
+        if params_needed <= used:
+            checks.append(c)
+            used |= needs
+    parameters = tuple(p for p in spec.parameters if p.name in used)
+    derived = tuple(_topo(d for d in spec.derived if d.name in used))
+    # the family's own checks fold its residual conditions further (`pp_size == 1` and
+    # `pp_rank < pp_size` make `pp_rank == 0` true)
+    tensors = _refold(tensors, check_facts(checks, parameters, flags))
+    names = {p.name for p in parameters} | {d.name for d in derived}
+    return FamilyPlan(
+        family=family,
+        flags=tuple(flags.items()),
+        parameters=parameters,
+        derived=derived,
+        checks=tuple(checks),
+        sizes=sizes,
+        tensors=tuple(tensors),
+        index_sets=index_sets,
+        dtype_values=tuple(
+            (p.name, dtype_values(spec, p)) for p in parameters if p.kind == "dtype"
+        ),
+        program=_program(spec, flags, tensors, sizes, names),
+    )
+
+
+def _planned_tensors(spec: Spec, flags: dict[str, str | bool]) -> list[PlannedTensor]:
+    """The spec's tensors in `flags`' family: conditions folded (those that fold to false
+    dropped), a mirror with its source's declaration, capacities proven or guarded."""
+    prover = prove.prover(spec)
     by_name = {t.name: t for t in spec.tensors}
     tensors: list[PlannedTensor] = []
     for t in spec.tensors:
@@ -200,23 +253,30 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
                 ring=src.ring,
             )
         )
+    return tensors
 
-    tensors += _additional_outputs(spec, family, flags)
-    set_names = {n for pt in tensors for b in pt.bindings for n in b.each}
-    index_sets = tuple(
-        PlannedIndexSet(
-            x.name,
-            x.doc,
-            x.names,
-            x.first.expr if x.first else None,
-            x.count.expr if x.count else None,
-            _fold(x.where.expr if x.where else None, flags),
-        )
-        for x in spec.index_sets
-        if x.name in set_names
-    )
 
-    # Which construct-time names does this family read?
+def _step_sizes(spec: Spec, tensors: list[PlannedTensor]) -> tuple[StepSize, ...]:
+    """The step sizes the family computes: all but the encoder sizes, and those only where a
+    tensor's step shape, its rule or the rule's request check reads them."""
+    read = {n.id for pt in tensors for e in pt.shape for n in E.names(e)}
+    for pt in tensors:
+        rule = spec.rule(pt.fill_target or "") if pt.fill_kind == "rule" else None
+        if rule is not None:
+            read.update(rule.sizes)
+            check = spec.request_check(rule.check) if rule.check else None
+            read.update(check.sizes if check else ())
+    return tuple(z for z in spec.sizes if z.name not in ENCODER_SIZES or z.name in read)
+
+
+def _used_names(
+    spec: Spec,
+    tensors: list[PlannedTensor],
+    sizes: tuple[StepSize, ...],
+    index_sets: tuple[PlannedIndexSet, ...],
+) -> set[str]:
+    """The construct-time names the family's tensors, step sizes, index sets and rules read
+    directly (``_closure`` adds what the derived values among them read)."""
     used: set[str] = set()
 
     def use(e: E.Expr | None) -> None:
@@ -231,14 +291,6 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
             use(pb.when)
         if pt.dtype_is_param:
             used.add(pt.dtype)
-    read = {n.id for pt in tensors for e in pt.shape for n in E.names(e)}
-    for pt in tensors:  # and the step sizes its rules and their checks read
-        rule = spec.rule(pt.fill_target or "") if pt.fill_kind == "rule" else None
-        if rule is not None:
-            read.update(rule.sizes)
-            check = spec.request_check(rule.check) if rule.check else None
-            read.update(check.sizes if check else ())
-    sizes = tuple(z for z in spec.sizes if z.name not in ENCODER_SIZES or z.name in read)
     for z in sizes:
         use(z.bound.expr if z.bound else None)
     for x in index_sets:
@@ -247,20 +299,6 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
         if x.names:
             used.add(x.names)
     used.discard("index")
-    derived_by_name = {d.name: d for d in spec.derived}
-
-    def close(names: set[str]) -> set[str]:
-        todo = list(names)
-        out = set(names)
-        while todo:
-            d = derived_by_name.get(todo.pop())
-            if d:
-                for n in E.names(d.value.expr):
-                    if n.id not in out:
-                        out.add(n.id)
-                        todo.append(n.id)
-        return out
-
     for pt in tensors:  # a rule's request check reads Config values too
         if pt.fill_kind == "rule":
             rule = spec.rule(pt.fill_target or "")
@@ -269,22 +307,27 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
             check = spec.request_check(rule.check) if rule.check else None
             if check is not None:
                 used.update(check.reads)
-    used = close(used)
-    checks = []
-    for c in spec.checks:
-        if c.when is not None and _fold(c.when.expr, flags) == E.FALSE:
-            continue  # not this family's check
-        needs = close({n.id for n in E.names(c.require.expr)})
-        params_needed = {n for n in needs if n not in derived_by_name}
-        if params_needed <= used:
-            checks.append(c)
-            used |= needs
-    parameters = tuple(p for p in spec.parameters if p.name in used)
-    derived = tuple(_topo(d for d in spec.derived if d.name in used))
-    # the family's own checks fold its residual conditions further (`pp_size == 1` and
-    # `pp_rank < pp_size` make `pp_rank == 0` true)
-    facts = check_facts(checks, parameters, flags)
-    tensors = [
+    return used
+
+
+def _closure(names: set[str], derived_by_name: Mapping[str, Derived]) -> set[str]:
+    """`names` and every name the derived values among them read, transitively."""
+    todo = list(names)
+    out = set(names)
+    while todo:
+        d = derived_by_name.get(todo.pop())
+        if d:
+            for n in E.names(d.value.expr):
+                if n.id not in out:
+                    out.add(n.id)
+                    todo.append(n.id)
+    return out
+
+
+def _refold(tensors: list[PlannedTensor], facts: Mapping[str, int]) -> list[PlannedTensor]:
+    """`tensors` with their conditions and their bindings' folded with `facts` (those that
+    fold to false dropped)."""
+    return [
         dataclasses.replace(
             pt,
             when=_fold(pt.when, facts),
@@ -297,21 +340,6 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
         for pt in tensors
         if _fold(pt.when, facts) != E.FALSE
     ]
-    names = {p.name for p in parameters} | {d.name for d in derived}
-    return FamilyPlan(
-        family=family,
-        flags=tuple(flags.items()),
-        parameters=parameters,
-        derived=derived,
-        checks=tuple(checks),
-        sizes=sizes,
-        tensors=tuple(tensors),
-        index_sets=index_sets,
-        dtype_values=tuple(
-            (p.name, dtype_values(spec, p)) for p in parameters if p.kind == "dtype"
-        ),
-        program=_program(spec, flags, tensors, sizes, names),
-    )
 
 
 def check_facts(

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
 
 from . import expr as E
+from . import expr_poly as P
 from . import vocab
 from .model import Spec
 
@@ -38,7 +39,7 @@ _T = TypeVar("_T")
 Env = dict[str, int | bool | str]
 
 
-class Prover(E.PolyBuilder):
+class Prover(P.PolyBuilder):
     def __init__(self, spec: Spec) -> None:
         super().__init__()
         self.spec = spec
@@ -46,8 +47,8 @@ class Prover(E.PolyBuilder):
         self.derived = {d.name: d.value.expr for d in spec.derived}
         self.sizes = {z.name: (z.bound.expr if z.bound else None) for z in spec.sizes}
         self.mode = VAR
-        self._dpoly: dict[tuple[str, str], E.Poly | Exception] = {}
-        self._dint: dict[tuple[str, str], E.Interval | Exception] = {}
+        self._dpoly: dict[tuple[str, str], P.Poly | Exception] = {}
+        self._dint: dict[tuple[str, str], P.Interval | Exception] = {}
         self._busy: set[str] = set()
         self._reads: dict[str, frozenset[str]] = {}
         self._envs: dict[tuple[tuple[str, int], ...], Env] = {}
@@ -59,7 +60,7 @@ class Prover(E.PolyBuilder):
             return None
         return p.minimum if isinstance(p.minimum, int) else 0
 
-    def name_poly(self, name: str) -> E.Poly:
+    def name_poly(self, name: str) -> P.Poly:
         low = self._int_param(name)
         if low is not None:
             self.var_intervals[name] = (0, max(0, vocab.INT_LIMIT - 1 - low))
@@ -78,13 +79,13 @@ class Prover(E.PolyBuilder):
                 return {}
             if self.mode == UPPER:
                 if bound is None:
-                    raise E.Unknown(f"step size '{name}' has no max")
+                    raise P.Unknown(f"step size '{name}' has no max")
                 return self.poly(bound)
             self.var_intervals[name] = (0, self._size_hi(name))
             return {((name, 1),): 1}
-        raise E.Unknown(f"'{name}' is not an integer")
+        raise P.Unknown(f"'{name}' is not an integer")
 
-    def name_interval(self, name: str) -> E.Interval:
+    def name_interval(self, name: str) -> P.Interval:
         low = self._int_param(name)
         if low is not None:
             return (low, vocab.INT_LIMIT - 1)
@@ -102,24 +103,24 @@ class Prover(E.PolyBuilder):
             if self.mode == UPPER:
                 bound = self.sizes[name]
                 if bound is None:
-                    raise E.Unknown(f"step size '{name}' has no max")
+                    raise P.Unknown(f"step size '{name}' has no max")
                 return self.bounds(bound)
             return (0, self._size_hi(name))
-        return E.ANY
+        return P.ANY
 
-    def len_interval(self, name: str) -> E.Interval:
+    def len_interval(self, name: str) -> P.Interval:
         p = self.params.get(name)
-        return (0, len(p.values)) if p is not None and p.kind == "names" else (0, E.INF)
+        return (0, len(p.values)) if p is not None and p.kind == "names" else (0, P.INF)
 
     def _size_hi(self, name: str) -> int | float:
         bound = self.sizes[name]
         if bound is None:
-            return E.INF
+            return P.INF
         mode, self.mode = self.mode, VAR
         try:
             return self.bounds(bound)[1]
-        except (E.Unknown, E.TooBig):
-            return E.INF
+        except (P.Unknown, P.TooBig):
+            return P.INF
         finally:
             self.mode = mode
 
@@ -127,30 +128,30 @@ class Prover(E.PolyBuilder):
         """`fn()` for derived value `name`, or the exception it raised (cached by the caller);
         a derived value that reads itself (a cycle, reported elsewhere) is Unknown."""
         if name in self._busy:
-            return E.Unknown(f"derived value '{name}' reads itself")
+            return P.Unknown(f"derived value '{name}' reads itself")
         self._busy.add(name)
         try:
             return fn()
-        except (E.TooBig, E.Unknown) as exc:
+        except (P.TooBig, P.Unknown) as exc:
             return exc
         finally:
             self._busy.discard(name)
 
     # ---------------------------------------------------------------------- proofs
-    def poly_in(self, e: E.Expr, mode: str) -> E.Poly:
+    def poly_in(self, e: E.Expr, mode: str) -> P.Poly:
         old, self.mode = self.mode, mode
         try:
             return self.poly(e)
         finally:
             self.mode = old
 
-    def range_of(self, e: E.Expr, mode: str = VAR) -> E.Interval:
+    def range_of(self, e: E.Expr, mode: str = VAR) -> P.Interval:
         """Every value `e` can take over the declared ranges (ANY when unknown)."""
         old, self.mode = self.mode, mode
         try:
             return self.bounds(e)
-        except (E.Unknown, E.TooBig):
-            return E.ANY
+        except (P.Unknown, P.TooBig):
+            return P.ANY
         finally:
             self.mode = old
 
@@ -160,9 +161,9 @@ class Prover(E.PolyBuilder):
         """True when ``big >= small + plus`` for every value in the declared ranges (each side
         reading step sizes as its mode says)."""
         try:
-            diff = E.poly_add(self.poly_in(big, big_mode), self.poly_in(small, small_mode), -1)
+            diff = P.poly_add(self.poly_in(big, big_mode), self.poly_in(small, small_mode), -1)
             return self.poly_bounds(diff)[0] >= plus
-        except (E.Unknown, E.TooBig):
+        except (P.Unknown, P.TooBig):
             return False
 
     def nonzero(self, e: E.Expr, mode: str = VAR) -> bool:
@@ -175,7 +176,7 @@ class Prover(E.PolyBuilder):
         old, self.mode = self.mode, VAR
         try:
             lo, hi = self.bounds(d)
-        except E.Unknown:
+        except P.Unknown:
             return None
         finally:
             self.mode = old
@@ -309,7 +310,7 @@ class Prover(E.PolyBuilder):
     def _consistent(self, literals: list[tuple[E.Expr, bool]]) -> bool:
         """False when the conjunction of `literals` (expression, negated) provably fails."""
         polarity: dict[E.Expr, bool] = {}
-        ranges: dict[object, E.Interval] = {}
+        ranges: dict[object, P.Interval] = {}
         excluded: dict[object, set[int]] = {}
         for lit, negated in literals:
             if not isinstance(lit, E.Compare):
@@ -318,8 +319,8 @@ class Prover(E.PolyBuilder):
                 continue
             op = _NEGATE[lit.op] if negated else lit.op
             try:
-                diff = E.poly_add(self.poly_in(lit.left, VAR), self.poly_in(lit.right, VAR), -1)
-            except (E.Unknown, E.TooBig):
+                diff = P.poly_add(self.poly_in(lit.left, VAR), self.poly_in(lit.right, VAR), -1)
+            except (P.Unknown, P.TooBig):
                 continue  # strings, enum flags, formulas too large: no conclusion
             const = diff.pop((), 0)
             if not diff:
@@ -330,7 +331,7 @@ class Prover(E.PolyBuilder):
             if diff[first] < 0:
                 diff = {m: -c for m, c in diff.items()}
                 const, op = -const, _FLIP[op]
-            key = E.frozen_poly(diff)
+            key = P.frozen_poly(diff)
             if key not in ranges:
                 ranges[key] = self.poly_bounds(diff)
             lo, hi = ranges[key]

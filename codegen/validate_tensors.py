@@ -1,0 +1,168 @@
+"""Each tensor's own declaration: a unique name, its bindings and their index sets, ring
+tensors, mirrors of pinned host tensors, dtype, pad, capacity and step shape (a step shape
+that can never fit its capacity), constant fills; rule tensors through ``validate_rules``."""
+
+from __future__ import annotations
+
+import re
+
+from . import expr as E
+from . import expr_poly as P
+from . import prove, vocab
+from .errors import did_you_mean
+from .model import Binding, Tensor
+from .validate_names import CAPACITY, CONSTANT, SHAPE, WHEN, Scope
+from .validate_rules import rule_tensor
+
+
+def tensors(scope: Scope) -> None:
+    """Each tensor once (a name declared twice is reported, not checked again)."""
+    by_name: dict[str, Tensor] = {}
+    for t in scope.spec.tensors:
+        scope.check_name(t.name, t.loc, "tensor")
+        if t.name in by_name:
+            scope.errors.error(
+                t.loc,
+                f"tensor '{t.name}' is already declared at line {by_name[t.name].loc.line}",
+            )
+            continue
+        by_name[t.name] = t
+    for t in scope.spec.tensors:
+        _tensor(scope, t, by_name)
+
+
+def _tensor(scope: Scope, t: Tensor, by_name: dict[str, Tensor]) -> None:
+    scope.formula(t.when, WHEN)
+    for b in t.bind:
+        scope.formula(b.when, WHEN)
+        _binding(scope, t, b, by_name)
+    if t.fill.kind == "mirror":
+        _mirror(scope, t, by_name)
+        return
+    if t.ring is not None:
+        _ring(scope, t)
+    for key in ("dtype", "capacity", "shape"):
+        if getattr(t, key) is None:
+            scope.errors.error(t.loc, f"tensor '{t.name}' needs '{key}'")
+    if t.dtype is not None and t.dtype not in vocab.DTYPES and scope.kinds.get(t.dtype) != "dtype":
+        options = [*vocab.DTYPES, *(p.name for p in scope.spec.parameters if p.kind == "dtype")]
+        scope.errors.error(
+            t.field_loc("dtype"),
+            f"unknown dtype '{t.dtype}'{did_you_mean(t.dtype, options)}; "
+            f"use one of {', '.join(vocab.DTYPES)} or a dtype parameter",
+        )
+    for f in t.capacity or ():
+        scope.formula(f, CAPACITY)
+    for f in t.shape or ():
+        scope.formula(f, SHAPE)
+    if t.capacity is not None and t.shape is not None:
+        if len(t.capacity) != len(t.shape):
+            scope.errors.error(
+                t.field_loc("shape"),
+                f"tensor '{t.name}': shape has {len(t.shape)} dimensions "
+                f"but capacity has {len(t.capacity)}",
+            )
+        elif not scope.errors:
+            _capacity_fits(scope, t)
+    if t.pad is not None and t.dtype == "bool" and t.pad not in (0, 1):
+        scope.errors.error(t.field_loc("pad"), f"pad of bool tensor '{t.name}' must be 0 or 1")
+    elif t.pad is not None:
+        for dtype in scope.dtype_choices(t.dtype):
+            lo, hi = vocab.DTYPE_RANGES[dtype]
+            if not lo <= t.pad <= hi:
+                via = f" (dtype parameter '{t.dtype}' may be {dtype})" if t.dtype != dtype else ""
+                scope.errors.error(
+                    t.field_loc("pad"),
+                    f"pad {t.pad} of tensor '{t.name}' is outside the range of {dtype}, "
+                    f"{lo} to {hi}{via}",
+                )
+                break
+    if t.fill.kind == "rule":
+        rule_tensor(scope, t)
+    elif t.fill.kind == "constant":
+        scope.formula(t.fill.value, CONSTANT)
+
+
+def _binding(scope: Scope, t: Tensor, b: Binding, by_name: dict[str, Tensor]) -> None:
+    sets = {x.name for x in scope.spec.index_sets}
+    placeholders = re.findall(r"\{([a-z][a-z0-9_]*)\}", b.engine_name)
+    for name in b.each:
+        if name not in sets:
+            scope.errors.error(
+                b.loc,
+                f"unknown index set '{name}'{did_you_mean(name, sets)}; declare it under index_sets",
+            )
+    if sorted(placeholders) != sorted(b.each):
+        scope.errors.error(
+            b.loc,
+            f"engine name '{b.engine_name}' must hold each index set of 'each' exactly once as "
+            f"{{SET}}; it holds {', '.join(placeholders) or 'none'}, 'each' lists "
+            f"{', '.join(b.each) or 'none'}",
+        )
+    src = by_name.get(t.fill.target or "") if t.fill.kind == "mirror" else t
+    dims = len(src.shape) if src is not None and src.shape is not None else None
+    if dims is not None and len(b.each) >= dims:
+        scope.errors.error(
+            b.loc,
+            f"'{t.name}' has {dims} dimensions; 'each' can index at most {dims - 1} leading ones",
+        )
+
+
+def _ring(scope: Scope, t: Tensor) -> None:
+    assert t.ring is not None
+    if t.capacity is None or t.shape is None:
+        return
+    first = t.capacity[0].expr
+    if not (isinstance(first, E.Int) and first.value == t.ring):
+        scope.errors.error(
+            t.field_loc("ring"),
+            f"ring tensor '{t.name}': its first capacity dimension must be the ring size {t.ring}",
+        )
+    if len(t.capacity) == len(t.shape) and not all(
+        P.equal(a.expr, b.expr) for a, b in zip(t.capacity, t.shape)
+    ):
+        scope.errors.error(
+            t.field_loc("ring"),
+            f"ring tensor '{t.name}': its shape must equal its capacity (each step binds one slot)",
+        )
+
+
+def _mirror(scope: Scope, t: Tensor, by_name: dict[str, Tensor]) -> None:
+    for key in ("dtype", "capacity", "shape", "pad"):
+        if getattr(t, key) is not None:
+            scope.errors.error(
+                t.field_loc(key),
+                f"mirror '{t.name}' inherits '{key}' from its source; remove it",
+            )
+    src = by_name.get(t.fill.target or "")
+    if src is None:
+        scope.errors.error(
+            t.fill.loc,
+            f"mirror source '{t.fill.target}' is not a tensor"
+            f"{did_you_mean(t.fill.target or '', by_name)}",
+        )
+        return
+    if src.memory != "pinned":
+        scope.errors.error(
+            t.fill.loc,
+            f"mirror source '{src.name}' must be pinned host memory, not {src.memory} "
+            "(it is staged in the pinned arena that is copied to the device each step)",
+        )
+    if t.memory != "device":
+        scope.errors.error(
+            t.field_loc("memory"),
+            f"mirror '{t.name}' is a host-to-device copy; its memory must be device",
+        )
+
+
+def _capacity_fits(scope: Scope, t: Tensor) -> None:
+    """Error when a step shape can never fit its capacity (proofs that it always fits are
+    recorded by ``plan``; anything in between is checked at run time)."""
+    assert t.capacity is not None and t.shape is not None
+    for i, (cap, step) in enumerate(zip(t.capacity, t.shape)):
+        if scope.prover.at_least(step.expr, cap.expr, prove.ZERO, prove.VAR, plus=1):
+            scope.errors.error(
+                step.loc,
+                f"tensor '{t.name}': step shape dimension {i} '{step.shown}' is always "
+                f"larger than its capacity '{cap.shown}'",
+            )
