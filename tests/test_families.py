@@ -386,7 +386,7 @@ def test_capacities_equal_the_references(name, scale):
 
 
 def _owner(b, engine_name):
-    for e, n, *_ in (*b._inputs, *b._outputs):  # noqa: SLF001 - the binding table
+    for e, n, *_ in (*b._bind.inputs, *b._bind.outputs):  # noqa: SLF001 - the binding table
         if e == engine_name:
             return n
     raise KeyError(engine_name)
