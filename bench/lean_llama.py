@@ -11,7 +11,7 @@ slot. It writes the tensors bufc's llama module writes at one beam, with the sam
   [slots, K/V, max_blocks_per_seq], already encoded (TensorRT-LLM's KVCacheIndex for a pool
   laid out [blocks, layers, K/V, ...]: block_id * 2 * num_local_layers, + 1 for V);
 - rows in bufc's condensed order: context requests first (arrival order), then the generation
-  rows; a finished request's row is filled by the last row (rules/inflight.py ``finish``) and
+  rows; a finished request's row is filled by the last row (requests/table.py ``finish``) and
   the prompts finished in the last step join at the end;
 - ONE arena: a pinned host buffer (on CUDA) holding every tensor at a fixed offset, the
   device-mirrored ones first (the KV rows last), and one host-to-device copy per step of its
@@ -211,7 +211,7 @@ class LeanLlama:
         if type(slot) is not int or not 0 <= slot < self.S or not self.live[slot]:
             raise LeanError(f"finish(): seq_slot {slot!r} holds no request")
         row = int(self.row_of[slot])
-        if row >= 0:  # condense (rules/inflight.py finish)
+        if row >= 0:  # condense (requests/table.py finish)
             last = self.n_rows - 1
             moved = int(self.rows[last])
             self.rows[row] = moved

@@ -35,6 +35,7 @@ from .model import Impl, RequestCheck, Rule
 ROLES: dict[str, tuple[str, str]] = {
     "check": ("_check", "request check '{}'"),
     "state": ("State", "the state of request check '{}'"),
+    "admit": ("_admit", "the arrival check of request check '{}'"),
     "fill": ("_fill", "rule '{}'"),
     "advance_check": ("_advance_check", "the advance check of rule '{}'"),
     "advance": ("_advance", "the advance form of rule '{}'"),
@@ -81,6 +82,10 @@ def calls(
         out.append(Call("check", c.name, c.impl, ("the batch", *state), c.reads))
         if c.state is not None:
             out.append(Call("state", c.name, c.state))
+        if c.admit is not None:
+            out.append(
+                Call("admit", c.name, c.admit.impl, ("the request",), c.admit.reads, "admit.reads")
+            )
     for r in rules:
         check = by_name.get(r.check or "")
         result = (f"the result of request check '{check.name}'",) if check and check.result else ()

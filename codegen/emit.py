@@ -26,7 +26,7 @@ from .plan import FamilyPlan, PlannedFill, PlannedIndexSet, PlannedTensor, StepP
 if TYPE_CHECKING:
     from .pipeline import Compiled
 
-FORMAT_VERSION = 3  # the runtime API the generated modules are written against
+FORMAT_VERSION = 4  # the runtime API the generated modules are written against
 MARKER = "@" + "generated"  # split so that grep finds only outputs
 # the headers name no path, so the output does not depend on how --spec and --out were spelled;
 # `bufc check` prints the exact command
@@ -248,6 +248,8 @@ def _roles(program: StepProgram) -> list[tuple[str, str, Impl]]:
         out.append(("check", chk.name, chk.impl))
         if chk.state is not None:
             out.append(("state", chk.name, chk.state))
+        if chk.admit is not None:
+            out.append(("admit", chk.name, chk.admit.impl))
     for f in program.fills:
         out.append(("fill", f.rule, f.impl))
         if isinstance(f.advance, Impl):
@@ -369,6 +371,14 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
                     "lines": _guarded(chk.guard, alias(chk.impl), args),
                 }
             )
+    admits = [
+        {
+            "doc": _wrapped(_comment(chk.doc)),
+            "lines": _guarded(chk.guard, alias(chk.admit.impl), ["r", *_kwargs(chk.admit.reads)]),
+        }
+        for chk in program.checks
+        if chk.admit is not None
+    ]
     fills = []
     for f in program.fills:
         args = [
@@ -409,6 +419,7 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
         "bounds": bounds,
         "guards": guards,
         "request_checks": checks,
+        "admits": admits,
         "results": results,
         "checked_lines": _construction("Checked", "b", results),
         "fills": fills,
@@ -528,7 +539,8 @@ def render_family(plan: FamilyPlan, file: str) -> str:
             "import typing",
             "from collections.abc import Sequence",
             "",
-            "from bufc.rules import batch, decode, inflight",
+            "from bufc.requests import batch, stateless, table",
+            "from bufc.rules import decode",
             *alias.imports(),
             "from bufc.rules.sizes import StepSizes",
         ],

@@ -179,6 +179,15 @@ class RequestCheck:
     state: Impl | None
     result: bool
     loc: Location
+    admit: Arrival | None = None  # its check of a request arriving in flight
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    """A request check's form for a request arriving in flight: impl(entry, **reads)."""
+
+    impl: Impl
+    reads: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,6 +408,12 @@ class _Builder:
                 self.impl(r["state"], ("request_checks", n, "state")) if "state" in r else None,
                 bool(r.get("result", False)),
                 kl(("request_checks", n)),
+                Arrival(
+                    self.impl(r["admit"]["impl"], ("request_checks", n, "admit", "impl")),
+                    tuple(r["admit"].get("reads", ())),
+                )
+                if "admit" in r
+                else None,
             )
             for n, r in d.get("request_checks", {}).items()
         )

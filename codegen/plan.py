@@ -20,9 +20,20 @@ from ..rules.sizes import ENCODER_SIZES
 from . import expr as E
 from . import prove, vocab
 from .errors import Location
-from .model import Check, Derived, Family, Formula, Impl, Parameter, Spec, StepSize, Tensor
+from .model import (
+    Arrival,
+    Check,
+    Derived,
+    Family,
+    Formula,
+    Impl,
+    Parameter,
+    Spec,
+    StepSize,
+    Tensor,
+)
 
-# The Config values the batch builder bounds requests by (bufc.rules.batch.limits), passed
+# The Config values the batch builder bounds requests by (bufc.requests.batch.limits), passed
 # where the family has them.
 LIMIT_VALUES = (
     "max_batch_size",
@@ -86,6 +97,7 @@ class PlannedCheck:
     state: Impl | None
     result: bool
     guard: E.Expr | None
+    admit: Arrival | None = None  # its check of a request arriving in flight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,7 +431,9 @@ def _program(
         c = spec.request_check(name)
         assert c is not None
         guard = None if any(w is None for w in whens) else _disj(whens)
-        checks.append(PlannedCheck(c.name, c.doc, c.impl, c.reads, c.state, c.result, guard))
+        checks.append(
+            PlannedCheck(c.name, c.doc, c.impl, c.reads, c.state, c.result, guard, c.admit)
+        )
     kv = [
         pt.name
         for pt in tensors

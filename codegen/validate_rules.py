@@ -27,6 +27,8 @@ def contracts(scope: Scope) -> None:
         _impl(scope, c.impl)
         if c.state is not None:
             _impl(scope, c.state)
+        if c.admit is not None:
+            _impl(scope, c.admit.impl)
         _step_sizes(scope, c.sizes, c.loc, f"request check '{c.name}'")
     seen = {}
     checks = {c.name for c in s.request_checks}
@@ -126,7 +128,8 @@ def rule_tensor(scope: Scope, t: Tensor) -> None:
             "device memory",
         )
     check = scope.spec.request_check(rule.check) if rule.check else None
-    for need in (*rule.all_reads, *(check.reads if check else ())):
+    admit = check.admit.reads if check and check.admit else ()
+    for need in (*rule.all_reads, *(check.reads if check else ()), *admit):
         if scope.kinds.get(need) not in ("parameter", "derived", "names", "dtype"):
             scope.errors.error(
                 t.fill.loc,

@@ -17,18 +17,19 @@ from __future__ import annotations
 import dataclasses
 
 from bufc import runtime as rt  # first: without torch it says how to install it
+
+rt.check_format_version(4)  # before the imports a newer bufc may not have
 import typing
 from collections.abc import Sequence
 
-from bufc.rules import batch, decode, inflight
+from bufc.requests import batch, stateless, table
+from bufc.rules import decode
 from bufc.rules import core
 from bufc.rules import features
 from bufc.rules import kv_rows
 from bufc.rules.sizes import StepSizes
 
 import torch
-
-rt.check_format_version(3)
 
 FAMILY = 'enc_dec'
 FLAGS = {'model_variant': 'gpt', 'engine': 'decoder', 'transformer': True, 'paged_kv_cache': True, 'rnn': False, 'pipeline_parallel': False, 'cross_attention': True, 'lora': False, 'prompt_tuning': False, 'mrope': False, 'language_adapter': False, 'spec_decoding': 'none'}
@@ -662,7 +663,7 @@ class State:
     batch builder's first); a step that fails after its checks replaces it whole, so it is
     rebuilt from the requests."""
 
-    batch: batch.Memo = dataclasses.field(default_factory=batch.Memo)
+    batch: stateless.Memo = dataclasses.field(default_factory=stateless.Memo)
     kv_blocks: kv_rows.KeptRows = dataclasses.field(default_factory=kv_rows.KeptRows)
 
 
@@ -704,13 +705,34 @@ class RuntimeBuffers(rt.RuntimeBuffers):
 
     def _batch(self, context: Sequence[typing.Any], generation: Sequence[typing.Any]) -> batch.Batch:
         """The scheduled requests of a stateless step, read and checked."""
-        return batch.Batch.build(
+        return stateless.build(
             context, generation, self.limits, memo=self.state.batch, encoder=True
         )
 
-    def _in_flight(self) -> inflight.InFlight:
+    def _in_flight(self) -> table.RequestTable:
         """The per-slot state of the requests in flight (add, finish, step)."""
-        return inflight.InFlight(self.limits, encoder=True)
+        return table.RequestTable(self.limits, encoder=True)
+
+    def _admit(self, r: table.Entry) -> None:
+        """Every check of a request arriving in flight (add), in order: a request no step
+        could run raises BatchError before it is kept."""
+        c = self.config
+        # Every sequence's kv_block_ids cover its tokens after the step, within max_blocks_per_seq,
+        # with ids in the pool.
+        kv_rows.admit_kv_blocks(
+            r,
+            max_blocks_per_seq=c.max_blocks_per_seq,
+            num_local_layers=c.num_local_layers,
+            num_kv_blocks=c.num_kv_blocks,
+        )
+        # Every sequence's cross_kv_block_ids cover its request's encoder output, with ids in the
+        # pool.
+        kv_rows.admit_cross_kv_blocks(
+            r,
+            max_cross_blocks_per_seq=c.max_cross_blocks_per_seq,
+            num_local_layers=c.num_local_layers,
+            num_kv_blocks=c.num_kv_blocks,
+        )
 
     def _check(self, b: batch.Batch) -> Checked:
         """Every check of a enc_dec step, in order: a bad batch raises BatchError before a

@@ -17,16 +17,17 @@ from __future__ import annotations
 import dataclasses
 
 from bufc import runtime as rt  # first: without torch it says how to install it
+
+rt.check_format_version(4)  # before the imports a newer bufc may not have
 import typing
 from collections.abc import Sequence
 
-from bufc.rules import batch, decode, inflight
+from bufc.requests import batch, stateless, table
+from bufc.rules import decode
 from bufc.rules import features
 from bufc.rules.sizes import StepSizes
 
 import torch
-
-rt.check_format_version(3)
 
 FAMILY = 'encoder'
 FLAGS = {'model_variant': 'gpt', 'engine': 'encoder', 'transformer': True, 'paged_kv_cache': False, 'rnn': False, 'pipeline_parallel': False, 'cross_attention': False, 'lora': False, 'prompt_tuning': False, 'mrope': False, 'language_adapter': False, 'spec_decoding': 'none'}
@@ -180,7 +181,7 @@ class State:
     batch builder's first); a step that fails after its checks replaces it whole, so it is
     rebuilt from the requests."""
 
-    batch: batch.Memo = dataclasses.field(default_factory=batch.Memo)
+    batch: stateless.Memo = dataclasses.field(default_factory=stateless.Memo)
 
 
 @dataclasses.dataclass(slots=True)
@@ -218,13 +219,13 @@ class RuntimeBuffers(rt.RuntimeBuffers):
 
     def _batch(self, context: Sequence[typing.Any], generation: Sequence[typing.Any]) -> batch.Batch:
         """The scheduled requests of a stateless step, read and checked."""
-        return batch.Batch.build(
+        return stateless.build(
             context, generation, self.limits, memo=self.state.batch, encoder=True
         )
 
-    def _in_flight(self) -> inflight.InFlight:
+    def _in_flight(self) -> table.RequestTable:
         """The per-slot state of the requests in flight (add, finish, step)."""
-        return inflight.InFlight(self.limits, encoder=True)
+        return table.RequestTable(self.limits, encoder=True)
 
     def _check(self, b: batch.Batch) -> Checked:
         """Every check of a encoder step, in order: a bad batch raises BatchError before a

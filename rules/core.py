@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import BatchError
+from ..requests.batch import Batch
 from ..requests.values import INT32_MAX, check_int, is_int, show
-from .batch import Batch
 from .decode import Decode
 
 if TYPE_CHECKING:

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import BatchError
+from ..requests.batch import Batch, Limits
 from ..requests.values import check_token_dtype, in_range, int_array
-from .batch import Batch, Limits
 
 
 @dataclasses.dataclass(slots=True)

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import BatchError
+from ..requests.batch import Batch, encoder_input_length, encoder_output_length
 from ..requests.values import INT32_MAX, INT64_MAX, check_int, checked_ints, show
-from .batch import Batch, encoder_input_length, encoder_output_length
 from .kv_rows import BlockPlan, check_block_lists, id_limit, write_kv_rows
 
 if TYPE_CHECKING:
@@ -305,9 +305,35 @@ def encoder_input_lengths(out: np.ndarray, b: Batch) -> int:
 
 
 # ------------------------------------------------------------------------------------ LoRA
+def admit_lora(
+    r: Any,
+    *,
+    lora_modules: tuple[str, ...],
+    first_local_layer: int,
+    num_local_layers: int,
+    num_layers: int,
+) -> None:
+    """A request arriving in flight: its lora_weights rows are parsed and checked now, and the
+    entry keeps a copy of them (rows the caller edits afterwards do not reach a step)."""
+    rows = getattr(r, "lora_weights", None)
+    if rows is None:
+        return
+    w = f"request (seq_slot {r.seq_slot})"
+    _parse_lora(w, rows, lora_modules, first_local_layer, num_local_layers, num_layers)
+    r.lora_weights = tuple(tuple(row) for row in rows)
+
+
+def admit_language_adapter(r: Any, *, num_languages: int) -> None:
+    """A request arriving in flight: its language_adapter_uid is below num_languages."""
+    uid = getattr(r, "language_adapter_uid", None)
+    w = f"request (seq_slot {r.seq_slot})"
+    if uid is None:
+        raise BatchError(f"{w}: the language adapter needs the request's language_adapter_uid")
+    check_int(uid, "language_adapter_uid", w, 0, num_languages, "num_languages")
+
+
 def _parse_lora(
-    b: Batch,
-    i: int,
+    w: str,
     rows: Any,
     lora_modules: tuple[str, ...],
     first_local_layer: int,
@@ -316,7 +342,6 @@ def _parse_lora(
 ) -> np.ndarray:
     """One request's adapter rows as an [n, 6] array (module index, local layer, A, B, scale,
     rank), keeping the rows of this pipeline rank's layers; raises on a bad row."""
-    w = _where(b, i)
     modules = {m: k for k, m in enumerate(lora_modules)}
     first, count = first_local_layer, num_local_layers
     if len(rows) == 0:
@@ -396,7 +421,12 @@ def check_lora(
             kept = (
                 snapshot,
                 _parse_lora(
-                    b, i, rows, lora_modules, first_local_layer, num_local_layers, num_layers
+                    _where(b, i),
+                    rows,
+                    lora_modules,
+                    first_local_layer,
+                    num_local_layers,
+                    num_layers,
                 ),
             )
         seen[id(r)] = kept

@@ -21,8 +21,8 @@ from typing import Any, NoReturn
 import numpy as np
 
 from ..errors import BatchError
+from ..requests.batch import Batch, FlightRows
 from ..requests.values import INT32_MAX, in_range, int_array, is_int, show
-from .batch import Batch, FlightRows
 
 _FIRST = itemgetter(0)
 
@@ -283,6 +283,84 @@ def _diagnose(
                         )
             seq += beams
     raise BatchError(f"the {field} of this step are malformed")  # pragma: no cover
+
+
+def admit_kv_blocks(
+    r: Any, *, max_blocks_per_seq: int, num_local_layers: int, num_kv_blocks: int = 0
+) -> None:
+    """A request arriving in flight: its kv_block_ids (the entry's own copy) are one list, or
+    one per beam, of at most max_blocks_per_seq integer ids in the pool. That they cover the
+    tokens is checked by the step that runs them (blocks may be appended by then)."""
+    admit_lists(
+        r,
+        "kv_block_ids",
+        width=max_blocks_per_seq,
+        width_name="max_blocks_per_seq",
+        limit=id_limit(num_local_layers, num_kv_blocks),
+        what="KV",
+    )
+
+
+def admit_cross_kv_blocks(
+    r: Any, *, max_cross_blocks_per_seq: int, num_local_layers: int, num_kv_blocks: int = 0
+) -> None:
+    """admit_kv_blocks for the cross-attention block lists."""
+    admit_lists(
+        r,
+        "cross_kv_block_ids",
+        width=max_cross_blocks_per_seq,
+        width_name="max_cross_blocks_per_seq",
+        limit=id_limit(num_local_layers, num_kv_blocks),
+        what="cross KV",
+    )
+
+
+def admit_lists(
+    r: Any, field: str, *, width: int, width_name: str, limit: tuple[int, str], what: str
+) -> None:
+    """Request `r`'s block lists of `field`: one list (shared by all beams) or one per beam,
+    each of at most `width` integer ids in 0 .. limit - 1; a BatchError naming the request and
+    the first bad value otherwise."""
+    w = f"request (seq_slot {r.seq_slot})"
+    ids: Any = getattr(r, field, None)
+    try:
+        count = len(ids) if ids is not None else 0
+        lists = list(ids) if count else []
+    except TypeError:
+        count, lists = 0, []
+    if not count or count not in (1, r.beam_width) or not all(map(_is_sequence, lists)):
+        got = f"{count} lists" if count else show(ids)
+        raise BatchError(
+            f"{w}: {field} needs one block list (shared by all beams) or one per beam, got {got}"
+        )
+    for blocks in lists:
+        check_ids(blocks, field, w, width=width, width_name=width_name, limit=limit, what=what)
+
+
+def check_ids(
+    blocks: Any,
+    field: str,
+    w: str,
+    *,
+    width: int,
+    width_name: str,
+    limit: tuple[int, str],
+    what: str,
+    start: int = 0,
+) -> None:
+    """One block list: at most `width` ids, those from `start` on integers in 0 .. limit - 1."""
+    if len(blocks) > width:
+        raise BatchError(f"{w}: {len(blocks)} {what} blocks exceed {width_name}={width}")
+    a = int_array(blocks[start:])
+    if a is not None and in_range(a, 0, limit[0]):
+        return
+    for j, block in enumerate(blocks[start:], start):
+        if not is_int(block):
+            raise BatchError(f"{w}: {field} block {j} is {show(block)}, not an integer")
+        if not 0 <= block < limit[0]:
+            raise BatchError(
+                f"{w}: {what} block id {block} is outside 0 .. {limit[0] - 1} ({limit[1]})"
+            )
 
 
 def _is_sequence(x: Any) -> bool:

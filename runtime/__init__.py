@@ -38,13 +38,15 @@ from .decl import (
 from .project import ProjectImpl, rule_module
 from .staging import Targets
 
-FORMAT_VERSION = 3
-"""The generated-module format this runtime implements; bumped on incompatible changes (3: a
-spec's own implementation modules imported through ``rule_module``, and ``project_impls``)."""
+FORMAT_VERSION = 4
+"""The generated-module format this runtime implements; bumped on incompatible changes (4: the
+request layer is ``bufc.requests`` (``batch``, ``stateless``, ``table``), and the format check
+comes before every other import; 3: a spec's own implementation modules imported through
+``rule_module``, and ``project_impls``)."""
 
-READS_FORMATS = (2, FORMAT_VERSION)
-"""The formats it reads: a module of format 2 imports a spec's own modules directly (a missing
-one is Python's ImportError, an exception one raises is not named)."""
+READS_FORMATS = (FORMAT_VERSION,)
+"""The formats it reads (a module of format 3 or earlier imports ``bufc.rules.batch``, which is
+``bufc.requests.batch`` now: regenerate it)."""
 
 
 def check_format_version(version: int) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import BatchError, ConfigError, FillCountError, RuleError
+from ..requests import step as request_step
 from ..requests.values import INT32_MAX, check_int
 from .bindings import bindings, prefix_layout
 from .decl import DEVICE, STATIC, Mirror, Rule, TensorDecl
@@ -173,6 +174,9 @@ class RuntimeBuffers:
 
     def _in_flight(self) -> Any:
         raise NotImplementedError
+
+    def _admit(self, r: Any) -> None:
+        """The family's checks of a request arriving in flight (none unless generated)."""
 
     def _check(self, b: Any) -> Any:
         raise NotImplementedError
@@ -440,7 +444,17 @@ class RuntimeBuffers:
         """A request arrives, in the context phase, in its ``seq_slot``: its prompt, beam
         width, drafts, explicit positions and KV block lists are read and checked now, once
         (BatchError otherwise, nothing kept). Its first step is the next ``step``."""
-        self._flight.add(request)
+        try:
+            self._flight.add(request, self._admit)
+        except BatchError:
+            raise
+        except Exception as exc:  # a value an arrival check could not even read
+            named = self._rule_error(exc)
+            if named is not None:  # a project's arrival check raised
+                raise named from exc
+            raise BatchError(
+                f"add(): a request value could not be checked ({type(exc).__name__}: {exc})"
+            ) from exc
 
     @_exclusive
     def finish(self, seq_slot: int) -> None:
@@ -508,7 +522,8 @@ class RuntimeBuffers:
                 if on_device
                 else tokens_on_host(tokens, self.limits, "step()")
             )
-            plan = self._flight.plan(
+            plan = request_step.plan(
+                self._flight,
                 tokens,
                 accepted=accepted,
                 drafts=drafts,
@@ -517,6 +532,7 @@ class RuntimeBuffers:
                 generation=generation,
                 steady=steady,
                 on_device=on_device,
+                admit=self._admit,
             )
         except BatchError:
             raise

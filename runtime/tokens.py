@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from ..errors import BatchError
+from ..requests.batch import Limits
+from ..requests.step import OnDevice
 from ..requests.values import check_token_dtype
-from ..rules.batch import Limits
-from ..rules.inflight import OnDevice
 from .staging import ALIGN, HALVES, Staging
 
 

@@ -124,13 +124,13 @@ def test_the_rules_and_the_request_layer_run_without_torch(installed, tmp_path):
     bufc.rules and bufc.requests loads no torch, and a request is checked and laid out."""
     code = (
         "import sys\n"
-        "from bufc.rules import batch, core, decode, features, inflight, kv_rows, request, sizes\n"
-        "from bufc.requests import values\n"
+        "from bufc.rules import core, decode, features, kv_rows, request, sizes\n"
+        "from bufc.requests import batch, rows, stateless, step, table, values\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "limits = batch.limits(max_batch_size=2, vocab_size=10)\n"
-        "state = inflight.InFlight(limits)\n"
+        "state = table.RequestTable(limits)\n"
         "state.add(request.Request(seq_slot=0, prompt=[1, 2, 3]))\n"
-        "plan = state.plan(None)\n"
+        "plan = step.plan(state, None)\n"
         "assert plan.batch.sizes.num_tokens == 3 and 'torch' not in sys.modules\n"
         "print('ok')\n"
     )

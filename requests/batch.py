@@ -1,0 +1,326 @@
+"""One step's view of its requests: the ``Batch`` every fill rule reads, made in one place.
+
+``view`` makes a step's ``Batch`` from its checked columns, whichever path read the requests
+(``stateless.build`` from the scheduled request objects, the request table from its per-slot
+columns): the step sizes of the reference's setBufferSizes, the per-request and per-sequence
+columns the fill rules vectorise over, and what they derive once (drafts ride on a last chunk,
+each generation request's first input token).
+
+Row layout (reference, buffer-inventory §0): context requests one row each in scheduled order,
+then the beams of each generation request in order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import BatchError
+from ..rules.sizes import StepSizes
+from .values import INT32_MAX, check_int, show
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What a family's Config bounds in every request, decided once per RuntimeBuffers.
+
+    Token ids lie in 0 .. token_limit - 1: the vocabulary, plus the prompt-table rows of a
+    family with prompt tuning (ids >= vocab_size index the request's prompt table)."""
+
+    max_batch_size: int
+    max_beam_width: int = 1
+    max_draft_tokens: int = 0
+    token_limit: int = INT32_MAX + 1
+    token_limit_text: str = "the int32 range"
+    max_input_length: int = INT32_MAX  # encoder input tokens of one request
+    max_encoder_length: int = INT32_MAX  # encoder output rows of one request
+    encoder_engine: bool = False  # the step runs an encoder engine: sizes from encoder inputs
+    # every generation request carries exactly max_draft_tokens drafts (Medusa's fixed tree:
+    # the engine reads max_decoding_tokens tokens per generation request)
+    exact_drafts: bool = False
+
+
+def limits(
+    *,
+    max_batch_size: int,
+    max_beam_width: int = 1,
+    max_draft_tokens: int = 0,
+    vocab_size: int | None = None,
+    max_prompt_vocab_size: int = 0,
+    max_input_length: int = INT32_MAX,
+    max_encoder_length: int = INT32_MAX,
+    encoder_only: bool = False,
+    fixed_drafts: bool = False,
+) -> Limits:
+    """A family's request limits from its Config values (each family's generated module passes
+    the ones it has; the rest keep their defaults) and the spec's `requests` conditions."""
+    if vocab_size is None:
+        limit, text = INT32_MAX + 1, "the int32 range"
+    elif max_prompt_vocab_size:
+        limit = vocab_size + max_prompt_vocab_size
+        text = f"vocab_size + max_prompt_vocab_size = {vocab_size} + {max_prompt_vocab_size}"
+    else:
+        limit, text = vocab_size, f"vocab_size={vocab_size}"
+    return Limits(
+        max_batch_size=max_batch_size,
+        max_beam_width=max_beam_width,
+        max_draft_tokens=max_draft_tokens,
+        token_limit=min(limit, INT32_MAX + 1),
+        token_limit_text=text,
+        max_input_length=max_input_length,
+        max_encoder_length=max_encoder_length,
+        encoder_engine=encoder_only,
+        exact_drafts=fixed_drafts,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class FlightRows:
+    """How a step of requests in flight continues the KV rows of the last step (``inflight``):
+    where each generation sequence's row is among them, and the sequences whose KV block lists
+    are new or grew in this step, so the rows are moved and rebuilt without comparing every
+    list. Valid for the rows of the requests as laid out at full step `since`; the fill records
+    `step` as this step's.
+
+    Where the rows are: `moved`, each sequence's row among the last step's generation rows
+    (-1: not one of them); or, when `moved` is None (one beam each), the first `same`
+    sequences are where they were but those of `refill`, (sequence, its row then), which
+    ``finish`` moved into the rows of requests that left."""
+
+    since: int
+    step: int
+    moved: np.ndarray | None
+    changed: list[int]
+    # each generation sequence's kv_block_ids length and the lists of the `changed` sequences
+    # (None: unknown, the lists are walked): the KV check then reads no other list
+    lengths: np.ndarray | None = None
+    lists: list | None = None
+    same: int = 0
+    refill: tuple[tuple[int, int], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:  # not slotted: cached_property needs __dict__
+    context: tuple[Any, ...]
+    generation: tuple[Any, ...]
+    sizes: StepSizes
+    # context columns (one entry per context request)
+    ctx_begin: np.ndarray
+    ctx_chunk: np.ndarray
+    ctx_prompt_len: np.ndarray
+    ctx_drafts: np.ndarray  # draft tokens appended this step (only on a last chunk)
+    ctx_input_len: np.ndarray  # chunk + drafts
+    # generation columns (one entry per generation request)
+    gen_beam_width: np.ndarray
+    gen_prompt_len: np.ndarray
+    gen_drafts: np.ndarray
+    gen_max_generated: np.ndarray
+    # per generation sequence (one entry per beam)
+    seq_num_tokens: np.ndarray  # prompt + generated tokens of that beam
+    seq_last_token: np.ndarray  # the last token of that beam
+    seq_slot: np.ndarray  # per request, context first
+    explicit_positions: tuple[int, ...]  # request indices (context first) with position_ids
+    limits: Limits
+    prompts: dict = dataclasses.field(default_factory=dict, repr=False)  # see prompt_array
+    flight: FlightRows | None = None  # requests in flight: what changed since the last step
+
+    def prompt_array(self, i: int) -> np.ndarray:
+        """Context request i's prompt as an int64 array (converted and checked by ``build``)."""
+        return self.prompts[id(self.context[i])][1]
+
+    @functools.cached_property
+    def seq_request(self) -> np.ndarray:
+        """The generation request of each generation sequence."""
+        return np.repeat(np.arange(len(self.generation)), self.gen_beam_width)
+
+    @functools.cached_property
+    def gen_starts(self) -> np.ndarray:
+        """Each generation request's first input token in the packed tokens (after the context
+        tokens: per request each beam's token, then its drafts), computed once for the token
+        rule and the device gather alike."""
+        width = self.gen_beam_width + self.gen_drafts
+        return self.sizes.num_context_tokens + np.cumsum(width) - width
+
+    @functools.cached_property
+    def seq_first(self) -> np.ndarray:
+        """The first generation sequence of each generation request."""
+        return np.add.accumulate(self.gen_beam_width) - self.gen_beam_width
+
+    @property
+    def has_generation_drafts(self) -> bool:
+        """Some generation request carries draft tokens (from the sizes: no numpy call)."""
+        s = self.sizes
+        return s.num_generation_tokens != s.num_generation_sequences
+
+    @property
+    def has_context_drafts(self) -> bool:
+        """Some last context chunk carries draft tokens."""
+        s = self.sizes
+        return s.num_logits != s.num_context_requests + s.num_generation_tokens
+
+    def per_sequence(self, gen_values: np.ndarray) -> np.ndarray:
+        """Repeat one value per generation request over its beams."""
+        if self.sizes.num_generation_sequences == self.sizes.num_generation_requests:
+            return gen_values  # one beam each
+        return np.repeat(gen_values, self.gen_beam_width)
+
+
+def step_sizes(
+    num_context_requests: int,
+    context_tokens: int,
+    context_drafts: int,
+    max_context_length: int,
+    num_generation_requests: int,
+    num_generation_sequences: int,
+    generation_drafts: int,
+) -> StepSizes:
+    """The reference's setBufferSizes from the step's counts (every builder's one formula):
+    the context chunks' input tokens (drafts included) and the drafts on last chunks, the
+    longest context prompt, and the generation requests, sequences and draft tokens."""
+    n_ctx = num_context_requests
+    gen_tokens = generation_drafts + num_generation_sequences
+    return StepSizes(
+        num_context_requests=n_ctx,
+        num_context_tokens=context_tokens,
+        num_generation_requests=num_generation_requests,
+        num_generation_sequences=num_generation_sequences,
+        num_generation_tokens=gen_tokens,
+        num_logits=n_ctx + context_drafts + gen_tokens,
+        num_sequences=n_ctx + num_generation_sequences,
+        num_tokens=context_tokens + gen_tokens,
+        num_requests=n_ctx + num_generation_requests,
+        max_context_length=max_context_length,
+    )
+
+
+def view(
+    context: tuple[Any, ...],
+    generation: tuple[Any, ...],
+    limits: Limits,
+    *,
+    ctx: Sequence[np.ndarray],
+    gen: Sequence[np.ndarray],
+    slots: np.ndarray,
+    last: np.ndarray,
+    explicit: tuple[int, ...],
+    prompts: dict,
+    encoder: bool = False,
+    flight: FlightRows | None = None,
+) -> Batch:
+    """The step's ``Batch`` from its checked columns: the only place one is made, whichever
+    path read the requests. `ctx` holds the context requests' columns (first position, chunk,
+    prompt length, the drafts each carries), `gen` the generation requests' (beam width, prompt
+    length, drafts this step, tokens generated per beam); `slots` each request's seq slot,
+    context first, and `last` each generation sequence's last token. Drafts ride on a last
+    chunk only."""
+    c_begin, c_chunk, c_plen, c_ndraft = ctx
+    g_bw, g_plen, g_ndraft, g_max = gen
+    c_drafts = np.where(c_begin + c_chunk == c_plen, c_ndraft, 0)
+    c_input = c_chunk + c_drafts
+    wide = len(last) != len(g_bw)
+    seq_len = np.repeat(g_plen + g_max, g_bw) if wide else g_plen + g_max
+    n_ctx = len(context)
+    sizes = step_sizes(
+        n_ctx,
+        int(c_input.sum()),
+        int(c_drafts.sum()),
+        int(c_plen.max()) if n_ctx else 0,
+        len(generation),
+        len(last),
+        int(g_ndraft.sum()),
+    )
+    if encoder:
+        sizes = dataclasses.replace(sizes, **encoder_sizes(context, generation, limits))
+    return Batch(
+        context=context,
+        generation=generation,
+        sizes=sizes,
+        ctx_begin=c_begin,
+        ctx_chunk=c_chunk,
+        ctx_prompt_len=c_plen,
+        ctx_drafts=c_drafts,
+        ctx_input_len=c_input,
+        gen_beam_width=g_bw,
+        gen_prompt_len=g_plen,
+        gen_drafts=g_ndraft,
+        gen_max_generated=g_max,
+        seq_num_tokens=seq_len,
+        seq_last_token=last,
+        seq_slot=slots,
+        explicit_positions=explicit,
+        limits=limits,
+        prompts=prompts,
+        flight=flight,
+    )
+
+
+def int64s(values: Sequence[int]) -> np.ndarray:
+    """A flat int64 column of `values` (the builders' small Python lists)."""
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def encoder_input_length(r: Any) -> int:
+    n = getattr(r, "encoder_input_length", None)
+    if n is None:
+        ids = getattr(r, "encoder_input_ids", None)
+        if ids is None:
+            raise BatchError(
+                "an encoder-decoder request needs encoder_input_length or encoder_input_ids"
+            )
+        return len(ids)
+    return int(n)
+
+
+def encoder_output_length(r: Any) -> int:
+    n = getattr(r, "encoder_output_length", None)
+    return encoder_input_length(r) if n is None else int(n)
+
+
+def _encoder_lengths(r: Any, w: str, limits: Limits) -> tuple[int, int]:
+    """A request's encoder input and output lengths, each an integer within its Config bound
+    (the reference checks only the step's sums, so one long request could overrun its rows)."""
+    n_in = getattr(r, "encoder_input_length", None)
+    if n_in is None:
+        ids = getattr(r, "encoder_input_ids", None)
+        if ids is None:
+            raise BatchError(
+                f"{w}: an encoder-decoder request needs encoder_input_length or encoder_input_ids"
+            )
+        n_in = len(ids)
+    n_in = check_int(
+        n_in, "encoder_input_length", w, 1, limits.max_input_length + 1, "max_input_length"
+    )
+    n_out = getattr(r, "encoder_output_length", None)
+    n_out = n_in if n_out is None else n_out
+    n_out = check_int(
+        n_out, "encoder_output_length", w, 1, limits.max_encoder_length + 1, "max_encoder_length"
+    )
+    return n_in, n_out
+
+
+def encoder_sizes(context: tuple, generation: tuple, limits: Limits) -> dict[str, int]:
+    """The reference's EncoderBuffers::setBufferSizes: sums over the context requests, the
+    longest input over every request."""
+    tokens = inputs = longest = 0
+    for kind, reqs in (("context", context), ("generation", generation)):
+        for i, r in enumerate(reqs):
+            n_in, n_out = _encoder_lengths(r, _where(f"{kind} request {i}", r), limits)
+            longest = max(longest, n_in)
+            if kind == "context":
+                tokens, inputs = tokens + n_out, inputs + n_in
+    return {
+        "num_encoder_tokens": tokens,
+        "num_encoder_input_tokens": inputs,
+        "max_encoder_input_length": max(1, longest),
+    }
+
+
+def _where(kind: str, r: Any) -> str:
+    return f"{kind} (seq_slot {show(getattr(r, 'seq_slot', None))})"

@@ -1,0 +1,507 @@
+"""One step of the requests in flight, planned against the request table: the tokens the last
+step produced, accepted and new drafts, KV blocks appended, context chunks; each checked before
+anything is kept, the step's ``Batch`` laid out (``rows.step_view``), and a ``Plan`` that the
+table commits once the step has run (``Plan.undo`` restores the block lists and drafts a failed
+step set). A step where only the tokens changed is planned without a batch (``_steady``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from itertools import chain
+from typing import Any
+
+import numpy as np
+
+from ..errors import BatchError
+from ..rules.decode import Sampled
+from .batch import Batch, Limits
+from .rows import (
+    TokenGather,
+    _beam_values,
+    _sequence_values,
+    device_gather,
+    grown_lists,
+    step_view,
+)
+from .table import _EMPTY, Entry, RequestTable, _beam_index
+from .values import BOOLS, INT32_MAX, check_token_dtype, in_range, int_array, is_int, show
+
+
+@dataclasses.dataclass(frozen=True)
+class OnDevice:
+    """Sampled tokens that stay on the buffers' device: what the host knows of them (the
+    runtime checked the tensor's shape and dtype)."""
+
+    columns: int  # per seq slot: tokens[slot] (1) or tokens[slot, beam]
+
+
+@dataclasses.dataclass
+class Plan:
+    """One checked step of the requests in flight, not yet committed: the batch its rules
+    fill (None for a steady decode step, which continues from the last step's buffers with
+    `tokens`) and the state it leaves once it has run."""
+
+    batch: Batch | None
+    tokens: Sampled | None  # steady: each sequence's new input token, in row order (checked)
+    grown: tuple[tuple[int, int], ...]  # steady: (sequence, list length before) of grown lists
+    generated: np.ndarray | None  # None: a steady step, applied to the rows at commit
+    last: np.ndarray | None
+    ndraft: np.ndarray
+    drafted: list[int]
+    positions: list[tuple[int, int]]  # context slots and their prompt position after the step
+    promoted: list[int]  # last step's finished prompts, generation rows from this step
+    completing: list[int]  # context slots whose last chunk this step runs
+    undo_blocks: list[tuple[list, int]]
+    undo_drafts: list[tuple[Entry, Any]]
+    generation: bool = True  # the generation rows ran (and produce tokens)
+    grew: set[int] = dataclasses.field(default_factory=set)  # slots whose block lists grew
+    # tokens that stay on the device: the gather the step runs there, and the (slot, beam) of
+    # each value it copies back (their state entries once they land)
+    gather: TokenGather | None = None
+    gathered: tuple[np.ndarray, np.ndarray] | None = None
+
+    def undo(self) -> None:
+        """The step failed: the block lists and drafts it set are as they were."""
+        _undo(self.undo_blocks, self.undo_drafts)
+
+
+def _undo(blocks: list[tuple[list, int]], drafts: list[tuple[Entry, Any]]) -> None:
+    for ids, n in blocks:
+        del ids[n:]
+    for entry, values in drafts:
+        entry.draft_tokens = values
+
+
+def plan(
+    t: RequestTable,
+    tokens: Any,
+    *,
+    accepted: Mapping[int, int] | None = None,
+    drafts: Mapping[int, Any] | None = None,
+    chunks: Mapping[int, int] | None = None,
+    blocks: Mapping[int, Any] | None = None,
+    generation: bool = True,
+    steady: bool = False,
+    on_device: bool = False,
+    admit: Callable[[Entry], None] | None = None,
+) -> Plan:
+    """Check the next step and lay it out; nothing is committed (``commit``) and only the
+    block lists and drafts are set on the entries (``Plan.undo`` restores them). Blocks given
+    for a request that waits in this step are checked now, by `admit` (the family's arrival
+    checks): the step's own checks read only the requests it runs.
+
+    `steady`: the last step can be continued in place (generation only, no drafts); the
+    plan then has no batch when nothing but the tokens changed. `on_device`: `tokens` is
+    ``OnDevice``, a tensor on the buffers' device gathered there (``Plan.gather``)."""
+    _refuse_bad(
+        t,
+    )
+    if (
+        steady
+        and generation
+        and not (t.changed or t.completing or t.waiting)
+        and not (drafts or accepted or t.drafted)
+        and t.n_rows
+    ):
+        return _steady(t, tokens, blocks, on_device)
+    undo_blocks: list[tuple[list, int]] = []
+    undo_drafts: list[tuple[Entry, Any]] = []
+    try:
+        # the tokens the last step produced: its generation rows still in flight and the
+        # prompts it finished (they join the generation rows now)
+        # requests left or arrived: only those still in flight produce
+        alive = t.produced[t.serial[t.produced] == t.produced_serial] if t.changed else t.produced
+        promoted = [s for s, serial in t.completing if t.serial[s] == serial]
+        promoted_a = np.array(promoted, np.int64) if promoted else _EMPTY
+        producers = np.concatenate((promoted_a, alive)) if promoted else alive
+        generated, last = _produced_tokens(t, tokens, producers, on_device)
+        if accepted:
+            generated = _accepted(t, accepted, generated, producers, promoted)
+        # this step's generation rows: the rows in flight, then the promoted prompts
+        n_old = t.n_rows
+        rows = np.concatenate((t.rows[:n_old], promoted_a)) if promoted else t.rows[:n_old]
+        row_entries = t.row_entries + [t.held(s) for s in promoted]
+        if not generation:  # the generation requests sit this step out
+            if drafts:
+                raise BatchError("step(): drafts given, but generation=False runs no generation")
+            rows, row_entries = _EMPTY, []
+        ndraft, drafted = _step_drafts(t, drafts, promoted, rows, undo_drafts)
+        grew = _grow(t, blocks, undo_blocks)
+        context, positions, completing = _context(t, chunks)
+        if admit is not None and grew:
+            running = {e.seq_slot for e, _, _ in context}
+            for slot in grew:
+                if slot in t.waiting and slot not in running:
+                    admit(t.held(slot))
+        batch = step_view(t, context, rows, row_entries, generated, last, ndraft, set(grew))
+        gather, gathered = (
+            device_gather(t, batch, tokens.columns, producers)
+            if on_device and producers.size
+            else (None, None)
+        )
+        return Plan(
+            batch,
+            None,
+            (),
+            generated,
+            last,
+            ndraft,
+            drafted,
+            positions,
+            promoted,
+            completing,
+            undo_blocks,
+            undo_drafts,
+            generation,
+            set(grew),
+            gather,
+            gathered,
+        )
+    except BaseException:
+        _undo(undo_blocks, undo_drafts)
+        raise
+
+
+def _refuse_bad(t: RequestTable) -> None:
+    """A step sampled an out-of-range token on the device: no step until it is finished."""
+    if t.bad:
+        slot, value = next(iter(t.bad.items()))
+        L = t.limits
+        raise BatchError(
+            f"step(): a step sampled token {value} for seq_slot {slot}, outside 0 .. "
+            f"{L.token_limit - 1} ({L.token_limit_text}); the device wrote the pad token "
+            f"in its place. Finish that request (finish({slot})) before the next step"
+        )
+
+
+def _produced_tokens(
+    t: RequestTable, tokens: Any, producers: np.ndarray, on_device: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """The slots' generated counts and last tokens once the producers' tokens are in
+    (copies; the state's own arrays when no slot produced). Tokens that stay on the
+    device are counted only: their values land later (``tokens_back``)."""
+    L = t.limits
+    generated, last = t.generated, t.last
+    if not producers.size:
+        if tokens is not None and (on_device or not _empty(tokens)):
+            raise BatchError(
+                "step(): no request in flight produced a token in the last step; pass tokens=None"
+            )
+        return generated, last
+    if on_device:
+        k = tokens.columns
+        widest = int(t.beam_width[producers].max()) if t.n_wide else 1
+        if widest > k:
+            raise BatchError(
+                f"step(): tokens has {k} column(s) per slot, but a request in flight has "
+                f"{widest} beams"
+            )
+        generated = generated.copy()
+        generated[producers] += 1
+        return generated, last
+    tok = _token_table(tokens, L)
+    if t.n_wide:
+        widths = t.beam_width[producers]
+        if int(widths.max()) > tok.shape[1]:
+            raise BatchError(
+                f"step(): tokens has {tok.shape[1]} column(s) per slot, but a request in "
+                f"flight has {int(widths.max())} beams"
+            )
+        values = _beam_values(tok, producers, widths)
+    else:
+        values = tok[:, 0][producers]
+    _check_tokens(values, L)
+    generated = generated.copy()
+    generated[producers] += 1
+    last = last.copy()
+    if t.n_wide:
+        k = min(tok.shape[1], L.max_beam_width)
+        last[producers, :k] = tok[producers, :k]
+    else:  # one beam each: the values just checked (a one-axis scatter)
+        last[:, 0][producers] = values
+    return generated, last
+
+
+def _accepted(
+    t: RequestTable,
+    accepted: Mapping[int, int],
+    generated: np.ndarray,
+    producers: np.ndarray,
+    promoted: list[int],
+) -> np.ndarray:
+    """The generated counts once each slot's accepted drafts are in (checked)."""
+    generated = generated if producers.size else generated.copy()
+    produced = set(producers.tolist())
+    for slot, n in accepted.items():
+        before = t.drafts_run(slot, promoted)
+        if slot not in produced or not before:
+            raise BatchError(
+                f"step(): accepted[{show(slot)}]: that slot verified no draft tokens in "
+                "the last step"
+            )
+        if not is_int(n) or not 0 <= n <= before:
+            raise BatchError(
+                f"step(): accepted[{slot}] = {show(n)}, not a count in 0 .. {before} (the "
+                "drafts it verified)"
+            )
+        generated[slot] += n
+    return generated
+
+
+def _step_drafts(
+    t: RequestTable,
+    drafts: Mapping[int, Any] | None,
+    promoted: list[int],
+    rows: np.ndarray,
+    undo: list[tuple[Entry, Any]],
+) -> tuple[np.ndarray, list[int]]:
+    """Each slot's draft count in this step and the slots with drafts (checked); the
+    entries get this step's drafts, none for the others (a promoted prompt's drafts rode
+    on its last chunk), each change recorded in `undo`."""
+    L = t.limits
+    ndraft, drafted = t.ndraft, t.drafted
+    if drafts or drafted or any(t.held(s).context_drafts for s in promoted):
+        ndraft = ndraft.copy()
+        ndraft[drafted] = 0
+        drafted = []
+        given: dict[int, np.ndarray] = {}
+        for slot, values in (drafts or {}).items():
+            entry = t.entry(slot, "drafts")
+            if not (promoted and slot in promoted) and t.row_of[slot] < 0:
+                raise BatchError(
+                    f"step(): drafts[{slot}]: seq_slot {slot} is not a generation request "
+                    "in this step"
+                )
+            a = _drafts(values, slot, entry, L)
+            ndraft[slot] = len(a)
+            if len(a):
+                drafted.append(slot)
+                given[slot] = a
+        for slot in dict.fromkeys(t.drafted + promoted + drafted):
+            held = t.held(slot)
+            undo.append((held, held.draft_tokens))
+            held.draft_tokens = given.get(slot, ())
+    if L.exact_drafts and len(rows) and (ndraft[rows] != L.max_draft_tokens).any():
+        slot = int(rows[np.flatnonzero(ndraft[rows] != L.max_draft_tokens)[0]])
+        raise BatchError(
+            f"step(): generation request in seq_slot {slot}: Medusa verifies a fixed tree, "
+            f"so every generation request carries max_draft_tokens={L.max_draft_tokens} "
+            f"draft tokens; got {int(ndraft[slot])}"
+        )
+    return ndraft, drafted
+
+
+def _grow(
+    t: RequestTable, blocks: Mapping[int, Any] | None, undo: list[tuple[list, int]]
+) -> dict[int, list[int]]:
+    """Append the step's KV blocks to their slots' lists: each slot's lists' lengths
+    before, each append recorded in `undo`."""
+    grew: dict[int, list[int]] = {}
+    for slot, new in (blocks or {}).items():
+        done = _append_blocks(t.entry(slot, "blocks"), new, slot)
+        undo += done
+        grew[int(slot)] = [n for _, n in done]
+    return grew
+
+
+def _steady(
+    t: RequestTable, tokens: Any, blocks: Mapping[int, Any] | None, on_device: bool
+) -> Plan:
+    """A step of the same generation rows where only the tokens changed (and block lists
+    may grow): the fewest calls, the state updated at commit."""
+    L = t.limits
+    rows = t.rows[: t.n_rows]
+    widths = t.beam_width[rows] if t.n_wide else _EMPTY
+    if on_device:
+        k = tokens.columns
+    else:
+        tok = _token_table(tokens, L)
+        k = tok.shape[1]
+    if t.n_wide and int(widths.max()) > k:
+        raise BatchError(
+            f"step(): tokens has {k} column(s) per slot, but a request in flight has "
+            f"{int(widths.max())} beams"
+        )
+    gather, gathered = None, None
+    if not on_device:
+        values = _sequence_values(tok, rows, widths, t.n_wide)
+        _check_tokens(values, L)
+    else:  # the host writes the last tokens it knows; the device then writes the new
+        values = _sequence_values(t.last, rows, widths, t.n_wide)
+        held = t.steady_gather
+        if held is None or held[0] != k:  # the rows changed since: laid out once a run
+            if not t.n_wide or not (widths > 1).any():
+                slots, beams = rows.copy(), np.zeros(len(rows), np.int64)
+            else:
+                slots, beams = _beam_index(rows, widths)
+            held = t.steady_gather = (
+                k,
+                slots * k + beams,
+                np.arange(len(slots)),
+                slots,
+                beams,
+            )
+        gather = TokenGather(held[1], held[2])
+        gathered = (held[3], held[4])
+    undo: list[tuple[list, int]] = []
+    try:
+        grew = _grow(t, blocks, undo)
+    except BaseException:
+        _undo(undo, [])
+        raise
+    grown = grown_lists(t, grew, rows) if grew else ()
+    return Plan(
+        None,
+        Sampled(values),
+        grown,
+        None,
+        None,
+        t.ndraft,
+        [],
+        [],
+        [],
+        [],
+        undo,
+        [],
+        True,
+        set(grew),
+        gather,
+        gathered,
+    )
+
+
+def _context(
+    t: RequestTable, chunks: Mapping[int, int] | None
+) -> tuple[list[tuple[Entry, int, int]], list[tuple[int, int]], list[int]]:
+    """This step's context requests (entry, position, chunk) in arrival order, each
+    slot's prompt position after the step, and the slots whose prompt it finishes."""
+    if chunks is None:
+        scheduled: dict[int, int | None] = {s: None for s in t.waiting}
+    else:
+        for slot in chunks:
+            if slot not in t.waiting:
+                raise BatchError(
+                    f"step(): chunks[{show(slot)}]: that seq slot holds no request in its "
+                    "context phase"
+                )
+        scheduled = {s: chunks[s] for s in t.waiting if s in chunks}
+    context, positions, completing = [], [], []
+    for slot, size in scheduled.items():
+        entry = t.entries[slot]
+        assert entry is not None
+        begin, n = int(t.position[slot]), int(t.prompt_len[slot])
+        if size is None:
+            size = n - begin
+        elif not is_int(size) or not 1 <= size <= n - begin:
+            raise BatchError(
+                f"step(): chunks[{slot}] = {show(size)}, not a chunk size in 1 .. "
+                f"{n - begin} (the prompt tokens left)"
+            )
+        size = int(size)
+        entry.context_position, entry.context_chunk_size = begin, size
+        context.append((entry, begin, size))
+        positions.append((slot, begin + size))
+        if begin + size == n:
+            completing.append(slot)
+    return context, positions, completing
+
+
+def _check_tokens(values: np.ndarray, L: Limits) -> None:
+    if not in_range(values, 0, L.token_limit):
+        bad = np.flatnonzero((values < 0) | (values >= L.token_limit))[0]
+        raise BatchError(
+            f"step(): token {values[bad]} of a request in flight is outside 0 .. "
+            f"{L.token_limit - 1} ({L.token_limit_text})"
+        )
+
+
+def _empty(tokens: Any) -> bool:
+    try:
+        return len(tokens) == 0
+    except TypeError:
+        return False
+
+
+def _token_table(tokens: Any, L: Limits) -> np.ndarray:
+    """The sampled tokens as an int64 [slots, k] table (k columns per slot, one per beam)."""
+    slots = L.max_batch_size
+    if tokens is None:
+        raise BatchError(
+            "step(): the last step produced tokens; pass them (tokens[seq_slot], or "
+            "tokens[seq_slot, beam])"
+        )
+    if isinstance(tokens, np.ndarray) and tokens.dtype == np.int64 and len(tokens) >= slots:
+        if tokens.ndim == 2:  # the common cases: already a table, or one column of it
+            return tokens
+        if tokens.ndim == 1:
+            return tokens.reshape(len(tokens), 1)
+    try:
+        a = np.asarray(tokens)
+    except (TypeError, ValueError, OverflowError):
+        raise BatchError("step() needs integer tokens indexed by seq slot") from None
+    if a.dtype.kind not in "iu" or a.ndim not in (1, 2) or len(a) < slots:
+        raise BatchError(
+            f"step() needs integer tokens indexed by seq slot: an array of {slots} rows "
+            f"(max_batch_size), or [{slots}, beams]; got {a.dtype} of shape {list(a.shape)}"
+        )
+    if isinstance(tokens, np.ndarray):  # a list's ints are read as int64
+        check_token_dtype(a.dtype, L.token_limit, L.token_limit_text, "step()", False)
+    elif _has_bool(tokens, a.ndim):
+        raise BatchError("step() needs integer tokens indexed by seq slot; got a bool among them")
+    if a.dtype.kind == "u" and a.size and int(a.max()) > INT32_MAX:
+        raise BatchError("step(): a token is outside the int32 range")
+    a = a.astype(np.int64, copy=False)
+    return a.reshape(len(a), 1) if a.ndim == 1 else a
+
+
+def _has_bool(values: Any, ndim: int) -> bool:
+    """A bool among a list's (or a list of lists') values, which numpy reads as 0 or 1."""
+    rows = values if ndim == 1 else chain.from_iterable(values)
+    return not BOOLS.isdisjoint(frozenset(map(type, rows)))
+
+
+def _drafts(values: Any, slot: int, entry: Entry, L: Limits) -> np.ndarray:
+    a = int_array(values)
+    w = f"step(): drafts[{slot}]"
+    if a is None:
+        raise BatchError(f"{w} must be a list of token ids, got {show(values)}")
+    if len(a) > L.max_draft_tokens:
+        raise BatchError(f"{w}: {len(a)} draft tokens exceed max_draft_tokens={L.max_draft_tokens}")
+    if len(a) and entry.beam_width > 1:
+        raise BatchError(f"{w}: draft tokens need beam_width 1, got {entry.beam_width}")
+    if not in_range(a, 0, L.token_limit):
+        raise BatchError(
+            f"{w}: a draft token is outside 0 .. {L.token_limit - 1} ({L.token_limit_text})"
+        )
+    return a
+
+
+def _append_blocks(entry: Entry, new: Any, slot: int) -> list[tuple[list, int]]:
+    """Append KV block ids to the slot's lists: one list of ids (every list of the request
+    gets them) or one list per list the request holds. Returns what undoes it. The ids are
+    checked with the step's other block lists, before anything is written."""
+    lists = entry.kv_block_ids
+    w = f"step(): blocks[{slot}]"
+    if lists is None:
+        raise BatchError(f"{w}: the request arrived without kv_block_ids")
+    if type(new) is not list:
+        try:
+            new = list(new)
+        except TypeError:
+            raise BatchError(f"{w} must be a list of block ids, got {show(new)}") from None
+    if len(lists) == 1 and new and type(new[0]) is int:  # the common case: ids for one list
+        blocks = lists[0]
+        undo = [(blocks, len(blocks))]
+        blocks.extend(new)  # a value other than an id is refused by the step's KV check
+        return undo
+    per_list = bool(new) and all(isinstance(x, (list, tuple)) for x in new)
+    if per_list and len(new) != len(lists):
+        raise BatchError(
+            f"{w}: {len(new)} lists of block ids for a request with {len(lists)} block lists"
+        )
+    undo = [(x, len(x)) for x in lists]
+    for i, blocks in enumerate(lists):
+        blocks.extend(new[i] if per_list else new)
+    return undo

@@ -1,0 +1,419 @@
+"""Requests in flight: per-slot state that a step updates in proportion to what changed.
+
+An engine loop drives the buffers with three calls (``RuntimeBuffers.add``, ``finish`` and
+``step``): a request is read and checked once, when it arrives; after that a step reads only
+what changed: the sampled tokens of the last step (one array indexed by seq slot, the layout of
+TensorRT-LLM's decoder outputs), the drafts accepted and the new drafts, the context chunks, the
+KV blocks added to a slot and the requests that finished. The per-slot columns (prompt length,
+tokens generated, last token per beam, beam width, drafts, explicit positions) live in numpy
+arrays here, so a step's columns are a constant number of numpy calls over them, whatever the
+batch size, and its Python work grows with the requests that changed.
+
+Rows: context requests first, in arrival order, then the generation requests. A request that
+finishes leaves a hole in the generation rows, which the last row fills (vLLM's condense), so
+every other row stays where it was and only the moved row's KV blocks follow it; a request whose
+prompt is done joins at the end.
+
+The rules read the same ``Batch`` as in a stateless step: its requests are ``Entry`` records,
+the request object for the fields fixed in flight and this state's values for those a step
+changes (the KV block lists, the step's draft tokens and context chunk). ``step.plan`` lays
+out and checks a step against this table, ``rows.step_view`` makes its ``Batch``, and
+``RequestTable.commit`` applies it once it has run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import BatchError
+from .batch import Limits
+from .stateless import check_request
+from .values import INT32_MAX, in_range, int_array, is_int, show
+
+if TYPE_CHECKING:
+    from .step import Plan
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
+
+
+class Entry:
+    """One request in flight, as the rules read it: the fields a step changes are set here,
+    every other field is the request's own (fixed while it is in flight)."""
+
+    __slots__ = (
+        "request",
+        "seq_slot",
+        "prompt",
+        "beam_width",
+        "position_ids",
+        "kv_block_ids",
+        "draft_tokens",
+        "context_position",
+        "context_chunk_size",
+        "context_drafts",
+        "__dict__",  # what a rule stores on a request (GLM's mask position)
+    )
+
+    def __init__(
+        self, request: Any, slot: int, blocks: list[list[Any]] | None, arrival: Arrival
+    ) -> None:
+        self.request = request
+        self.seq_slot = slot
+        # the checked copies taken at add(): the caller's objects may change afterwards
+        self.prompt = arrival.prompt
+        self.beam_width = int(request.beam_width)
+        self.position_ids = arrival.positions
+        self.kv_block_ids = blocks
+        self.context_drafts = arrival.drafts  # ride on the last chunk
+        self.draft_tokens: Any = self.context_drafts  # this step's (an array in generation)
+        self.context_position = request.context_position
+        self.context_chunk_size: int | None = None
+
+    def __getattr__(self, name: str) -> Any:  # a field no step changes: the request's own
+        return getattr(self.request, name)
+
+    @property
+    def generated(self) -> Any:
+        raise BatchError(
+            "a request in flight has no `generated` lists: its token counts and last tokens "
+            "are the batch columns (seq_num_tokens, seq_last_token)"
+        )
+
+
+class RequestTable:
+    """The per-slot state of the requests in flight (see the module docstring): ``add``,
+    ``finish``, ``tokens_back`` and ``commit`` are its only writers."""
+
+    def __init__(self, limits: Limits, *, encoder: bool = False) -> None:
+        n, w = limits.max_batch_size, limits.max_beam_width
+        self.limits, self.encoder = limits, encoder
+        self.entries: list[Entry | None] = [None] * n
+        self.serial = np.zeros(n, np.int64)  # bumped when a slot's request arrives or leaves
+        self.prompt_len = np.zeros(n, np.int64)
+        self.beam_width = np.ones(n, np.int64)
+        self.position = np.zeros(n, np.int64)  # context phase: prompt tokens computed
+        self.generated = np.zeros(n, np.int64)  # tokens generated per beam
+        self.last = np.zeros((n, w), np.int64)  # the last token of each beam
+        self.ndraft = np.zeros(n, np.int64)  # draft tokens of the last step (generation)
+        self.drafted: list[int] = []  # the slots that had drafts in the last step
+        self.no_drafts = np.zeros(n, np.int64)  # the drafts column of a step without any
+        self.no_drafts.flags.writeable = False
+        self.explicit_last = np.full(n, -1, np.int64)  # last explicit position id (-1: none)
+        self.prompt_arrays: list[np.ndarray | None] = [None] * n
+        self.n_explicit = 0
+        self.n_wide = 0  # requests in flight with more than one beam
+        self.waiting: dict[int, None] = {}  # context phase, in arrival order
+        self.rows = np.zeros(n, np.int64)  # generation rows: their slots, rows[:n_rows]
+        self.n_rows = 0
+        self.row_entries: list[Entry] = []
+        self.row_of = np.full(n, -1, np.int64)
+        # what the last step produces tokens for: its generation rows and finished prompts,
+        # each with its slot's serial then (a slot finished or reused since produces nothing)
+        self.produced, self.produced_serial = _EMPTY, _EMPTY
+        self.completing: list[tuple[int, int]] = []
+        self.changed = True  # requests arrived or finished since the last step
+        # the KV rows the fills keep: each slot's first sequence among the generation rows of
+        # the last full step (`full`, its serial; -1: none), and the slots whose block lists
+        # grew in the steps in place since
+        self.full = 0
+        self.kept_first = np.full(n, -1, np.int64)
+        self.kept_rows = 0  # generation sequences of the last full step
+        self.kept_one_beam = True  # ... one per row (kept_first then indexes rows)
+        self.refilled: set[int] = set()  # rows finish() has moved another request into since
+        # each slot's KV block lists: how many (0: none, or not one per beam or one for all:
+        # the KV check walks the lists) and each one's length, as of the last step
+        self.n_lists = np.zeros(n, np.int64)
+        self.n_unlisted = 0  # requests in flight with n_lists 0
+        self.n_blocks = np.zeros((n, w), np.int64)
+        # tokens gathered on the device in the last step: (slot, beam, the slot's serial) of
+        # each value on its way back; and the slots a step sampled an out-of-range token for
+        self.pending: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
+        # a steady run's gather, laid out once: (columns, src, dst, slots, beams); None once
+        # the rows change (a finish, or a full step)
+        self.steady_gather: tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.bad: dict[int, int] = {}
+
+    # -------------------------------------------------------------------- arrivals, finishes
+    def add(self, request: Any, admit: Callable[[Entry], None] | None = None) -> None:
+        """A request arrives in its seq_slot, in the context phase: every field is checked
+        now (prompt tokens, beam width, drafts, explicit positions, and by `admit`, the
+        family's arrival checks, the fields its rules read), once; nothing is kept unless
+        every check passes."""
+        L = self.limits
+        if L.encoder_engine:
+            raise BatchError(
+                "the encoder engine runs each request once, in one step: use prepare_step"
+            )
+        given = getattr(request, "seq_slot", None)
+        if not is_int(given) or not 0 <= given < L.max_batch_size:  # type: ignore[operator]
+            raise BatchError(
+                f"request (seq_slot {show(given)}): seq_slot must be an integer in 0 .. "
+                f"{L.max_batch_size - 1}"
+            )
+        slot = int(given)  # type: ignore[arg-type]
+        w = f"request (seq_slot {slot})"
+        if self.entries[slot] is not None:
+            raise BatchError(f"{w}: seq_slot {slot} already holds a request in flight")
+        try:
+            arrival = _arrival(request, L)
+            if arrival is None:  # walk the fields to name the culprit
+                check_request(request, w, L, True)
+                raise BatchError(f"{w}: the request is invalid")  # pragma: no cover
+            ids = request.kv_block_ids
+            blocks = None if ids is None else [list(x) for x in ids]
+        except BatchError:
+            raise
+        except Exception as exc:
+            raise BatchError(f"{w}: malformed request ({type(exc).__name__}: {exc})") from None
+        if request.context_chunk_size is not None:
+            raise BatchError(
+                f"{w}: in flight, context chunks are scheduled per step (step(chunks=...)); "
+                "leave context_chunk_size None"
+            )
+        entry = Entry(request, slot, blocks, arrival)
+        if admit is not None:
+            admit(entry)
+        prompt = arrival.prompt
+        self.entries[slot] = entry
+        # lists absent, or more than the beams: 0, and the KV check walks (and refuses) them
+        n_lists = 0 if blocks is None or not 1 <= len(blocks) <= L.max_beam_width else len(blocks)
+        self.n_lists[slot] = n_lists
+        self.n_unlisted += not n_lists
+        self.count_blocks(slot, blocks, self.n_blocks)
+        self._serials_pending()
+        self.serial[slot] += 1
+        self.prompt_len[slot] = len(prompt)
+        self.prompt_arrays[slot] = prompt
+        self.beam_width[slot] = entry.beam_width
+        self.position[slot] = entry.context_position
+        self.generated[slot] = 0
+        if entry.position_ids is not None:
+            self.explicit_last[slot] = int(entry.position_ids[-1])
+            self.n_explicit += 1
+        self.n_wide += entry.beam_width > 1
+        self.waiting[slot] = None
+        self.changed = True
+
+    def finish(self, slot: Any) -> None:
+        """The request in `slot` leaves (finished or cancelled): its slot is free at once."""
+        if not is_int(slot) or not 0 <= slot < self.limits.max_batch_size:
+            raise BatchError(f"finish(): {show(slot)} is not a seq slot")
+        slot = int(slot)
+        entry = self.entries[slot]
+        if entry is None:
+            raise BatchError(f"finish(): seq_slot {slot} holds no request in flight")
+        self.steady_gather = None
+        row = int(self.row_of[slot])
+        if row >= 0:  # condense: the last row fills the hole
+            last = self.n_rows - 1
+            moved = int(self.rows[last])
+            self.rows[row] = moved
+            self.row_of[moved] = row
+            self.row_entries[row] = self.row_entries[last]
+            self.row_entries.pop()
+            self.n_rows = last
+            self.row_of[slot] = -1
+            self.refilled.add(row)
+        self.waiting.pop(slot, None)
+        self.entries[slot] = None
+        self.prompt_arrays[slot] = None
+        self._serials_pending()
+        self.serial[slot] += 1
+        self.kept_first[slot] = -1
+        self.n_unlisted -= not self.n_lists[slot]
+        self.n_lists[slot] = 0
+        if slot in self.drafted:
+            self.drafted.remove(slot)
+            self.ndraft[slot] = 0
+        self.n_explicit -= self.explicit_last[slot] >= 0
+        self.explicit_last[slot] = -1
+        self.n_wide -= entry.beam_width > 1
+        self.bad.pop(slot, None)
+        self.changed = True
+
+    def _serials_pending(self) -> None:
+        """Before a slot's serial changes: a steady step's pending tokens, kept without their
+        serials, get them now (they have not changed since that step)."""
+        pending = self.pending
+        if pending is not None and pending[2] is None:
+            self.pending = (pending[0], pending[1], self.serial[pending[0]])
+
+    def tokens_back(self, values: np.ndarray) -> None:
+        """The tokens the last step gathered on the device, back on the host: they become the
+        last tokens of their beams (of requests still in flight); an out-of-range one marks its
+        slot, and every step refuses until that request is finished."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        slots, beams, serials = pending
+        L = self.limits
+        if serials is None:  # a steady step's, one beam each, and nothing arrived or left since
+            self.last[:, 0][slots] = values
+            if in_range(values, 0, L.token_limit):
+                return
+            alive = np.ones(len(slots), bool)
+        else:
+            alive = self.serial[slots] == serials
+            self.last[slots[alive], beams[alive]] = values[alive]
+        bad = np.flatnonzero(alive & ((values < 0) | (values >= L.token_limit)))
+        for i in bad.tolist():
+            self.bad[int(slots[i])] = int(values[i])
+
+    # ------------------------------------------------------------------------------ a step
+
+    def commit(self, plan: Plan) -> None:
+        """The planned step ran: the state is the one it leaves."""
+        steady = plan.generated is None
+        if plan.gathered is not None:
+            slots, beams = plan.gathered
+            # a steady step of one-beam rows: the serials are read only if a request arrives
+            # or leaves before the values are back (_serials_pending)
+            one_beam = steady and not self.n_wide
+            self.pending = (slots, beams, None if one_beam else self.serial[slots])
+        if steady:  # the same rows, each one token longer
+            assert plan.tokens is not None
+            rows = self.rows[: self.n_rows]
+            self.generated[rows] += 1
+            widths = self.beam_width[rows] if self.n_wide else None
+            if plan.gathered is not None:
+                pass  # the tokens are the device's: tokens_back sets them
+            elif widths is None or not (widths > 1).any():
+                self.last[:, 0][rows] = plan.tokens.values  # one axis: a cheaper scatter
+            else:
+                self.last[_beam_index(rows, widths)] = plan.tokens.values
+            for slot in plan.grew:
+                self.count_blocks(slot, self.held(slot).kv_block_ids, self.n_blocks)
+            return
+        assert plan.last is not None and plan.generated is not None
+        self.steady_gather = None  # rows may have joined
+        self.generated, self.last, self.ndraft, self.drafted = (
+            plan.generated,
+            plan.last,
+            plan.ndraft,
+            plan.drafted,
+        )
+        for slot in plan.promoted:
+            n = self.n_rows
+            self.rows[n] = slot
+            self.row_of[slot] = n
+            self.row_entries.append(self.entries[slot])  # type: ignore[arg-type]
+            self.n_rows = n + 1
+        for slot, position in plan.positions:
+            self.position[slot] = position
+        for slot in plan.completing:
+            del self.waiting[slot]
+        self.completing = [(s, int(self.serial[s])) for s in plan.completing]
+        for slot in plan.grew:
+            self.count_blocks(slot, self.held(slot).kv_block_ids, self.n_blocks)
+        self.produced = self.rows[: self.n_rows].copy() if plan.generation else _EMPTY
+        self.produced_serial = self.serial[self.produced]
+        self.changed = False
+        self.full += 1
+        self.refilled = set()
+        self.kept_first[:] = -1
+        b = plan.batch
+        assert b is not None
+        gen = b.seq_slot[b.sizes.num_context_requests :]
+        self.kept_rows = b.sizes.num_generation_sequences
+        self.kept_one_beam = b.sizes.num_generation_sequences == len(gen)
+        if len(gen) and self.kept_one_beam:
+            self.kept_first[gen] = np.arange(len(gen))
+        elif len(gen):
+            self.kept_first[gen] = b.seq_first
+
+    # ---------------------------------------------------------------------------- helpers
+
+    def count_blocks(self, slot: int, lists: Any, into: np.ndarray) -> None:
+        """The lengths of the slot's block lists into `into` (its `n_lists` of them)."""
+        n = int(self.n_lists[slot])
+        if n == 1:  # the common case: one list, one scalar write
+            into[slot, 0] = len(lists[0])
+        elif n:
+            into[slot, :n] = [len(x) for x in lists[:n]]
+
+    def held(self, slot: int) -> Entry:
+        entry = self.entries[slot]
+        assert entry is not None
+        return entry
+
+    def entry(self, slot: Any, what: str) -> Entry:
+        entry = (
+            self.entries[slot] if is_int(slot) and 0 <= slot < self.limits.max_batch_size else None
+        )
+        if entry is None:
+            raise BatchError(f"step(): {what}[{show(slot)}]: that seq slot holds no request")
+        return entry
+
+    def drafts_run(self, slot: Any, promoted: list[int]) -> int:
+        """The draft tokens `slot` verified in the last step (0 for an unknown slot)."""
+        if not is_int(slot) or not 0 <= slot < self.limits.max_batch_size:
+            return 0
+        entry = self.entries[slot]
+        if entry is None:
+            return 0
+        if slot in promoted:
+            return len(entry.context_drafts)
+        return int(self.ndraft[slot])
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    """An arriving request's token fields, checked and copied: nothing the caller changes
+    afterwards reaches a step (the prompt and positions as read-only int64 arrays)."""
+
+    prompt: np.ndarray
+    positions: np.ndarray | None
+    drafts: tuple[int, ...]
+
+
+def _frozen(a: np.ndarray, source: Any) -> np.ndarray:
+    """`a` as a read-only array of its own (not the caller's `source` array)."""
+    if isinstance(source, np.ndarray) and np.shares_memory(a, source):
+        a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+def _arrival(r: Any, L: Limits) -> Arrival | None:
+    """An arriving request's prompt as a checked int64 array, with every other field it
+    brings checked too (vectorised: a prompt is long); None if any is wrong (``check_request``
+    then names it)."""
+    prompt = int_array(r.prompt)
+    if prompt is None or not len(prompt) or not in_range(prompt, 0, L.token_limit):
+        return None
+    n, beam, begin = len(prompt), r.beam_width, r.context_position
+    if not is_int(beam) or not 1 <= beam <= L.max_beam_width:
+        return None
+    if not is_int(begin) or not 0 <= begin < n:
+        return None
+    g = r.generated
+    if g is not None and len(g) and any(map(len, g)):
+        return None
+    drafts = () if r.draft_tokens is None else r.draft_tokens
+    d = int_array(drafts)
+    if (
+        d is None
+        or len(d)
+        and (len(d) > L.max_draft_tokens or beam > 1 or not in_range(d, 0, L.token_limit))
+    ):
+        return None
+    p = None
+    if r.position_ids is not None:
+        p = int_array(r.position_ids)
+        if p is None or len(p) != n or not in_range(p, 0, INT32_MAX + 1):
+            return None
+        if int(p[-1]) + len(drafts) > INT32_MAX:
+            return None
+        p = _frozen(p, r.position_ids)
+    return Arrival(_frozen(prompt, r.prompt), p, tuple(d.tolist()))
+
+
+def _beam_index(slots: np.ndarray, widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(slot, beam) of each beam of each slot, for a [slots, beams] table."""
+    seq = np.repeat(slots, widths)
+    return seq, np.arange(len(seq)) - np.repeat(np.cumsum(widths) - widths, widths)
