@@ -137,7 +137,7 @@ def _tensor_context(pt: PlannedTensor, sizes: set[str], rules: dict[str, str]) -
         "capacity": f"lambda c: {_tuple([_construct(e) for e in pt.capacity])}",
         "shape": f"lambda c, s: {shape}",
         "fill": fill,
-        "pad": pt.pad,
+        "pad": "rt.REPEAT_LAST" if pt.pad == vocab.REPEAT_LAST else pt.pad,
         "when": f"lambda c: {_construct(pt.when)}" if pt.when is not None else None,
         "inputs": [b for d, b in binds if d == "input"],
         "outputs": [b for d, b in binds if d == "output"],

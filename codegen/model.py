@@ -143,7 +143,7 @@ class Tensor:
     shape: tuple[Formula, ...] | None
     when: Formula | None
     fill: Fill
-    pad: int | None
+    pad: int | str | None  # a constant, or vocab.REPEAT_LAST
     bind: tuple[Binding, ...]
     loc: Location
     field_locs: tuple[tuple[str, Location], ...] = ()

@@ -78,7 +78,7 @@ class PlannedTensor:
     fill_kind: str
     fill_target: str | None
     constant: E.Expr | None
-    pad: int | None
+    pad: int | str | None
     bindings: tuple[PlannedBinding, ...]
     checked: bool  # capacity not proven at generate time: guard it every step
     loc: Location

@@ -105,6 +105,14 @@ def _diagnostics(doc: Document, err: ValidationError) -> list[Diagnostic]:
         ]
     if kind == "oneOf" and path and path[-1] == "fill":
         return [Diagnostic(loc, _FILL_HELP)]
+    if kind == "oneOf" and path and path[-1] == "pad":
+        return [
+            Diagnostic(
+                loc,
+                f"{where} must be an integer in the int32 range (a constant) or repeat_last "
+                f"(the last written element repeated), not {_describe(err.instance)}",
+            )
+        ]
     if kind == "oneOf" and len(path) >= 2 and path[-2] == "index_sets":
         return [
             Diagnostic(

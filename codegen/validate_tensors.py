@@ -15,6 +15,42 @@ from .validate_names import CAPACITY, CONSTANT, SHAPE, WHEN, Scope
 from .validate_rules import rule_tensor
 
 
+def _pad(scope: Scope, t: Tensor) -> None:
+    """A constant pad lies in the tensor's dtype range; repeat_last pads a one-dimensional rule
+    tensor (the last element repeated: of a row of several elements it would take only one)."""
+    assert t.pad is not None
+    if t.pad == vocab.REPEAT_LAST:
+        rule = scope.spec.rule(t.fill.target or "") if t.fill.kind == "rule" else None
+        shape = t.shape if t.shape is not None else (rule.shape if rule else None)
+        if t.fill.kind != "rule":
+            what = f"is filled by {t.fill.kind}"
+        elif t.memory == "device":
+            what = "is device memory (its last element would be read back every step)"
+        elif shape is not None and len(shape) != 1:
+            what = f"has {len(shape)} dimensions"
+        else:
+            return
+        scope.errors.error(
+            t.field_loc("pad"),
+            f"tensor '{t.name}': pad repeat_last repeats the last element its rule wrote and "
+            f"needs a one-dimensional rule tensor, but '{t.name}' {what}; give a constant pad",
+        )
+        return
+    if t.dtype == "bool" and t.pad not in (0, 1):
+        scope.errors.error(t.field_loc("pad"), f"pad of bool tensor '{t.name}' must be 0 or 1")
+        return
+    for dtype in scope.dtype_choices(t.dtype):
+        lo, hi = vocab.DTYPE_RANGES[dtype]
+        if not lo <= t.pad <= hi:  # type: ignore[operator]
+            via = f" (dtype parameter '{t.dtype}' may be {dtype})" if t.dtype != dtype else ""
+            scope.errors.error(
+                t.field_loc("pad"),
+                f"pad {t.pad} of tensor '{t.name}' is outside the range of {dtype}, "
+                f"{lo} to {hi}{via}",
+            )
+            break
+
+
 def tensors(scope: Scope) -> None:
     """Each tensor once (a name declared twice is reported, not checked again)."""
     by_name: dict[str, Tensor] = {}
@@ -64,19 +100,8 @@ def _tensor(scope: Scope, t: Tensor, by_name: dict[str, Tensor]) -> None:
             )
         elif not scope.errors:
             _capacity_fits(scope, t)
-    if t.pad is not None and t.dtype == "bool" and t.pad not in (0, 1):
-        scope.errors.error(t.field_loc("pad"), f"pad of bool tensor '{t.name}' must be 0 or 1")
-    elif t.pad is not None:
-        for dtype in scope.dtype_choices(t.dtype):
-            lo, hi = vocab.DTYPE_RANGES[dtype]
-            if not lo <= t.pad <= hi:
-                via = f" (dtype parameter '{t.dtype}' may be {dtype})" if t.dtype != dtype else ""
-                scope.errors.error(
-                    t.field_loc("pad"),
-                    f"pad {t.pad} of tensor '{t.name}' is outside the range of {dtype}, "
-                    f"{lo} to {hi}{via}",
-                )
-                break
+    if t.pad is not None:
+        _pad(scope, t)
     if t.fill.kind == "rule":
         rule_tensor(scope, t)
     elif t.fill.kind == "constant":

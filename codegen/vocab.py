@@ -32,6 +32,10 @@ DTYPE_BYTES: dict[str, int] = {
     "float64": 8,
 }
 
+# The pad policy that repeats a tensor's last written element past the step (cumulative
+# tensors: query_start_loc, 1-based last_token_ids), instead of a constant.
+REPEAT_LAST = "repeat_last"
+
 # Integer parameters must stay below this (the generated Config checks it): sane sizes, and
 # formulas over them stay far from overflowing what the generator evaluates.
 INT_LIMIT = 1 << 62

@@ -240,7 +240,7 @@ TENSORS = (
         capacity=lambda c: (c.max_num_logits,),
         shape=lambda c, s: (s.num_logits,),
         fill=rt.Rule(core.last_token_ids),
-        pad=0,
+        pad=rt.REPEAT_LAST,
     ),
     # Device copy of host_last_token_ids; the engine gathers logits at these tokens.
     rt.TensorDecl(
@@ -250,7 +250,7 @@ TENSORS = (
         capacity=lambda c: (c.max_num_logits,),
         shape=lambda c, s: (s.num_logits,),
         fill=rt.Mirror('host_last_token_ids'),
-        pad=0,
+        pad=rt.REPEAT_LAST,
         inputs=(rt.Bind('last_token_ids'),),
     ),
     # Logits of every logit row over the padded vocabulary (last pipeline rank).

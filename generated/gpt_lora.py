@@ -31,6 +31,17 @@ from bufc.rules.sizes import StepSizes
 
 import torch
 
+# The spec's own implementation modules: a module, or a function the spec names, that is not
+# there is an ImportError naming the line of the spec that names it.
+lora = rt.rule_module(
+    'bufc.rules.lora',
+    ('check_lora', 'function', "buffers.yaml:69:11: request check 'lora_rows'"),
+    ('LoraMemo', 'class', "buffers.yaml:71:12: the state of request check 'lora_rows'"),
+    ('admit_lora', 'function', "buffers.yaml:74:13: the arrival check of request check 'lora_rows'"),
+    ('lora_weights_pointers', 'function', "buffers.yaml:273:11: rule 'lora_weights_pointers'"),
+    ('lora_ranks', 'function', "buffers.yaml:281:11: rule 'lora_ranks'"),
+)
+
 FAMILY = 'gpt_lora'
 FLAGS = {'model_variant': 'gpt', 'engine': 'decoder', 'transformer': True, 'paged_kv_cache': True, 'rnn': False, 'pipeline_parallel': False, 'cross_attention': False, 'lora': True, 'prompt_tuning': False, 'mrope': False, 'language_adapter': False, 'spec_decoding': 'none'}
 
@@ -250,7 +261,7 @@ TENSORS = (
         capacity=lambda c: (c.max_num_logits,),
         shape=lambda c, s: (s.num_logits,),
         fill=rt.Rule(core.last_token_ids),
-        pad=0,
+        pad=rt.REPEAT_LAST,
     ),
     # Device copy of host_last_token_ids; the engine gathers logits at these tokens.
     rt.TensorDecl(
@@ -260,7 +271,7 @@ TENSORS = (
         capacity=lambda c: (c.max_num_logits,),
         shape=lambda c, s: (s.num_logits,),
         fill=rt.Mirror('host_last_token_ids'),
-        pad=0,
+        pad=rt.REPEAT_LAST,
         inputs=(rt.Bind('last_token_ids'),),
     ),
     # Logits of every logit row over the padded vocabulary (last pipeline rank).
@@ -515,7 +526,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.num_lora_modules, c.num_local_layers, c.max_num_sequences, 3),
         shape=lambda c, s: (c.num_lora_modules, c.num_local_layers, s.num_sequences, 3),
-        fill=rt.Rule(features.lora_weights_pointers),
+        fill=rt.Rule(lora.lora_weights_pointers),
         pad=0,
         inputs=(rt.Bind('{lora_module}_lora_weights_pointers_{local_layer}', each=(SET_LORA_MODULE, SET_LOCAL_LAYER)),),
     ),
@@ -526,7 +537,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.num_lora_modules, c.num_local_layers, c.max_num_sequences),
         shape=lambda c, s: (c.num_lora_modules, c.num_local_layers, s.num_sequences),
-        fill=rt.Rule(features.lora_ranks),
+        fill=rt.Rule(lora.lora_ranks),
         pad=0,
         inputs=(rt.Bind('{lora_module}_lora_ranks_{local_layer}', each=(SET_LORA_MODULE, SET_LOCAL_LAYER)),),
     ),
@@ -541,7 +552,7 @@ class State:
 
     batch: stateless.Memo = dataclasses.field(default_factory=stateless.Memo)
     kv_blocks: kv_rows.KeptRows = dataclasses.field(default_factory=kv_rows.KeptRows)
-    lora_rows: features.LoraMemo = dataclasses.field(default_factory=features.LoraMemo)
+    lora_rows: lora.LoraMemo = dataclasses.field(default_factory=lora.LoraMemo)
 
 
 @dataclasses.dataclass(slots=True)
@@ -564,7 +575,28 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     advances_on_device = False  # decode steps without a copy
     no_advance = ('lora_weights_pointers', 'lora_ranks')  # rules without an advance form
-    project_impls = ()  # the spec's own implementations the step calls: none
+    # the spec's own implementations the step calls: an exception one raises names it
+    project_impls = (
+        rt.ProjectImpl(
+            '_check',
+            "request check 'lora_rows'",
+            'bufc.rules.lora:check_lora',
+            lora.check_lora,
+        ),
+        rt.ProjectImpl(
+            '_admit',
+            "the arrival check of request check 'lora_rows'",
+            'bufc.rules.lora:admit_lora',
+            lora.admit_lora,
+        ),
+        rt.ProjectImpl(
+            '_fill',
+            "rule 'lora_weights_pointers'",
+            'bufc.rules.lora:lora_weights_pointers',
+            lora.lora_weights_pointers,
+        ),
+        rt.ProjectImpl('_fill', "rule 'lora_ranks'", 'bufc.rules.lora:lora_ranks', lora.lora_ranks),
+    )
 
     def _limits(self) -> batch.Limits:
         """What every request is checked against (decided once, at construction)."""
@@ -602,7 +634,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         )
         # Every LoRA row names an engine module, a layer, addresses and a rank; rows of this rank's
         # layers are kept.
-        features.admit_lora(
+        lora.admit_lora(
             r,
             lora_modules=c.lora_modules,
             first_local_layer=c.first_local_layer,
@@ -641,7 +673,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             ),
             # Every LoRA row names an engine module, a layer, addresses and a rank; rows of this rank's
             # layers are kept.
-            lora_rows=features.check_lora(
+            lora_rows=lora.check_lora(
                 b,
                 state.lora_rows,
                 lora_modules=c.lora_modules,
@@ -726,7 +758,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # host_lora_weights_pointers: (A, B, DoRA scale or 0) adapter weight addresses per module,
         # layer and sequence.
         t.host_lora_weights_pointers.wrote(
-            features.lora_weights_pointers(
+            lora.lora_weights_pointers(
                 t.host_lora_weights_pointers.out,
                 b,
                 k.lora_rows,
@@ -736,7 +768,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         )
         # host_lora_ranks: Adapter rank per module, layer and sequence (0 without an adapter).
         t.host_lora_ranks.wrote(
-            features.lora_ranks(
+            lora.lora_ranks(
                 t.host_lora_ranks.out,
                 b,
                 k.lora_rows,

@@ -12,18 +12,17 @@ generation request. Where the reference has a bug, the rule says so and does it 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 import sys
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import BatchError
 from ..requests.batch import Batch, encoder_input_length, encoder_output_length
-from ..requests.values import INT32_MAX, INT64_MAX, check_int, checked_ints, show
+from ..requests.values import INT32_MAX, check_int, checked_ints, show
+from .batch_rows import all_requests, field, per_sequence, tokens_per_request, where
 from .kv_rows import BlockPlan, check_block_lists, id_limit, write_kv_rows
 
 if TYPE_CHECKING:
@@ -40,45 +39,6 @@ def _plain_tensor(t: Any) -> bool:
     if torch is None or not isinstance(t, torch.Tensor):
         return False
     return t.layout == torch.strided and t.device.type != "meta"
-
-
-# ------------------------------------------------------------------------------- helpers
-def _where(b: Batch, i: int) -> str:
-    """'context request i (seq_slot s)' or 'generation request j (...)' for request row i."""
-    n_ctx = len(b.context)
-    kind, j, r = (
-        ("context", i, b.context[i])
-        if i < n_ctx
-        else ("generation", i - n_ctx, b.generation[i - n_ctx])
-    )
-    return f"{kind} request {j} (seq_slot {getattr(r, 'seq_slot', None)})"
-
-
-def _requests(b: Batch) -> tuple[Any, ...]:
-    return b.context + b.generation
-
-
-def _per_sequence(b: Batch, per_request: Sequence[Any] | np.ndarray) -> np.ndarray:
-    """One value per request (context first) -> one per sequence (every generation beam)."""
-    values = np.asarray(per_request)
-    n_ctx = len(b.context)
-    return np.concatenate((values[:n_ctx], b.per_sequence(values[n_ctx:])))
-
-
-def _tokens_per_request(b: Batch) -> np.ndarray:
-    """Input tokens of each request this step: chunk plus drafts on a last chunk, and per
-    generation request its beams plus drafts (so the counts add up to num_tokens)."""
-    return np.concatenate((b.ctx_input_len, b.gen_beam_width + b.gen_drafts))
-
-
-def _field(b: Batch, name: str, what: str) -> list[Any]:
-    """Every request's `name`, raising a BatchError that names the first request without it."""
-    values = [getattr(r, name, None) for r in _requests(b)]
-    missing = [i for i, v in enumerate(values) if v is None]
-    if missing:
-        i = missing[0]
-        raise BatchError(f"{_where(b, i)}: {what} needs the request's {name}")
-    return values
 
 
 # -------------------------------------------------------------- beam search: cache indirection
@@ -119,7 +79,7 @@ def cache_indirection_decoder_copies(
 # -------------------------------------------------------------- encoder-decoder, decoder side
 def encoder_output_lengths(out: np.ndarray, b: Batch) -> int:
     """Each sequence's request's encoder output length (every beam of a generation request)."""
-    values = _per_sequence(b, [encoder_output_length(r) for r in _requests(b)])
+    values = per_sequence(b, [encoder_output_length(r) for r in all_requests(b)])
     out[: len(values)] = values
     return len(values)
 
@@ -132,19 +92,19 @@ def check_encoder_outputs(b: Batch, *, encoder_hidden_size: int, model_dtype: to
         t = getattr(r, "encoder_output", None)
         want = (encoder_output_length(r), encoder_hidden_size)
         if t is None:
-            raise BatchError(f"{_where(b, i)}: a context request needs its encoder_output")
+            raise BatchError(f"{where(b, i)}: a context request needs its encoder_output")
         if not _plain_tensor(t) or not t.is_floating_point():
             raise BatchError(
-                f"{_where(b, i)}: encoder_output must be a dense floating-point torch.Tensor, "
+                f"{where(b, i)}: encoder_output must be a dense floating-point torch.Tensor, "
                 f"got {type(t).__name__}"
             )
         if tuple(t.shape) != want:
             raise BatchError(
-                f"{_where(b, i)}: encoder_output has shape {list(t.shape)}, expected {list(want)}"
+                f"{where(b, i)}: encoder_output has shape {list(t.shape)}, expected {list(want)}"
             )
         if t.dtype != model_dtype:
             raise BatchError(
-                f"{_where(b, i)}: encoder_output is {t.dtype}, expected the model dtype "
+                f"{where(b, i)}: encoder_output is {t.dtype}, expected the model dtype "
                 f"{model_dtype} (model_dtype); cast it with .to({model_dtype})"
             )
 
@@ -171,7 +131,7 @@ def check_cross_kv_blocks(
     """Every sequence's cross_kv_block_ids cover its request's encoder output; returns the
     converted lists for the fill."""
     width = max_cross_blocks_per_seq
-    tokens = _per_sequence(b, [encoder_output_length(r) for r in _requests(b)])
+    tokens = per_sequence(b, [encoder_output_length(r) for r in all_requests(b)])
     return check_block_lists(
         b,
         "cross_kv_block_ids",
@@ -213,16 +173,15 @@ def _token_positions(b: Batch) -> np.ndarray:
 def check_cross_attention_masks(b: Batch) -> None:
     """Each request's cross_attention_mask, if any: booleans, [rows >= 1, <= longest input]."""
     width = b.sizes.max_encoder_input_length
-    for i, r in enumerate(_requests(b)):
+    for i, r in enumerate(all_requests(b)):
         m = getattr(r, "cross_attention_mask", None)
         if m is not None and np.asarray(m).dtype.kind not in "biu":
             raise BatchError(
-                f"{_where(b, i)}: cross_attention_mask must hold booleans, got "
-                f"{np.asarray(m).dtype}"
+                f"{where(b, i)}: cross_attention_mask must hold booleans, got {np.asarray(m).dtype}"
             )
         if m is not None and (np.ndim(m) != 2 or np.shape(m)[1] > width or np.shape(m)[0] < 1):
             raise BatchError(
-                f"{_where(b, i)}: cross_attention_mask must be [rows >= 1, encoder input length "
+                f"{where(b, i)}: cross_attention_mask must be [rows >= 1, encoder input length "
                 f"<= {width}], got shape {list(np.shape(m))}"
             )
 
@@ -238,9 +197,9 @@ def cross_attention_mask(out: np.ndarray, b: Batch) -> int:
     rows = out[: n * width].reshape(n, width)
     rows[:] = True
     positions = _token_positions(b)
-    counts = _tokens_per_request(b)
+    counts = tokens_per_request(b)
     starts = np.cumsum(counts) - counts
-    for i, r in enumerate(_requests(b)):
+    for i, r in enumerate(all_requests(b)):
         lo, hi = int(starts[i]), int(starts[i] + counts[i])
         if lo == hi:
             continue
@@ -257,7 +216,7 @@ def cross_attention_mask(out: np.ndarray, b: Batch) -> int:
 def skip_cross_attn_blocks(out: np.ndarray, b: Batch) -> int:
     """True when every scheduled request skips the cross-attention blocks (a request without
     the field does not; an empty step skips nothing)."""
-    requests = _requests(b)
+    requests = all_requests(b)
     out[0] = bool(requests) and all(getattr(r, "skip_cross_attn_blocks", False) for r in requests)
     return 1
 
@@ -273,11 +232,11 @@ def check_encoder_inputs(b: Batch) -> None:
     for i, r in enumerate(b.context):
         ids = getattr(r, "encoder_input_ids", None)
         if ids is None or len(ids) == 0:
-            raise BatchError(f"{_where(b, i)}: the encoder needs the request's encoder_input_ids")
-        checked_ints(ids, "encoder_input_ids", _where(b, i), 0, INT32_MAX + 1)
+            raise BatchError(f"{where(b, i)}: the encoder needs the request's encoder_input_ids")
+        checked_ints(ids, "encoder_input_ids", where(b, i), 0, INT32_MAX + 1)
         if encoder_input_length(r) != len(ids):
             raise BatchError(
-                f"{_where(b, i)}: encoder_input_length {encoder_input_length(r)} differs from "
+                f"{where(b, i)}: encoder_input_length {encoder_input_length(r)} differs from "
                 f"its {len(ids)} encoder_input_ids"
             )
 
@@ -299,175 +258,9 @@ def encoder_position_ids(out: np.ndarray, b: Batch) -> int:
 
 
 def encoder_input_lengths(out: np.ndarray, b: Batch) -> int:
-    values = [encoder_input_length(r) for r in _requests(b)]
+    values = [encoder_input_length(r) for r in all_requests(b)]
     out[: len(values)] = values
     return len(values)
-
-
-# ------------------------------------------------------------------------------------ LoRA
-def admit_lora(
-    r: Any,
-    *,
-    lora_modules: tuple[str, ...],
-    first_local_layer: int,
-    num_local_layers: int,
-    num_layers: int,
-) -> None:
-    """A request arriving in flight: its lora_weights rows are parsed and checked now, and the
-    entry keeps a copy of them (rows the caller edits afterwards do not reach a step)."""
-    rows = getattr(r, "lora_weights", None)
-    if rows is None:
-        return
-    w = f"request (seq_slot {r.seq_slot})"
-    _parse_lora(w, rows, lora_modules, first_local_layer, num_local_layers, num_layers)
-    r.lora_weights = tuple(tuple(row) for row in rows)
-
-
-def admit_language_adapter(r: Any, *, num_languages: int) -> None:
-    """A request arriving in flight: its language_adapter_uid is below num_languages."""
-    uid = getattr(r, "language_adapter_uid", None)
-    w = f"request (seq_slot {r.seq_slot})"
-    if uid is None:
-        raise BatchError(f"{w}: the language adapter needs the request's language_adapter_uid")
-    check_int(uid, "language_adapter_uid", w, 0, num_languages, "num_languages")
-
-
-def _parse_lora(
-    w: str,
-    rows: Any,
-    lora_modules: tuple[str, ...],
-    first_local_layer: int,
-    num_local_layers: int,
-    num_layers: int,
-) -> np.ndarray:
-    """One request's adapter rows as an [n, 6] array (module index, local layer, A, B, scale,
-    rank), keeping the rows of this pipeline rank's layers; raises on a bad row."""
-    modules = {m: k for k, m in enumerate(lora_modules)}
-    first, count = first_local_layer, num_local_layers
-    if len(rows) == 0:
-        raise BatchError(f"{w}: lora_weights is empty; give None for no adapter")
-    parsed = []
-    for row in rows:
-        if isinstance(row, (str, bytes)) or not hasattr(row, "__len__") or len(row) != 6:
-            raise BatchError(
-                f"{w}: a lora_weights row is (module, layer, A address, "
-                f"B address, DoRA scale address or None, rank), got {show(row)}"
-            )
-        module, layer, a, weights, scale, rank = row
-        if not isinstance(module, str) or module not in modules:
-            raise BatchError(
-                f"{w}: LoRA module {show(module)} is not one of the engine's "
-                f"lora_modules ({', '.join(lora_modules)})"
-            )
-        check_int(layer, "LoRA layer", w, 0, num_layers, f"num_layers={num_layers}")
-        for what, address in (("A", a), ("B", weights), ("DoRA scale", scale or 0)):
-            check_int(address, f"LoRA {what} address", w, 0, INT64_MAX + 1)
-        check_int(rank, "LoRA rank", w, 0, INT32_MAX + 1)
-        if first <= layer < first + count:  # other rows belong to other pipeline ranks
-            parsed.append((modules[module], layer - first, a, weights, scale or 0, rank))
-    return np.asarray(parsed, dtype=np.int64).reshape(-1, 6)
-
-
-@dataclasses.dataclass
-class LoraMemo:
-    """Each scheduled request's parsed adapter rows, by request, with the snapshot of its
-    lora_weights they were parsed from (kept between steps)."""
-
-    rows: dict[int, tuple[Any, np.ndarray]] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraRows:
-    """The step's adapter rows, one per (sequence, module, layer), as columns."""
-
-    seq: np.ndarray
-    module: np.ndarray
-    layer: np.ndarray
-    a: np.ndarray
-    b: np.ndarray
-    scale: np.ndarray
-    rank: np.ndarray
-
-
-def check_lora(
-    b: Batch,
-    memo: LoraMemo,
-    *,
-    lora_modules: tuple[str, ...],
-    first_local_layer: int,
-    num_local_layers: int,
-    num_layers: int,
-) -> LoraRows:
-    """Every request's adapter rows, one row per sequence, as (sequence, module, layer, a, b,
-    scale, rank) columns. A request's parsed rows are memoised while its lora_weights compare
-    equal to the copy they were parsed from, so steady steps convert nothing."""
-    seq_of_request = np.concatenate(
-        (np.arange(len(b.context)), len(b.context) + np.cumsum(b.gen_beam_width) - b.gen_beam_width)
-    ).astype(np.int64)
-    widths = np.concatenate((np.ones(len(b.context), np.int64), b.gen_beam_width))
-    seen = {}
-    parts = []
-    for i, r in enumerate(_requests(b)):
-        rows = getattr(r, "lora_weights", None)
-        if rows is None:
-            continue
-        kept = memo.rows.get(id(r))
-        try:  # a deep copy of the rows with each value's type, so that a row edited in place
-            # is seen, even to an equal value of another type (8.0 == 8)
-            snapshot = tuple(tuple((type(v), v) for v in row) for row in rows)
-        except TypeError:
-            snapshot = None  # not rows at all: _parse_lora names the problem
-        if kept is None or snapshot is None or kept[0] != snapshot:
-            kept = (
-                snapshot,
-                _parse_lora(
-                    _where(b, i),
-                    rows,
-                    lora_modules,
-                    first_local_layer,
-                    num_local_layers,
-                    num_layers,
-                ),
-            )
-        seen[id(r)] = kept
-        parsed = kept[1]
-        # One row per sequence: the reference indexes the rows by request, so the beams of a
-        # beam-search request overwrite the next request's rows (a bug).
-        for k in range(int(widths[i])):
-            parts.append(
-                np.column_stack((np.full(len(parsed), seq_of_request[i] + k, np.int64), parsed))
-            )
-    table = np.concatenate(parts) if parts else np.zeros((0, 7), np.int64)
-    memo.rows = seen  # requests no longer scheduled are forgotten (every row parsed)
-    return LoraRows(*(table[:, j] for j in range(7)))
-
-
-def lora_weights_pointers(
-    out: np.ndarray, b: Batch, lora: LoraRows, *, num_lora_modules: int, num_local_layers: int
-) -> int:
-    """[modules, local layers, sequences, 3]: (A, B, DoRA scale or 0) of each adapter row;
-    zero where a sequence has no adapter for that module and layer."""
-    s = b.sizes.num_sequences
-    view = out[: num_lora_modules * num_local_layers * s * 3].reshape(
-        num_lora_modules, num_local_layers, s, 3
-    )
-    view[:] = 0
-    if len(lora.seq):
-        view[lora.module, lora.layer, lora.seq] = np.stack((lora.a, lora.b, lora.scale), axis=-1)
-    return view.size
-
-
-def lora_ranks(
-    out: np.ndarray, b: Batch, lora: LoraRows, *, num_lora_modules: int, num_local_layers: int
-) -> int:
-    """[modules, local layers, sequences]: the adapter rank, 0 without an adapter."""
-    s = b.sizes.num_sequences
-    view = out[: num_lora_modules * num_local_layers * s].reshape(
-        num_lora_modules, num_local_layers, s
-    )
-    view[:] = 0
-    view[lora.module, lora.layer, lora.seq] = lora.rank
-    return view.size
 
 
 # ---------------------------------------------------------------------------- prompt tuning
@@ -482,27 +275,27 @@ def check_prompt_tables(
     """Each prompt_table is a dense [rows <= max_prompt_vocab_size, hidden_size] tensor of the
     model dtype, and every token id past the vocabulary names a row of its own request's
     table."""
-    for i, r in enumerate(_requests(b)):
+    for i, r in enumerate(all_requests(b)):
         t = getattr(r, "prompt_table", None)
         if t is None:
             continue
         if not _plain_tensor(t):
             raise BatchError(
-                f"{_where(b, i)}: prompt_table must be a dense torch.Tensor, got {type(t).__name__}"
+                f"{where(b, i)}: prompt_table must be a dense torch.Tensor, got {type(t).__name__}"
             )
         if t.dim() != 2 or t.shape[1] != hidden_size:
             raise BatchError(
-                f"{_where(b, i)}: prompt_table must be [vocab, hidden_size={hidden_size}], "
+                f"{where(b, i)}: prompt_table must be [vocab, hidden_size={hidden_size}], "
                 f"got {list(t.shape)}"
             )
         if t.shape[0] > max_prompt_vocab_size:
             raise BatchError(
-                f"{_where(b, i)}: its prompt table has {t.shape[0]} rows, more than "
+                f"{where(b, i)}: its prompt table has {t.shape[0]} rows, more than "
                 f"max_prompt_vocab_size={max_prompt_vocab_size}"
             )
         if t.dtype != model_dtype:
             raise BatchError(
-                f"{_where(b, i)}: prompt_table is {t.dtype}, the model dtype is {model_dtype}"
+                f"{where(b, i)}: prompt_table is {t.dtype}, the model dtype is {model_dtype}"
             )
     # a token id v >= vocab_size reads row v - vocab_size of its own request's table: the row
     # must exist (a request without a table would read another request's rows)
@@ -510,12 +303,12 @@ def check_prompt_tables(
     for i, largest in enumerate(_largest_input_tokens(b)):
         if largest < vocab:
             continue
-        t = getattr(_requests(b)[i], "prompt_table", None)
+        t = getattr(all_requests(b)[i], "prompt_table", None)
         rows = 0 if t is None else t.shape[0]
         if largest - vocab >= rows:
             have = "the request has no prompt_table" if t is None else f"its table has {rows} rows"
             raise BatchError(
-                f"{_where(b, i)}: token {largest} reads prompt-table row {largest - vocab}, but "
+                f"{where(b, i)}: token {largest} reads prompt-table row {largest - vocab}, but "
                 f"{have}"
             )
 
@@ -541,7 +334,7 @@ def prompt_embedding_table(
     """Request b's table at rows [b * max_prompt_vocab_size, ...) (b counts requests, context
     first); the rows of requests without a table are left as they are (no task reads them)."""
     h, v = hidden_size, max_prompt_vocab_size
-    for i, r in enumerate(_requests(b)):
+    for i, r in enumerate(all_requests(b)):
         t = getattr(r, "prompt_table", None)
         if t is not None:
             start = i * v * h
@@ -556,11 +349,11 @@ def prompt_tasks(out: np.ndarray, b: Batch) -> int:
     tasks = np.asarray(
         [
             i if getattr(r, "prompt_table", None) is not None else 0
-            for i, r in enumerate(_requests(b))
+            for i, r in enumerate(all_requests(b))
         ],
         dtype=np.int64,
     )
-    values = np.repeat(tasks, _tokens_per_request(b))
+    values = np.repeat(tasks, tokens_per_request(b))
     out[: len(values)] = values
     return len(values)
 
@@ -575,7 +368,7 @@ def check_recurrent(b: Batch) -> None:
     if chunked.size:
         i = int(chunked[0])
         raise BatchError(
-            f"{_where(b, i)}: a recurrent model runs a prompt in one context step; schedule the "
+            f"{where(b, i)}: a recurrent model runs a prompt in one context step; schedule the "
             "whole prompt (chunked context is not supported)"
         )
     if b.context and b.generation:
@@ -588,7 +381,7 @@ def check_recurrent(b: Batch) -> None:
 def slot_mapping(out: np.ndarray, b: Batch) -> int:
     """Each sequence's state slot: its request's seq_slot (every family bounds it by
     max_batch_size, the state pools' rows)."""
-    values = _per_sequence(b, b.seq_slot)
+    values = per_sequence(b, b.seq_slot)
     out[: len(values)] = values
     return len(values)
 
@@ -601,23 +394,23 @@ def check_mrope(b: Batch, *, max_position_embeddings: int, rotary_embedding_dim:
         t = getattr(r, "mrope_rotary_cos_sin", None)
         if t is not None and not _plain_tensor(t):
             raise BatchError(
-                f"{_where(b, i)}: mrope_rotary_cos_sin must be a dense torch.Tensor, got "
+                f"{where(b, i)}: mrope_rotary_cos_sin must be a dense torch.Tensor, got "
                 f"{type(t).__name__}"
             )
         if t is None or t.numel() != width:
             got = "none" if t is None else f"{t.numel()} values"
             raise BatchError(
-                f"{_where(b, i)}: mrope_rotary_cos_sin needs max_position_embeddings * "
+                f"{where(b, i)}: mrope_rotary_cos_sin needs max_position_embeddings * "
                 f"rotary_embedding_dim = {width} values, got {got}"
             )
     for j, r in enumerate(b.generation):
         delta = getattr(r, "mrope_position_deltas", None)
         if delta is None:
             raise BatchError(
-                f"{_where(b, len(b.context) + j)}: a generation request needs mrope_position_deltas"
+                f"{where(b, len(b.context) + j)}: a generation request needs mrope_position_deltas"
             )
         check_int(
-            delta, "mrope_position_deltas", _where(b, len(b.context) + j), -INT32_MAX, INT32_MAX
+            delta, "mrope_position_deltas", where(b, len(b.context) + j), -INT32_MAX, INT32_MAX
         )
 
 
@@ -656,32 +449,41 @@ def mrope_position_deltas(out: np.ndarray, b: Batch) -> int:
 
 
 # -------------------------------------------------------------------------- language adapter
+def admit_language_adapter(r: Any, *, num_languages: int) -> None:
+    """A request arriving in flight: its language_adapter_uid is below num_languages."""
+    uid = getattr(r, "language_adapter_uid", None)
+    w = f"request (seq_slot {r.seq_slot})"
+    if uid is None:
+        raise BatchError(f"{w}: the language adapter needs the request's language_adapter_uid")
+    check_int(uid, "language_adapter_uid", w, 0, num_languages, "num_languages")
+
+
 def check_language_adapters(b: Batch, *, num_languages: int) -> None:
     """Every request's language_adapter_uid is below num_languages."""
-    for i, uid in enumerate(_field(b, "language_adapter_uid", "the language adapter")):
-        check_int(uid, "language_adapter_uid", _where(b, i), 0, num_languages, "num_languages")
+    for i, uid in enumerate(field(b, "language_adapter_uid", "the language adapter")):
+        check_int(uid, "language_adapter_uid", where(b, i), 0, num_languages, "num_languages")
 
 
 def language_adapter_routings(out: np.ndarray, b: Batch) -> int:
     """The request's adapter for every input token. The reference writes none for draft
     tokens, so the tensor is short of the tokens; every token gets its request's adapter."""
-    uids = np.asarray([r.language_adapter_uid for r in _requests(b)], np.int64)
-    values = np.repeat(uids, _tokens_per_request(b))
+    uids = np.asarray([r.language_adapter_uid for r in all_requests(b)], np.int64)
+    values = np.repeat(uids, tokens_per_request(b))
     out[: len(values)] = values
     return len(values)
 
 
 # --------------------------------------------------------------------------------------- Eagle
 def _thresholds(b: Batch) -> np.ndarray:
-    values = [getattr(r, "eagle_posterior_threshold", None) for r in _requests(b)]
-    return _per_sequence(
+    values = [getattr(r, "eagle_posterior_threshold", None) for r in all_requests(b)]
+    return per_sequence(
         b, np.asarray([DEFAULT_POSTERIOR_THRESHOLD if v is None else v for v in values], np.float64)
     )
 
 
 def check_posterior_thresholds(b: Batch) -> None:
     """Each eagle_posterior_threshold, if any, is a number >= 0, finite in float32."""
-    for i, r in enumerate(_requests(b)):
+    for i, r in enumerate(all_requests(b)):
         v = getattr(r, "eagle_posterior_threshold", None)
         if v is None:
             continue
@@ -691,7 +493,7 @@ def check_posterior_thresholds(b: Batch) -> None:
             f = math.inf
         if not 0 <= f <= _FLOAT32_MAX:  # NaN fails too; the buffers are float32
             raise BatchError(
-                f"{_where(b, i)}: eagle_posterior_threshold {show(v)} must be a number >= 0 "
+                f"{where(b, i)}: eagle_posterior_threshold {show(v)} must be a number >= 0 "
                 "(and finite in float32)"
             )
 

@@ -36,7 +36,7 @@ from .decl import (
     TensorDecl,
 )
 from .project import ProjectImpl, rule_module
-from .staging import Targets
+from .staging import REPEAT_LAST, Targets
 
 FORMAT_VERSION = 4
 """The generated-module format this runtime implements; bumped on incompatible changes (4: the
@@ -86,6 +86,7 @@ __all__ = [
     "RuntimeBuffers",
     "Step",
     "StepSizes",
+    "REPEAT_LAST",
     "Targets",
     "TensorDecl",
     "cdiv",

@@ -134,9 +134,15 @@ class TensorDecl:
     capacity: ConfigFn
     shape: Callable[[Any, Any], tuple[int, ...]]
     fill: Fill
-    pad: int | None = None
+    pad: int | str | None = None  # a constant, or REPEAT_LAST (runtime/staging.py)
     when: ConfigFn | None = None
     inputs: tuple[Bind, ...] = ()
     outputs: tuple[Bind, ...] = ()
     checked: bool = False
     ring: int | None = None  # the leading dimension is a ring of step buffers, one bound per step
+
+    @property
+    def initial(self) -> int:
+        """The value the storage is allocated with: the constant pad (repeat_last pads
+        repeat what a step wrote; before any, 0)."""
+        return self.pad if isinstance(self.pad, int) else 0

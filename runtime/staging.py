@@ -21,26 +21,35 @@ from ..errors import FillCountError
 
 ALIGN = 256  # bytes; every arena member starts on this boundary
 HALVES = 2
+# The pad policy of a cumulative tensor (a cu_seqlens, TensorRT-LLM's 1-based last-token
+# indices): past the step, its last written element repeated, so a CUDA-graph bucket reads
+# zero-length rows that stay in range, where a constant 0 would read as negative lengths or as
+# row -1.
+REPEAT_LAST = "repeat_last"
 
 
 class Target:
     """One rule tensor's storage in one half: `out` (a flat numpy view of host memory, or the
-    flat device tensor of a rule that copies request tensors), its pad value, and how many
-    elements the last fill of this storage wrote (a one-item list, shared by the halves where
-    the storage is), so that the rows past a shorter step are re-padded. `tensor` and `rule`
-    (the rule's ``module:function``) name it when the rule returns a bad count."""
+    flat device tensor of a rule that copies request tensors), its pad policy, and what the
+    last fill of this storage left (``written``, shared by the halves where the storage is:
+    the count of elements it wrote and, under repeat_last, the count and value its tail was
+    last padded at), so that the elements past a shorter step are re-padded. `tensor` and
+    `rule` (the rule's ``module:function``) name it when the rule returns a bad count."""
 
-    __slots__ = ("out", "pad", "written", "size", "tensor", "rule")
+    __slots__ = ("out", "pad", "repeat", "written", "size", "tensor", "rule")
 
     def __init__(
         self,
         out: Any,
-        pad: int | float | None,
-        written: list[int],
+        pad: int | float | str | None,
+        written: list[Any],
         tensor: str = "?",
         rule: str = "?",
     ) -> None:
-        self.out, self.pad, self.written = out, pad, written
+        self.repeat = pad == REPEAT_LAST
+        self.out, self.pad, self.written = out, None if self.repeat else pad, written
+        if len(written) == 1:
+            written.append((0, 0))  # the tail as allocated: every element 0
         self.size = len(out)
         self.tensor, self.rule = tensor, rule
 
@@ -52,9 +61,19 @@ class Target:
         if n.__class__ is not int or not 0 <= n <= self.size:
             n = self._count(n)
         w = self.written
-        if self.pad is not None and w[0] > n:
+        if self.repeat:
+            self._repeat(n)
+        elif self.pad is not None and w[0] > n:
             self.out[n : w[0]] = self.pad
         w[0] = n
+
+    def _repeat(self, n: int) -> None:
+        """Every element past the first `n` holds the last of them (0 when there are none);
+        written only when that count or value changed since this storage was last padded."""
+        value = self.out[n - 1].item() if n else 0
+        if self.written[1] != (n, value):
+            self.out[n:] = value
+            self.written[1] = (n, value)
 
     def _count(self, n: Any) -> int:
         """`n` as the int it is (a numpy integer, an int subclass), or FillCountError."""
@@ -69,7 +88,9 @@ class Target:
         if not holds_run:
             self.out[:n] = prev.out[:n]
         w = self.written
-        if self.pad is not None and w[0] > n:
+        if self.repeat:
+            self._repeat(n)
+        elif self.pad is not None and w[0] > n:
             self.out[n : w[0]] = self.pad
         w[0] = n
 

@@ -112,7 +112,7 @@ def allocate(
                 for _ in range(HALVES if isinstance(d.fill, Rule) else 1)
             ]
             flats = one * (HALVES // len(one))
-        value = d.fill.value(config) if isinstance(d.fill, Constant) else (d.pad or 0)
+        value = d.fill.value(config) if isinstance(d.fill, Constant) else d.initial
         for flat in dict.fromkeys(flats):  # each distinct storage once
             flat.fill_(value)
         t.flat = tuple(flats)

@@ -37,7 +37,7 @@ class Transfer:
         if sampled and mirror:
             s = self._t[sampled]
             self.tokens = TokenGather(
-                self.staging, gather_rows, list(s.flat), self._t[mirror].flat[0], s.decl.pad or 0
+                self.staging, gather_rows, list(s.flat), self._t[mirror].flat[0], s.decl.initial
             )
         self.gathered: int | None = None  # the half whose gathered tokens are in flight
         sources, end = storage.sources, storage.end

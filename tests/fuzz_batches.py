@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 import torch
 
-from bufc.runtime import BatchError, Request
+from bufc.runtime import REPEAT_LAST, BatchError, Request
 from bufc.runtime.decl import DEVICE, ENGINE, EXTERNAL, STATIC, Constant, Rule
 
 VALID, INVALID, MAYBE = "valid", "invalid", "maybe"
@@ -199,10 +199,14 @@ def bucket_pad_problems(buffers, ref_step, bucket) -> list[str]:
                 f"bucket view {engine_name}{tuple(view.shape)}: its first {n} rows differ from "
                 f"the step's ({_first_difference(used, step_view)})"
             )
-        elif d.pad is not None and rest.numel() and not bool((rest == d.pad).all()):
-            bad = rest.flatten()[(rest != d.pad).flatten().nonzero()[0]].item()
+            continue
+        pad = d.pad
+        if pad == REPEAT_LAST:  # a cumulative tensor: its last value, 0 after an empty step
+            pad = step_view.flatten()[-1].item() if step_view.numel() else 0
+        if pad is not None and rest.numel() and not bool((rest == pad).all()):
+            bad = rest.flatten()[(rest != pad).flatten().nonzero()[0]].item()
             out.append(
-                f"bucket view {engine_name}: a row past the batch holds {bad}, not its pad {d.pad}"
+                f"bucket view {engine_name}: a row past the batch holds {bad}, not its pad {pad}"
             )
     return out
 

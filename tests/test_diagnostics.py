@@ -764,6 +764,42 @@ def _with(*tensors: str, before_sizes: str = "", params: str = "") -> str:
 
 LATER_CASES = [
     pytest.param(
+        _with(_tensor("k", "int32", "    fill: engine\n    pad: repeat_last\n")),
+        [
+            "buffers.yaml:34:5: tensor 'k': pad repeat_last repeats the last element its rule "
+            "wrote and needs a one-dimensional rule tensor, but 'k' is filled by engine; give a "
+            "constant pad"
+        ],
+        id="repeat_last_engine",
+    ),
+    pytest.param(
+        _with(
+            "  - name: host_pos\n    doc: T.\n    dtype: int32\n    memory: pinned\n"
+            '    capacity: [2, "max_num_tokens"]\n'
+            '    shape: [2, "num_context_tokens + num_generation_sequences"]\n'
+            "    fill: {rule: chatglm_position_ids}\n    pad: repeat_last\n",
+            before_sizes="",
+        ).replace(
+            "  num_requests:",
+            '  num_context_tokens: {doc: C., max: "max_num_tokens"}\n'
+            '  num_generation_sequences: {doc: G., max: "max_num_tokens"}\n  num_requests:',
+        ),
+        [
+            "buffers.yaml:36:5: tensor 'host_pos': pad repeat_last repeats the last element its "
+            "rule wrote and needs a one-dimensional rule tensor, but 'host_pos' has 2 "
+            "dimensions; give a constant pad"
+        ],
+        id="repeat_last_2d",
+    ),
+    pytest.param(
+        BASE.replace("fill: {rule: token_ids}\n", "fill: {rule: token_ids}\n    pad: repeat\n"),
+        [
+            "buffers.yaml:21:10: tensors[0].pad must be an integer in the int32 range (a "
+            "constant) or repeat_last (the last written element repeated), not a string"
+        ],
+        id="pad_policy_unknown",
+    ),
+    pytest.param(
         _with(_tensor("small", "int8", "    fill: engine\n    pad: 1000\n")),
         ["buffers.yaml:34:5: pad 1000 of tensor 'small' is outside the range of int8, -128 to 127"],
         id="pad_int8",

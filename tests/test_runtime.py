@@ -439,15 +439,12 @@ def test_bucket_views_past_the_batch_hold_pad_values_on_the_device_side():
     step = b.prepare_step([], big[:3])
     bucket = step.sizes.generation_bucket(8)
     inputs, _ = b.views(bucket)
-    for name in (
-        "input_ids",
-        "position_ids",
-        "context_lengths",
-        "sequence_length",
-        "last_token_ids",
-    ):
+    for name in ("input_ids", "position_ids", "context_lengths", "sequence_length"):
         assert inputs[name][3:].tolist() == [0] * 5, name
         assert inputs[name][:3].tolist() == step.inputs[name].tolist(), name
+    # 1-based and cumulative: the rows past the batch repeat its last token (a constant 0 would
+    # point them at row -1), after steps of 8 and 5 rows wrote more
+    assert inputs["last_token_ids"].tolist() == [1, 2, 3, 3, 3, 3, 3, 3]
     assert inputs["kv_cache_block_offsets"][0, 3:].abs().sum() == 0
     assert inputs["input_ids"].data_ptr() == step.inputs["input_ids"].data_ptr()
 
