@@ -253,6 +253,29 @@ class Executor:
             step_index += 1
         return result
 
+    def _flight_schedule(self, active: dict[int, _Flight]) -> tuple[list[_Flight], dict[int, int]]:
+        """The step's schedule: every generation request one token (the budget covers them
+        all), then prompt chunks in arrival order ({slot: tokens})."""
+        generation = [a for a in active.values() if a.position == len(a.job.prompt)]
+        left = [len(a.job.prompt) - a.position for a in active.values()]
+        _, sizes = split_budget(self.token_budget, self.chunk_size, len(generation), left)
+        return generation, {a.slot: n for a, n in zip(active.values(), sizes) if n}
+
+    def _grow_blocks(
+        self, active: dict[int, _Flight], generation: list[_Flight], chunks: dict[int, int]
+    ) -> dict[int, list[int]]:
+        """The KV blocks each scheduled sequence needs for its tokens after the step, allocated
+        now; returns the blocks appended per slot (step(blocks=...))."""
+        grown = {a.slot: len(a.job.prompt) + a.generated for a in generation}
+        grown.update((slot, active[slot].position + n) for slot, n in chunks.items())
+        blocks = {}
+        for slot, tokens in grown.items():
+            before = len(active[slot].blocks)
+            grow_blocks(active[slot].blocks, tokens, self.config.tokens_per_block, self.allocator)
+            if len(active[slot].blocks) > before:
+                blocks[slot] = active[slot].blocks[before:]
+        return blocks
+
     def _run_in_flight(
         self,
         jobs: Iterable[Job],
@@ -296,24 +319,11 @@ class Executor:
                 slot = free_slots.pop()
                 active[slot] = _Flight(job, slot, [])
                 buffers.add(Request(seq_slot=slot, prompt=list(job.prompt), kv_block_ids=[[]]))
-            # the schedule: every generation request one token (the budget covers them all),
-            # then prompt chunks in order
-            generation = [a for a in active.values() if a.position == len(a.job.prompt)]
-            left = [len(a.job.prompt) - a.position for a in active.values()]
-            _, sizes = split_budget(self.token_budget, self.chunk_size, len(generation), left)
-            chunks = {a.slot: n for a, n in zip(active.values(), sizes) if n}
-            grown = {a.slot: len(a.job.prompt) + a.generated for a in generation}
-            grown.update((slot, active[slot].position + n) for slot, n in chunks.items())
-            tpb = self.config.tokens_per_block
+            generation, chunks = self._flight_schedule(active)
             if not chunks and not generation:
                 step_index += 1
                 continue
-            blocks = {}
-            for slot, tokens in grown.items():
-                before = len(active[slot].blocks)
-                grow_blocks(active[slot].blocks, tokens, tpb, self.allocator)
-                if len(active[slot].blocks) > before:
-                    blocks[slot] = active[slot].blocks[before:]
+            blocks = self._grow_blocks(active, generation, chunks)
             t1 = time.perf_counter()
             if not produced_last:
                 tokens = None
@@ -344,15 +354,7 @@ class Executor:
                 end.record()
                 timings.append((start, end))  # type: ignore[arg-type]
             # the counts move on now; the token values are read when they land
-            producers = [(a.job.rid, a.slot) for a in generation]
-            for a in generation:
-                a.generated += 1
-            for slot, chunk in chunks.items():
-                a = active[slot]
-                a.position += chunk
-                if a.position == len(a.job.prompt):
-                    a.generated += 1
-                    producers.append((a.job.rid, slot))
+            producers = _count_step(active, generation, chunks)
             if unread is not None:  # the last step's tokens (with overlap: model t runs now)
                 read(*unread)
                 unread = None
@@ -499,3 +501,20 @@ def grow_blocks(blocks: list[int], tokens: int, tokens_per_block: int, allocator
     need = -(-tokens // tokens_per_block) - len(blocks)
     if need > 0:
         blocks.extend(allocator.allocate(need))
+
+
+def _count_step(
+    active: dict[int, _Flight], generation: list[_Flight], chunks: dict[int, int]
+) -> list[tuple[int, int]]:
+    """Moves each scheduled request's counts past the step; returns (rid, slot) of those that
+    produced a token (the generation requests and the prompts the step finished)."""
+    producers = [(a.job.rid, a.slot) for a in generation]
+    for a in generation:
+        a.generated += 1
+    for slot, chunk in chunks.items():
+        a = active[slot]
+        a.position += chunk
+        if a.position == len(a.job.prompt):
+            a.generated += 1
+            producers.append((a.job.rid, slot))
+    return producers

@@ -57,6 +57,7 @@ from bufc.runtime import Request
 
 from .compare import threads_option, torch_threads
 from .executor import grow_blocks, schedule
+from .mrope import mrope_rotary_cos_sin, mrope_sections, rotary_cos_sin, rotate_half, text_config
 from .paged_cache import BlockAllocator, PagedKVCache
 
 SPATIAL_MERGE = 2  # Qwen2-VL merges 2 x 2 vision patches into one LLM token
@@ -111,12 +112,8 @@ def tiny_qwen2_vl(
     return model
 
 
-def _text_config(model: torch.nn.Module):
-    return model.config.text_config
-
-
 def _head_dim(model: torch.nn.Module) -> int:
-    cfg = _text_config(model)
+    cfg = text_config(model)
     return cfg.hidden_size // cfg.num_attention_heads
 
 
@@ -148,7 +145,7 @@ def image_token_mask(model: torch.nn.Module, ids: Sequence[int]) -> torch.Tensor
 def bufc_prompt(model: torch.nn.Module, job: VLJob) -> list[int]:
     """The prompt bufc sees: image token k of the request (counting over all its images) is
     vocab_size + k, the row of its prompt table."""
-    vocab, image = _text_config(model).vocab_size, model.config.image_token_id
+    vocab, image = text_config(model).vocab_size, model.config.image_token_id
     out, k = [], 0
     for t in job.hf_ids:
         if t == image:
@@ -222,44 +219,6 @@ def vl_workload(
     return jobs
 
 
-# --------------------------------------------------------------------------- rotary tables
-def rotary_cos_sin(model: torch.nn.Module, max_positions: int) -> torch.Tensor:
-    """The engine's rotary table, float32 [max_positions, rotary_dim / 2, 2]: (cos, sin) of
-    inv_freq[j] * p, computed in float32 as the Hugging Face rotary embedding computes it."""
-    inv_freq = model.model.language_model.rotary_emb.inv_freq.float()
-    freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
-    return torch.stack((freqs.cos(), freqs.sin()), dim=-1)
-
-
-def mrope_sections(model: torch.nn.Module) -> torch.Tensor:
-    """The M-RoPE section (0 temporal, 1 height, 2 width) of each of the rotary_dim / 2
-    frequencies."""
-    section = _text_config(model).rope_parameters["mrope_section"]
-    return torch.repeat_interleave(torch.arange(3), torch.tensor(section))
-
-
-def mrope_rotary_cos_sin(
-    table: torch.Tensor, positions: torch.Tensor, sections: torch.Tensor
-) -> torch.Tensor:
-    """A context request's M-RoPE table, float32 [max_positions * rotary_dim], laid out
-    [max_positions, rotary_dim / 2, 2]: row p holds (cos, sin) of frequency j at the prompt
-    token's position in section sections[j]; rows past the prompt hold position 0 (TensorRT-LLM
-    pads the positions with zeros)."""
-    max_positions, half, _ = table.shape
-    if positions.shape[1] > max_positions:
-        raise ValueError(f"a prompt of {positions.shape[1]} tokens, max_positions {max_positions}")
-    padded = torch.zeros(3, max_positions, dtype=torch.long)
-    padded[:, : positions.shape[1]] = positions
-    per_freq = padded[sections]  # [half, max_positions]: the position each frequency reads
-    out = table[per_freq.T, torch.arange(half)[None, :]]  # [max_positions, half, 2]
-    return out.reshape(-1).contiguous()
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 # ------------------------------------------------------------------------------ the engine
 class PackedQwen2VL:
     """The Qwen2-VL text model over packed tokens and a paged KV cache, reading only the step's
@@ -270,7 +229,7 @@ class PackedQwen2VL:
     Hugging Face model's; embedding lookup, rotary, paging and attention are ours."""
 
     def __init__(self, hf_model: torch.nn.Module, max_position_embeddings: int) -> None:
-        cfg = _text_config(hf_model)
+        cfg = text_config(hf_model)
         self.text = hf_model.model.language_model
         self.layers = list(self.text.layers)
         self.lm_weight = hf_model.lm_head.weight
@@ -375,8 +334,8 @@ class PackedQwen2VL:
             q = attn.q_proj(h).view(tokens, self.num_heads, self.head_dim)
             k = attn.k_proj(h).view(tokens, self.kv_heads, self.head_dim)
             v = attn.v_proj(h).view(tokens, self.kv_heads, self.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
             out = torch.empty_like(q)
             for i, (a, b) in enumerate(zip(starts, starts[1:])):
                 if a == b:
@@ -454,7 +413,7 @@ class VLExecutor:
         max_image_tokens: int = 32,
         device: str = "cpu",
     ) -> None:
-        cfg = _text_config(hf_model)
+        cfg = text_config(hf_model)
         dtype = next(hf_model.parameters()).dtype
         self.hf = hf_model
         max_positions = cfg.max_position_embeddings

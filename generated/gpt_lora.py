@@ -24,23 +24,13 @@ from collections.abc import Sequence
 
 from bufc.requests import batch, stateless, table
 from bufc.rules import decode
+from bufc.rules import adapters
 from bufc.rules import core
 from bufc.rules import features
 from bufc.rules import kv_rows
 from bufc.rules.sizes import StepSizes
 
 import torch
-
-# The spec's own implementation modules: a module, or a function the spec names, that is not
-# there is an ImportError naming the line of the spec that names it.
-lora = rt.rule_module(
-    'bufc.rules.lora',
-    ('check_lora', 'function', "buffers.yaml:69:11: request check 'lora_rows'"),
-    ('LoraMemo', 'class', "buffers.yaml:71:12: the state of request check 'lora_rows'"),
-    ('admit_lora', 'function', "buffers.yaml:74:13: the arrival check of request check 'lora_rows'"),
-    ('lora_weights_pointers', 'function', "buffers.yaml:273:11: rule 'lora_weights_pointers'"),
-    ('lora_ranks', 'function', "buffers.yaml:281:11: rule 'lora_ranks'"),
-)
 
 FAMILY = 'gpt_lora'
 FLAGS = {'model_variant': 'gpt', 'engine': 'decoder', 'transformer': True, 'paged_kv_cache': True, 'rnn': False, 'pipeline_parallel': False, 'cross_attention': False, 'lora': True, 'prompt_tuning': False, 'mrope': False, 'language_adapter': False, 'spec_decoding': 'none'}
@@ -526,7 +516,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.num_lora_modules, c.num_local_layers, c.max_num_sequences, 3),
         shape=lambda c, s: (c.num_lora_modules, c.num_local_layers, s.num_sequences, 3),
-        fill=rt.Rule(lora.lora_weights_pointers),
+        fill=rt.Rule(adapters.lora_weights_pointers),
         pad=0,
         inputs=(rt.Bind('{lora_module}_lora_weights_pointers_{local_layer}', each=(SET_LORA_MODULE, SET_LOCAL_LAYER)),),
     ),
@@ -537,7 +527,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.num_lora_modules, c.num_local_layers, c.max_num_sequences),
         shape=lambda c, s: (c.num_lora_modules, c.num_local_layers, s.num_sequences),
-        fill=rt.Rule(lora.lora_ranks),
+        fill=rt.Rule(adapters.lora_ranks),
         pad=0,
         inputs=(rt.Bind('{lora_module}_lora_ranks_{local_layer}', each=(SET_LORA_MODULE, SET_LOCAL_LAYER)),),
     ),
@@ -552,7 +542,7 @@ class State:
 
     batch: stateless.Memo = dataclasses.field(default_factory=stateless.Memo)
     kv_blocks: kv_rows.KeptRows = dataclasses.field(default_factory=kv_rows.KeptRows)
-    lora_rows: lora.LoraMemo = dataclasses.field(default_factory=lora.LoraMemo)
+    lora_rows: adapters.LoraMemo = dataclasses.field(default_factory=adapters.LoraMemo)
 
 
 @dataclasses.dataclass(slots=True)
@@ -575,28 +565,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     advances_on_device = False  # decode steps without a copy
     no_advance = ('lora_weights_pointers', 'lora_ranks')  # rules without an advance form
-    # the spec's own implementations the step calls: an exception one raises names it
-    project_impls = (
-        rt.ProjectImpl(
-            '_check',
-            "request check 'lora_rows'",
-            'bufc.rules.lora:check_lora',
-            lora.check_lora,
-        ),
-        rt.ProjectImpl(
-            '_admit',
-            "the arrival check of request check 'lora_rows'",
-            'bufc.rules.lora:admit_lora',
-            lora.admit_lora,
-        ),
-        rt.ProjectImpl(
-            '_fill',
-            "rule 'lora_weights_pointers'",
-            'bufc.rules.lora:lora_weights_pointers',
-            lora.lora_weights_pointers,
-        ),
-        rt.ProjectImpl('_fill', "rule 'lora_ranks'", 'bufc.rules.lora:lora_ranks', lora.lora_ranks),
-    )
+    project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:
         """What every request is checked against (decided once, at construction)."""
@@ -634,7 +603,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         )
         # Every LoRA row names an engine module, a layer, addresses and a rank; rows of this rank's
         # layers are kept.
-        lora.admit_lora(
+        adapters.admit_lora(
             r,
             lora_modules=c.lora_modules,
             first_local_layer=c.first_local_layer,
@@ -673,7 +642,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             ),
             # Every LoRA row names an engine module, a layer, addresses and a rank; rows of this rank's
             # layers are kept.
-            lora_rows=lora.check_lora(
+            lora_rows=adapters.check_lora(
                 b,
                 state.lora_rows,
                 lora_modules=c.lora_modules,
@@ -758,7 +727,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # host_lora_weights_pointers: (A, B, DoRA scale or 0) adapter weight addresses per module,
         # layer and sequence.
         t.host_lora_weights_pointers.wrote(
-            lora.lora_weights_pointers(
+            adapters.lora_weights_pointers(
                 t.host_lora_weights_pointers.out,
                 b,
                 k.lora_rows,
@@ -768,7 +737,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         )
         # host_lora_ranks: Adapter rank per module, layer and sequence (0 without an adapter).
         t.host_lora_ranks.wrote(
-            lora.lora_ranks(
+            adapters.lora_ranks(
                 t.host_lora_ranks.out,
                 b,
                 k.lora_rows,

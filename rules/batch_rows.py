@@ -1,4 +1,4 @@
-"""Reading a step's requests, for the feature rules (``features``, ``lora``): where a request
+"""Reading a step's requests, for the feature rules (``features``, ``adapters``): where a request
 row is (for messages), every request in row order, per-request values spread over sequences,
 input tokens per request, and a field every request must carry."""
 

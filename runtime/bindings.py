@@ -13,6 +13,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from .decl import STATIC, TensorDecl
 
 Shape = Callable[[Any, Any], tuple[int, ...]]
@@ -61,6 +63,22 @@ def bindings(decls: list[TensorDecl], config: Any, sizes_type: type) -> Bindings
         for name, index in b.expand(c)
     }
     return Bindings(per_step("inputs"), per_step("outputs"), rings, static)
+
+
+def step_sizes(sizes: Any, sizes_type: type) -> Any:
+    """`sizes`, a `sizes_type` (the family's StepSizes) handed to views(), with every size a
+    plain non-negative int (numpy integers converted); ValueError otherwise."""
+    if not isinstance(sizes, sizes_type):
+        raise ValueError(f"views() takes StepSizes, got {type(sizes).__name__}")
+    numpy_ints = {}
+    for f in dataclasses.fields(sizes_type):
+        v = getattr(sizes, f.name)
+        if v.__class__ is int and v >= 0:
+            continue
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"views(): step size {f.name} must be a non-negative int, got {v!r}")
+        numpy_ints[f.name] = int(v)
+    return dataclasses.replace(sizes, **numpy_ints) if numpy_ints else sizes  # type: ignore[type-var]
 
 
 def prefix_layout(small: tuple[int, ...], large: tuple[int, ...]) -> bool:

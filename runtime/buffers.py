@@ -26,7 +26,7 @@ import torch
 from ..errors import BatchError, ConfigError, FillCountError, RuleError
 from ..requests import step as request_step
 from ..requests.values import INT32_MAX, check_int
-from .bindings import bindings, prefix_layout
+from .bindings import bindings, prefix_layout, step_sizes
 from .decl import DEVICE, STATIC, Mirror, Rule, TensorDecl
 from .project import ProjectImpl, culprit
 from .staging import HALVES, DeviceStep, Targets
@@ -628,20 +628,7 @@ class RuntimeBuffers:
 
     def _views_at(self, sizes: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         c = self.config
-        if not isinstance(sizes, self.sizes_type):
-            raise ValueError(f"views() takes StepSizes, got {type(sizes).__name__}")
-        numpy_ints = {}
-        for f in dataclasses.fields(self.sizes_type):
-            v = getattr(sizes, f.name)
-            if v.__class__ is int and v >= 0:
-                continue
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
-                raise ValueError(
-                    f"views(): step size {f.name} must be a non-negative int, got {v!r}"
-                )
-            numpy_ints[f.name] = int(v)
-        if numpy_ints:  # the shapes as ints
-            sizes = dataclasses.replace(sizes, **numpy_ints)  # type: ignore[type-var]
+        sizes = step_sizes(sizes, self.sizes_type)
         last = self._last
         if last is not None and sizes != last:
             # a bucket: only a tensor whose step rows lead its shape keeps them in place
