@@ -55,6 +55,38 @@ def _construct(e: E.Expr) -> str:
     )
 
 
+def _assign(target: str, value: str, guard: E.Expr | None) -> list[str]:
+    """`target = value`, the value in parentheses on a line of its own past 100 columns."""
+    indent = 8 if guard is None else 12
+    if indent + len(target) + 3 + len(value) <= 100:
+        return [f"{target} = {value}"]
+    return [f"{target} = (", f"    {value}", ")"]
+
+
+def _scalar(e: E.Expr, sizes: set[str]) -> str:
+    """A step scalar's value: Config names, step sizes, and max_of(T) as what the step wrote."""
+    return E.to_source(
+        e,
+        name=lambda n: f"s.{n}" if n in sizes else f"c.{n}",
+        call=lambda f: f"rt.{f}" if f == "cdiv" else f,
+        tensor_max=lambda t: f"rt.written_max(t.{t})",
+    )
+
+
+def _capture(e: E.Expr, sizes: set[str], scalars: set[str]) -> str:
+    """A capture value: Config names, step sizes, the step's scalars and prepare_for_cuda_graph's
+    max_sequence_length."""
+
+    def name(n: str) -> str:
+        if n == "max_sequence_length":
+            return n
+        if n in scalars:
+            return f"scalars[{n!r}]"
+        return f"s.{n}" if n in sizes else f"c.{n}"
+
+    return E.to_source(e, name=name, call=lambda f: f"rt.{f}" if f == "cdiv" else f)
+
+
 def _set_var(name: str) -> str:
     return f"SET_{name.upper()}"
 
@@ -410,6 +442,7 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
                 advance_checks.extend(_guarded(f.guard, alias(f.advance_check), args))
         advances.append({"doc": _fill_doc(f), "lines": _advance_lines(f, alias)})
     device = _device_advances(plan, alias) if advance else None
+    scalar_names = {x.name for x in program.scalars}
     return {
         "device_advances": device,
         # the device form reads the Config only under a construct-time condition
@@ -428,8 +461,28 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
         "advance_results": advance_results,
         "advancing_lines": _construction("Advancing", "d", advance_results),
         "advances": advances,
-        "kv_lengths": program.kv_lengths,
         "sampled_tokens": program.sampled_tokens,
+        "scalars": [
+            {
+                "doc": _wrapped(f"{x.name}: {_comment(x.doc)}"),
+                "lines": _under(
+                    x.guard,
+                    _assign(f"scalars[{x.name!r}]", _scalar(x.value, sizes), x.guard),
+                ),
+            }
+            for x in program.scalars
+        ],
+        "captures": [
+            {
+                "doc": _wrapped(f"{x.tensor}: {_comment(x.doc)}"),
+                "lines": _guarded(
+                    x.guard,
+                    "rt.write_all",
+                    [f"t.{x.tensor}", _capture(x.value, sizes, scalar_names)],
+                ),
+            }
+            for x in program.captures
+        ],
         "no_advance": program.no_advance,
         "state": [
             {"name": chk.name, "type": alias(chk.state)}

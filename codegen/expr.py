@@ -35,6 +35,15 @@ class Name:
 
 
 @dataclasses.dataclass(frozen=True)
+class TensorMax:
+    """``max_of(tensor)``: the largest element a step wrote into a host rule tensor (0 when it
+    wrote none). Known only per step: step scalars read it, nothing folds or proves it."""
+
+    tensor: str
+    col: int = dataclasses.field(default=0, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
 class Neg:
     operand: Expr
 
@@ -70,7 +79,7 @@ class BoolOp:
     operands: tuple[Expr, ...]
 
 
-Expr = Int | Str | Bool | Name | Neg | BinOp | Call | Compare | Not | BoolOp
+Expr = Int | Str | Bool | Name | TensorMax | Neg | BinOp | Call | Compare | Not | BoolOp
 TRUE = Bool(True)
 FALSE = Bool(False)
 
@@ -219,7 +228,7 @@ def fold(expr: Expr, known: Mapping[str, int | bool | str]) -> Expr:
 
     if isinstance(expr, Name):
         return const(known[expr.id]) if expr.id in known else expr
-    if isinstance(expr, (Int, Bool, Str)):
+    if isinstance(expr, (Int, Bool, Str, TensorMax)):
         return expr
     if isinstance(expr, BoolOp):
         kept: list[Expr] = []
@@ -264,12 +273,15 @@ _PREC = {"or": 1, "and": 2, "not": 3, "cmp": 4, "+": 5, "-": 5, "*": 6, "//": 6,
 
 
 def to_source(
-    expr: Expr, name: Callable[[str], str] = str, call: Callable[[str], str] = str
+    expr: Expr,
+    name: Callable[[str], str] = str,
+    call: Callable[[str], str] = str,
+    tensor_max: Callable[[str], str] = lambda t: f"max_of({t})",
 ) -> str:
     """Print `expr` as Python source (or, with the defaults, as spec syntax).
 
     `name` maps a spec name to the text to print (e.g. ``c.max_batch_size``), `call` maps a
-    function name (``cdiv`` -> ``rt.cdiv``). Only validated identifiers, integer literals and
+    function name (``cdiv`` -> ``rt.cdiv``), `tensor_max` prints ``max_of(tensor)``. Only validated identifiers, integer literals and
     repr'd strings are ever printed: nothing of the original text is pasted.
     """
 
@@ -283,6 +295,8 @@ def to_source(
             return repr(str(e.value))
         if isinstance(e, Name):
             return name(e.id)
+        if isinstance(e, TensorMax):
+            return tensor_max(e.tensor)
         if isinstance(e, Neg):
             text, prec = "-" + go(e.operand, _PREC["neg"]), _PREC["neg"]
         elif isinstance(e, BinOp):

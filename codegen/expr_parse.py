@@ -14,7 +14,8 @@ Grammar::
     atom   := INT | NAME | STRING | NAME "(" cond ("," cond)* ")" | "(" cond ")"
 
 Functions: ``cdiv(a, b)`` (ceiling division), ``min(a, b, ...)``, ``max(a, b, ...)``,
-``len(p)`` (the number of names in a list parameter ``p``).
+``len(p)`` (the number of names in a list parameter ``p``), ``max_of(t)`` (the largest element
+a step wrote into host rule tensor ``t``: step scalars only).
 Strings ('...' or "...") only compare with enum flags.
 """
 
@@ -24,11 +25,11 @@ import dataclasses
 import re
 from collections.abc import Callable
 
-from .expr import BinOp, Bool, BoolOp, Call, Compare, Expr, Int, Name, Neg, Not, Str
+from .expr import BinOp, Bool, BoolOp, Call, Compare, Expr, Int, Name, Neg, Not, Str, TensorMax
 
 MAX_LENGTH = 256
 MAX_DEPTH = 32
-FUNCTIONS = {"cdiv": (2, 2), "min": (2, 8), "max": (2, 8), "len": (1, 1)}
+FUNCTIONS = {"cdiv": (2, 2), "min": (2, 8), "max": (2, 8), "len": (1, 1), "max_of": (1, 1)}
 KEYWORDS = frozenset({"and", "or", "not"})
 
 
@@ -196,6 +197,10 @@ class _Parser:
                     raise ExprError(
                         tok.col, f"{tok.text}() takes {want} arguments, got {len(args)}"
                     )
+                if tok.text == "max_of":
+                    if not isinstance(args[0], Name):
+                        raise ExprError(tok.col, "max_of() takes the name of a tensor")
+                    return TensorMax(args[0].id, args[0].col)
                 return Call(tok.text, tuple(args))
             return Name(tok.text, tok.col)
         if tok.kind == "op" and tok.text == "(":

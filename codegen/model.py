@@ -64,6 +64,18 @@ class Derived:
 
 
 @dataclasses.dataclass(frozen=True)
+class Scalar:
+    """A step scalar: a host integer computed every step (``max_of(T)`` reads the largest
+    element the step wrote into host rule tensor T)."""
+
+    name: str
+    doc: str
+    value: Formula
+    when: Formula | None
+    loc: Location
+
+
+@dataclasses.dataclass(frozen=True)
 class Check:
     require: Formula
     message: str
@@ -148,6 +160,7 @@ class Tensor:
     loc: Location
     field_locs: tuple[tuple[str, Location], ...] = ()
     ring: int | None = None
+    capture: Formula | None = None  # written by prepare_for_cuda_graph
 
     def field_loc(self, key: str) -> Location:
         return dict(self.field_locs).get(key, self.loc)
@@ -213,7 +226,6 @@ class Rule:
     advance: Impl | Literal["same"] | None
     advance_reads: tuple[str, ...]
     advance_check: AdvanceCheck | None
-    kv_lengths: bool
     sampled_tokens: bool
     device_advance: Impl | None
     loc: Location
@@ -252,6 +264,7 @@ class Spec:
     rules: tuple[Rule, ...] = ()
     request_checks: tuple[RequestCheck, ...] = ()
     requests: Requests = Requests()
+    scalars: tuple[Scalar, ...] = ()
 
     def tensor(self, name: str) -> Tensor:
         return next(t for t in self.tensors if t.name == name)
@@ -368,6 +381,16 @@ class _Builder:
             for n, r in d.get("index_sets", {}).items()
         )
         tensors = tuple(self.tensor(r, ("tensors", i)) for i, r in enumerate(d.get("tensors", [])))
+        scalars = tuple(
+            Scalar(
+                n,
+                r["doc"],
+                self.formula(r["value"], ("scalars", n, "value")),
+                self.opt_formula(r, "when", ("scalars", n)),
+                kl(("scalars", n)),
+            )
+            for n, r in d.get("scalars", {}).items()
+        )
         rules, request_checks = self.contracts()
         req = d.get("requests", {})
         requests = Requests(
@@ -389,6 +412,7 @@ class _Builder:
             rules,
             request_checks,
             requests,
+            scalars,
         )
 
     def impl(self, text: str, path: Path) -> Impl:
@@ -446,7 +470,6 @@ class _Builder:
                     )
                     if ac
                     else None,
-                    bool(r.get("kv_lengths", False)),
                     bool(r.get("sampled_tokens", False)),
                     self.impl(r["device_advance"], (*path, "device_advance"))
                     if "device_advance" in r
@@ -500,6 +523,7 @@ class _Builder:
             loc=self.doc.loc((*path, "name")),
             field_locs=tuple((k, self.doc.key_loc((*path, k))) for k in raw),
             ring=raw.get("ring"),
+            capture=self.opt_formula(raw, "capture", path),
         )
 
 

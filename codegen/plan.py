@@ -83,6 +83,29 @@ class PlannedTensor:
     checked: bool  # capacity not proven at generate time: guard it every step
     loc: Location
     ring: int | None = None
+    capture: E.Expr | None = None  # written by prepare_for_cuda_graph
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedScalar:
+    """A step scalar of the family, computed where `guard` holds (its own condition and that
+    of every tensor its max_of reads); `value` may read Config names, step sizes and max_of."""
+
+    name: str
+    doc: str
+    value: E.Expr
+    guard: E.Expr | None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedCapture:
+    """A tensor's capture value, written by prepare_for_cuda_graph where `guard` holds (the
+    tensor exists, and so does every scalar the value reads)."""
+
+    tensor: str
+    doc: str
+    value: E.Expr
+    guard: E.Expr | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,10 +154,11 @@ class StepProgram:
     checks: tuple[PlannedCheck, ...]
     fills: tuple[PlannedFill, ...]
     no_advance: tuple[str, ...]  # rules without an advance form: advance() names them
-    kv_lengths: str | None  # the host tensor of each sequence's past KV length
     # the host tensor whose generation rows take each sequence's sampled token (its device
     # mirror is where step() gathers tokens that stay on the device)
     sampled_tokens: str | None = None
+    scalars: tuple[PlannedScalar, ...] = ()
+    captures: tuple[PlannedCapture, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,9 +209,11 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
         for x in spec.index_sets
         if x.name in set_names
     )
-    sizes = _step_sizes(spec, tensors)
+    scalars = _scalars(spec, flags, tensors)
+    sizes = _step_sizes(spec, tensors, scalars)
     derived_by_name = {d.name: d for d in spec.derived}
-    used = _closure(_used_names(spec, tensors, sizes, index_sets), derived_by_name)
+    read = _used_names(spec, tensors, sizes, index_sets) | _scalar_names(scalars, tensors)
+    used = _closure(read, derived_by_name)
     checks = []
     for c in spec.checks:
         if c.when is not None and _fold(c.when.expr, flags) == E.FALSE:
@@ -215,8 +241,57 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
         dtype_values=tuple(
             (p.name, dtype_values(spec, p)) for p in parameters if p.kind == "dtype"
         ),
-        program=_program(spec, flags, tensors, sizes, names),
+        program=_program(spec, flags, tensors, sizes, names, scalars),
     )
+
+
+def _scalars(
+    spec: Spec, flags: dict[str, str | bool], tensors: list[PlannedTensor]
+) -> tuple[PlannedScalar, ...]:
+    """The spec's step scalars in this family: each where its condition holds and every tensor
+    its max_of reads exists (dropped where that is never)."""
+    when_of = {pt.name: pt.when for pt in tensors}
+    out = []
+    for x in spec.scalars:
+        value = E.fold(x.value.expr, flags)
+        read = [n.tensor for n in E.walk(value) if isinstance(n, E.TensorMax)]
+        if any(t not in when_of for t in read):
+            continue
+        guard: E.Expr | None = x.when.expr if x.when else None
+        for t in read:
+            guard = _conj(guard, when_of[t])
+        guard = _fold(guard, flags)
+        if guard != E.FALSE:
+            out.append(PlannedScalar(x.name, x.doc, value, guard))
+    return tuple(out)
+
+
+def _captures(
+    spec: Spec, tensors: list[PlannedTensor], scalars: tuple[PlannedScalar, ...]
+) -> tuple[PlannedCapture, ...]:
+    """Each tensor's capture value, where the tensor and every scalar it reads exist (none
+    where it reads a scalar this family does not have)."""
+    guard_of = {x.name: x.guard for x in scalars}
+    absent = {x.name for x in spec.scalars} - guard_of.keys()
+    out = []
+    for pt in tensors:
+        if pt.capture is None:
+            continue
+        read = {n.id for n in E.names(pt.capture)}
+        if read & absent:
+            continue
+        guard = pt.when
+        for name in sorted(read & guard_of.keys()):
+            guard = _conj(guard, guard_of[name])
+        out.append(PlannedCapture(pt.name, pt.doc, pt.capture, guard))
+    return tuple(out)
+
+
+def _scalar_names(scalars: tuple[PlannedScalar, ...], tensors: list[PlannedTensor]) -> set[str]:
+    """The names the scalars' values and conditions, and the capture values, read."""
+    exprs = [e for x in scalars for e in (x.value, x.guard) if e is not None]
+    exprs += [pt.capture for pt in tensors if pt.capture is not None]
+    return {n.id for e in exprs for n in E.names(e)}
 
 
 def _planned_tensors(spec: Spec, flags: dict[str, str | bool]) -> list[PlannedTensor]:
@@ -263,15 +338,20 @@ def _planned_tensors(spec: Spec, flags: dict[str, str | bool]) -> list[PlannedTe
                 checked=not proven,
                 loc=t.loc,
                 ring=src.ring,
+                capture=t.capture.expr if t.capture else None,
             )
         )
     return tensors
 
 
-def _step_sizes(spec: Spec, tensors: list[PlannedTensor]) -> tuple[StepSize, ...]:
+def _step_sizes(
+    spec: Spec, tensors: list[PlannedTensor], scalars: tuple[PlannedScalar, ...] = ()
+) -> tuple[StepSize, ...]:
     """The step sizes the family computes: all but the encoder sizes, and those only where a
-    tensor's step shape, its rule or the rule's request check reads them."""
+    tensor's step shape, its rule or the rule's request check, or a scalar reads them."""
     read = {n.id for pt in tensors for e in pt.shape for n in E.names(e)}
+    read |= {n.id for x in scalars for n in E.names(x.value)}
+    read |= {n.id for pt in tensors if pt.capture is not None for n in E.names(pt.capture)}
     for pt in tensors:
         rule = spec.rule(pt.fill_target or "") if pt.fill_kind == "rule" else None
         if rule is not None:
@@ -392,6 +472,7 @@ def _program(
     tensors: list[PlannedTensor],
     sizes: tuple[StepSize, ...],
     names: set[str],
+    scalars: tuple[PlannedScalar, ...] = (),
 ) -> StepProgram:
     """The family's step: its request checks (each once, in the order the tensors first need
     them), one fill per rule tensor, and their advance forms."""
@@ -434,11 +515,6 @@ def _program(
         checks.append(
             PlannedCheck(c.name, c.doc, c.impl, c.reads, c.state, c.result, guard, c.admit)
         )
-    kv = [
-        pt.name
-        for pt in tensors
-        if pt.fill_kind == "rule" and getattr(spec.rule(pt.fill_target or ""), "kv_lengths", False)
-    ]
     sampled = [
         pt.name
         for pt in tensors
@@ -454,8 +530,9 @@ def _program(
         checks=tuple(checks),
         fills=tuple(fills),
         no_advance=tuple(dict.fromkeys(f.rule for f in fills if f.advance is None)),
-        kv_lengths=kv[0] if kv else None,
         sampled_tokens=sampled[0] if sampled else None,
+        scalars=scalars,
+        captures=_captures(spec, tensors, scalars),
     )
 
 

@@ -15,6 +15,7 @@ from .validate_names import (
     CHECK_WHEN,
     DERIVED,
     REQUESTS,
+    SCALAR,
     SET_BOUND,
     SET_WHERE,
     SIZE_BOUND,
@@ -46,6 +47,9 @@ def declarations(scope: Scope) -> None:
         scope.formula(c.when, CHECK_WHEN)
     for z in s.sizes:
         scope.formula(z.bound, SIZE_BOUND)
+    for x in s.scalars:
+        scope.formula(x.value, SCALAR)
+        scope.formula(x.when, WHEN)
     scope.formula(s.requests.encoder_only, REQUESTS)
     scope.formula(s.requests.fixed_drafts, REQUESTS)
     _index_sets(scope)

@@ -29,6 +29,8 @@ RESERVED = frozenset(
         "min",
         "max",
         "len",
+        "max_of",
+        "max_sequence_length",  # prepare_for_cuda_graph's argument, read by capture values
         "index",
         "self",
         "torch",
@@ -46,6 +48,8 @@ KIND_TEXT = {
     "derived": "derived value",
     "size": "step size",
     "index": "member label of an index set",
+    "scalar": "step scalar",
+    "argument": "prepare_for_cuda_graph argument",
 }
 
 
@@ -56,6 +60,7 @@ class Context:
     what: str
     kinds: frozenset[str]
     result: str  # "int" or "bool"
+    tensors: bool = False  # max_of(tensor) is allowed
 
 
 CONSTRUCT = frozenset({"parameter", "derived"})
@@ -70,6 +75,8 @@ CHECK_WHEN = Context("a check's 'when'", frozenset({"flag"}), "bool")
 REQUESTS = Context("a condition under requests", frozenset({"flag"}), "bool")
 SET_BOUND = Context("an index set's first or count", CONSTRUCT, "int")
 SET_WHERE = Context("an index set's 'where'", CONSTRUCT | {"flag", "index"}, "bool")
+SCALAR = Context("a step scalar", CONSTRUCT | {"size"}, "int", tensors=True)
+CAPTURE = Context("a capture value", CONSTRUCT | {"size", "scalar", "argument"}, "int")
 
 
 class Scope:
@@ -107,6 +114,7 @@ class Scope:
             ),
             ((d.name, "derived", d.loc) for d in s.derived),
             ((z.name, "size", z.loc) for z in s.sizes),
+            ((x.name, "scalar", x.loc) for x in s.scalars),
         )
         first: dict[str, Location] = {}
         for name, kind, loc in entries:
@@ -115,12 +123,13 @@ class Scope:
                 self.errors.error(
                     loc,
                     f"name '{name}' is already declared at line {first[name].line}; "
-                    "flags, parameters, derived values and sizes share one namespace",
+                    "flags, parameters, derived values, sizes and scalars share one namespace",
                 )
                 continue
             first[name] = loc
             self.kinds[name] = kind
         self.kinds["index"] = "index"  # the member label inside an index set's 'where'
+        self.kinds["max_sequence_length"] = "argument"  # prepare_for_cuda_graph's
         for z in s.sizes:
             if z.name not in STEP_SIZES:
                 self.errors.error(
@@ -133,7 +142,7 @@ class Scope:
     def formula(self, f: Formula | None, ctx: Context) -> None:
         if f is None:
             return
-        ok = True
+        ok = self.tensor_maxima(f, ctx)
         for n in E.names(f.expr):
             kind = self.kinds.get(n.id)
             if kind is None:
@@ -188,12 +197,55 @@ class Scope:
             elif got is not None:
                 self.divisors(f)
 
+    def tensor_maxima(self, f: Formula, ctx: Context) -> bool:
+        """Each max_of(tensor) of `f` is allowed here and reads a host rule tensor."""
+        ok = True
+        for node in E.walk(f.expr):
+            if not isinstance(node, E.TensorMax):
+                continue
+            ok = False
+            t = next((t for t in self.spec.tensors if t.name == node.tensor), None)
+            if not ctx.tensors:
+                message = (
+                    f"max_of() reads what a step wrote, so only a step scalar's value may use "
+                    f"it, not {ctx.what}"
+                )
+            elif t is None:
+                names = [t.name for t in self.spec.tensors]
+                message = f"unknown tensor '{node.tensor}'{did_you_mean(node.tensor, names)}"
+            elif t.fill.kind != "rule" or t.memory == "device":
+                message = (
+                    f"max_of() reads a host or pinned tensor a rule fills; '{t.name}' is "
+                    f"{t.memory} memory filled by {t.fill.kind}"
+                )
+            else:
+                ok = True
+                continue
+            self.errors.error(f.at(node.col), message)
+        return ok
+
     def divisors(self, f: Formula) -> None:
         """Every divisor of `f` must be provably non-zero over the declared ranges (step sizes
         from 0 to their max): a zero divisor would fail at construction or in a step."""
         for node in E.walk(f.expr):
             divisor = _divisor(node)
-            if divisor is None or not list(E.names(divisor)):
+            if divisor is None:
+                continue
+            per_step = [
+                n
+                for n in E.walk(divisor)
+                if isinstance(n, E.TensorMax)
+                or isinstance(n, E.Name)
+                and self.kinds.get(n.id) in ("scalar", "argument")
+            ]
+            if per_step:  # known only when a step runs: nothing bounds it here
+                self.errors.error(
+                    f.at(per_step[0].col),  # type: ignore[union-attr]
+                    f"'{f.shown}' may divide by zero: '{E.to_source(divisor)}' is known only "
+                    "when a step runs; divide by a constant, a parameter or a derived value",
+                )
+                continue
+            if not list(E.names(divisor)):
                 continue  # constant divisors: _divides_by_zero
             status = self.prover.divisor(divisor)
             if status is None:
@@ -226,6 +278,8 @@ class Scope:
                 return "bool" if self.flags[e.id].values is None else f"enum:{e.id}"
             if self.kinds[e.id] == "parameter" and self.params[e.id].kind == "bool":
                 return "bool"
+            return "int"
+        if isinstance(e, E.TensorMax):
             return "int"
         if isinstance(e, E.Call) and e.fn == "len":
             arg = e.args[0]
@@ -339,7 +393,9 @@ def _divides_by_zero(e: E.Expr) -> bool:
     """True when a divisor is a constant zero (after folding what is constant)."""
     for node in E.walk(e):
         divisor = _divisor(node)
-        if divisor is not None and not list(E.names(divisor)):
+        if divisor is not None and not any(
+            isinstance(n, (E.Name, E.TensorMax)) for n in E.walk(divisor)
+        ):
             try:
                 if E.evaluate(divisor, {}) == 0:
                     return True

@@ -11,7 +11,7 @@ from . import expr_poly as P
 from . import prove, vocab
 from .errors import did_you_mean
 from .model import Binding, Tensor
-from .validate_names import CAPACITY, CONSTANT, SHAPE, WHEN, Scope
+from .validate_names import CAPACITY, CAPTURE, CONSTANT, SHAPE, WHEN, Scope
 from .validate_rules import rule_tensor
 
 
@@ -102,6 +102,15 @@ def _tensor(scope: Scope, t: Tensor, by_name: dict[str, Tensor]) -> None:
             _capacity_fits(scope, t)
     if t.pad is not None:
         _pad(scope, t)
+    if t.capture is not None:
+        if t.fill.kind != "rule" or t.memory == "device":
+            scope.errors.error(
+                t.field_loc("capture"),
+                f"tensor '{t.name}': prepare_for_cuda_graph writes a capture value into a host "
+                f"or pinned tensor a rule fills, not {t.memory} memory filled by {t.fill.kind}",
+            )
+        else:
+            scope.formula(t.capture, CAPTURE)
     if t.fill.kind == "rule":
         rule_tensor(scope, t)
     elif t.fill.kind == "constant":

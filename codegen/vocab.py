@@ -100,6 +100,7 @@ MODULE_NAMES: frozenset[str] = frozenset(
         "str",
         "tuple",
         "list",
+        "dict",
         "len",
         "min",
         "max",
@@ -113,9 +114,9 @@ MEMBER_NAMES: frozenset[str] = frozenset(
         "sizes_type",
         "state_type",
         "tensor_decls",
-        "kv_lengths",
         "sampled_tokens",
         "advances_on_device",
+        "captures",
         "no_advance",
         "project_impls",
         "__post_init__",
@@ -128,6 +129,8 @@ MEMBER_NAMES: frozenset[str] = frozenset(
         "_advance_check",
         "_advance",
         "_advance_on_device",
+        "_scalars",
+        "_capture",
     }
 )
 
@@ -144,6 +147,8 @@ LOCAL_NAMES: frozenset[str] = frozenset(
         "holds_run",
         "grown",
         "state",
+        "scalars",
+        "max_sequence_length",
         "index",
         "a",
         "b",

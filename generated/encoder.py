@@ -198,7 +198,6 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     sizes_type = StepSizes
     state_type = State
     tensor_decls = TENSORS
-    kv_lengths = None  # each sequence's past KV length (CUDA-graph key)
     sampled_tokens = None  # generation rows take the sampled tokens
     advances_on_device = False  # decode steps without a copy
     no_advance = ('encoder_input_ids', 'encoder_position_ids', 'encoder_input_lengths')  # rules without an advance form

@@ -549,9 +549,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     sizes_type = StepSizes
     state_type = State
     tensor_decls = TENSORS
-    kv_lengths = 'host_past_key_value_lengths'  # each sequence's past KV length (CUDA-graph key)
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     advances_on_device = True  # decode steps without a copy
+    captures = True  # prepare_for_cuda_graph writes capture values (_capture)
     no_advance = ()  # rules without an advance form
     project_impls = ()  # the spec's own implementations the step calls: none
 
@@ -818,3 +818,26 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # (the last step's values stay on the device)
         # seq_slots: Device copy of host_seq_slots, for decoder-side gathers.
         # (the last step's values stay on the device)
+
+    def _scalars(self, t: rt.Targets, s: StepSizes) -> dict[str, int]:
+        """The step scalars of the step just written (Step.scalars), each from its formula."""
+        scalars: dict[str, int] = {}
+        # max_kv_cache_length_rounded: The longest past KV length of the step rounded up to 256, the
+        # reference's CUDA-graph key (kvCacheLengthRound).
+        scalars['max_kv_cache_length_rounded'] = (
+            rt.cdiv(rt.written_max(t.host_past_key_value_lengths), 256) * 256
+        )
+        return scalars
+
+    def _capture(
+        self, t: rt.Targets, s: StepSizes, scalars: dict[str, int], max_sequence_length: int
+    ) -> None:
+        """prepare_for_cuda_graph: before the last step is captured as a CUDA graph, each
+        tensor's capture value into the elements the step wrote."""
+        # host_past_key_value_lengths: KV length per sequence as the reference sets it, a context
+        # chunk's tokens through this step, a generation sequence's before it (prompt + generated -
+        # 1, no drafts).
+        rt.write_all(
+            t.host_past_key_value_lengths,
+            min(max_sequence_length - 1, scalars['max_kv_cache_length_rounded']),
+        )

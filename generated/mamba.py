@@ -378,7 +378,6 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     sizes_type = StepSizes
     state_type = State
     tensor_decls = TENSORS
-    kv_lengths = None  # each sequence's past KV length (CUDA-graph key)
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     advances_on_device = True  # decode steps without a copy
     no_advance = ()  # rules without an advance form

@@ -614,9 +614,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     sizes_type = StepSizes
     state_type = State
     tensor_decls = TENSORS
-    kv_lengths = 'host_past_key_value_lengths'  # each sequence's past KV length (CUDA-graph key)
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     advances_on_device = False  # decode steps without a copy
+    captures = True  # prepare_for_cuda_graph writes capture values (_capture)
     no_advance = ('prompt_embedding_table', 'prompt_tasks', 'mrope_rotary_cos_sin', 'mrope_position_deltas')  # rules without an advance form
     project_impls = ()  # the spec's own implementations the step calls: none
 
@@ -654,6 +654,21 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             max_blocks_per_seq=c.max_blocks_per_seq,
             num_local_layers=c.num_local_layers,
             num_kv_blocks=c.num_kv_blocks,
+        )
+        # Each prompt_table is [rows <= max_prompt_vocab_size, hidden_size] in the model dtype; ids
+        # past the vocabulary name a row of their own request's table.
+        features.admit_prompt_table(
+            r,
+            hidden_size=c.hidden_size,
+            max_prompt_vocab_size=c.max_prompt_vocab_size,
+            model_dtype=c.model_dtype,
+            vocab_size=c.vocab_size,
+        )
+        # Each context request's M-RoPE cos/sin table, each generation request's position delta.
+        features.admit_mrope(
+            r,
+            max_position_embeddings=c.max_position_embeddings,
+            rotary_embedding_dim=c.rotary_embedding_dim,
         )
 
     def _check(self, b: batch.Batch) -> Checked:
@@ -805,3 +820,26 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             )
         )
         return None
+
+    def _scalars(self, t: rt.Targets, s: StepSizes) -> dict[str, int]:
+        """The step scalars of the step just written (Step.scalars), each from its formula."""
+        scalars: dict[str, int] = {}
+        # max_kv_cache_length_rounded: The longest past KV length of the step rounded up to 256, the
+        # reference's CUDA-graph key (kvCacheLengthRound).
+        scalars['max_kv_cache_length_rounded'] = (
+            rt.cdiv(rt.written_max(t.host_past_key_value_lengths), 256) * 256
+        )
+        return scalars
+
+    def _capture(
+        self, t: rt.Targets, s: StepSizes, scalars: dict[str, int], max_sequence_length: int
+    ) -> None:
+        """prepare_for_cuda_graph: before the last step is captured as a CUDA graph, each
+        tensor's capture value into the elements the step wrote."""
+        # host_past_key_value_lengths: KV length per sequence as the reference sets it, a context
+        # chunk's tokens through this step, a generation sequence's before it (prompt + generated -
+        # 1, no drafts).
+        rt.write_all(
+            t.host_past_key_value_lengths,
+            min(max_sequence_length - 1, scalars['max_kv_cache_length_rounded']),
+        )

@@ -89,24 +89,31 @@ def check_encoder_outputs(b: Batch, *, encoder_hidden_size: int, model_dtype: to
     model dtype (the dtype of the step's encoder_output tensor: the fill copies it as it is,
     and another floating dtype would be cast without a word)."""
     for i, r in enumerate(b.context):
-        t = getattr(r, "encoder_output", None)
-        want = (encoder_output_length(r), encoder_hidden_size)
-        if t is None:
-            raise BatchError(f"{where(b, i)}: a context request needs its encoder_output")
-        if not _plain_tensor(t) or not t.is_floating_point():
-            raise BatchError(
-                f"{where(b, i)}: encoder_output must be a dense floating-point torch.Tensor, "
-                f"got {type(t).__name__}"
-            )
-        if tuple(t.shape) != want:
-            raise BatchError(
-                f"{where(b, i)}: encoder_output has shape {list(t.shape)}, expected {list(want)}"
-            )
-        if t.dtype != model_dtype:
-            raise BatchError(
-                f"{where(b, i)}: encoder_output is {t.dtype}, expected the model dtype "
-                f"{model_dtype} (model_dtype); cast it with .to({model_dtype})"
-            )
+        _encoder_output(where(b, i), r, encoder_hidden_size, model_dtype)
+
+
+def admit_encoder_output(r: Any, *, encoder_hidden_size: int, model_dtype: torch.dtype) -> None:
+    """A request arriving in flight (in its context phase) carries its encoder_output."""
+    _encoder_output(f"request (seq_slot {r.seq_slot})", r, encoder_hidden_size, model_dtype)
+
+
+def _encoder_output(w: str, r: Any, encoder_hidden_size: int, model_dtype: torch.dtype) -> None:
+    t = getattr(r, "encoder_output", None)
+    if t is None:
+        raise BatchError(f"{w}: a context request needs its encoder_output")
+    if not _plain_tensor(t) or not t.is_floating_point():
+        raise BatchError(
+            f"{w}: encoder_output must be a dense floating-point torch.Tensor, "
+            f"got {type(t).__name__}"
+        )
+    want = (encoder_output_length(r), encoder_hidden_size)
+    if tuple(t.shape) != want:
+        raise BatchError(f"{w}: encoder_output has shape {list(t.shape)}, expected {list(want)}")
+    if t.dtype != model_dtype:
+        raise BatchError(
+            f"{w}: encoder_output is {t.dtype}, expected the model dtype "
+            f"{model_dtype} (model_dtype); cast it with .to({model_dtype})"
+        )
 
 
 def encoder_output(out: torch.Tensor, b: Batch, *, encoder_hidden_size: int) -> int:
@@ -276,41 +283,61 @@ def check_prompt_tables(
     model dtype, and every token id past the vocabulary names a row of its own request's
     table."""
     for i, r in enumerate(all_requests(b)):
-        t = getattr(r, "prompt_table", None)
-        if t is None:
-            continue
-        if not _plain_tensor(t):
-            raise BatchError(
-                f"{where(b, i)}: prompt_table must be a dense torch.Tensor, got {type(t).__name__}"
-            )
-        if t.dim() != 2 or t.shape[1] != hidden_size:
-            raise BatchError(
-                f"{where(b, i)}: prompt_table must be [vocab, hidden_size={hidden_size}], "
-                f"got {list(t.shape)}"
-            )
-        if t.shape[0] > max_prompt_vocab_size:
-            raise BatchError(
-                f"{where(b, i)}: its prompt table has {t.shape[0]} rows, more than "
-                f"max_prompt_vocab_size={max_prompt_vocab_size}"
-            )
-        if t.dtype != model_dtype:
-            raise BatchError(
-                f"{where(b, i)}: prompt_table is {t.dtype}, the model dtype is {model_dtype}"
-            )
+        _prompt_table(where(b, i), r, hidden_size, max_prompt_vocab_size, model_dtype)
     # a token id v >= vocab_size reads row v - vocab_size of its own request's table: the row
     # must exist (a request without a table would read another request's rows)
-    vocab = vocab_size
     for i, largest in enumerate(_largest_input_tokens(b)):
-        if largest < vocab:
-            continue
-        t = getattr(all_requests(b)[i], "prompt_table", None)
-        rows = 0 if t is None else t.shape[0]
-        if largest - vocab >= rows:
-            have = "the request has no prompt_table" if t is None else f"its table has {rows} rows"
-            raise BatchError(
-                f"{where(b, i)}: token {largest} reads prompt-table row {largest - vocab}, but "
-                f"{have}"
-            )
+        _prompt_row(where(b, i), all_requests(b)[i], largest, vocab_size)
+
+
+def admit_prompt_table(
+    r: Any,
+    *,
+    hidden_size: int,
+    max_prompt_vocab_size: int,
+    model_dtype: torch.dtype,
+    vocab_size: int,
+) -> None:
+    """A request arriving in flight: its prompt_table as check_prompt_tables wants it, and
+    every prompt id past the vocabulary a row of that table."""
+    w = f"request (seq_slot {r.seq_slot})"
+    _prompt_table(w, r, hidden_size, max_prompt_vocab_size, model_dtype)
+    if len(r.prompt):
+        _prompt_row(w, r, int(r.prompt.max()), vocab_size)
+
+
+def _prompt_table(
+    w: str, r: Any, hidden_size: int, max_prompt_vocab_size: int, model_dtype: torch.dtype
+) -> None:
+    t = getattr(r, "prompt_table", None)
+    if t is None:
+        return
+    if not _plain_tensor(t):
+        raise BatchError(f"{w}: prompt_table must be a dense torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2 or t.shape[1] != hidden_size:
+        raise BatchError(
+            f"{w}: prompt_table must be [vocab, hidden_size={hidden_size}], got {list(t.shape)}"
+        )
+    if t.shape[0] > max_prompt_vocab_size:
+        raise BatchError(
+            f"{w}: its prompt table has {t.shape[0]} rows, more than "
+            f"max_prompt_vocab_size={max_prompt_vocab_size}"
+        )
+    if t.dtype != model_dtype:
+        raise BatchError(f"{w}: prompt_table is {t.dtype}, the model dtype is {model_dtype}")
+
+
+def _prompt_row(w: str, r: Any, largest: int, vocab: int) -> None:
+    """Token `largest`, if past the vocabulary, names a row of the request's own table."""
+    if largest < vocab:
+        return
+    t = getattr(r, "prompt_table", None)
+    rows = 0 if t is None else t.shape[0]
+    if largest - vocab >= rows:
+        have = "the request has no prompt_table" if t is None else f"its table has {rows} rows"
+        raise BatchError(
+            f"{w}: token {largest} reads prompt-table row {largest - vocab}, but {have}"
+        )
 
 
 def _largest_input_tokens(b: Batch) -> list[int]:
@@ -391,27 +418,38 @@ def check_mrope(b: Batch, *, max_position_embeddings: int, rotary_embedding_dim:
     """Each context request's cos/sin table, each generation request's position delta."""
     width = max_position_embeddings * rotary_embedding_dim
     for i, r in enumerate(b.context):
-        t = getattr(r, "mrope_rotary_cos_sin", None)
-        if t is not None and not _plain_tensor(t):
-            raise BatchError(
-                f"{where(b, i)}: mrope_rotary_cos_sin must be a dense torch.Tensor, got "
-                f"{type(t).__name__}"
-            )
-        if t is None or t.numel() != width:
-            got = "none" if t is None else f"{t.numel()} values"
-            raise BatchError(
-                f"{where(b, i)}: mrope_rotary_cos_sin needs max_position_embeddings * "
-                f"rotary_embedding_dim = {width} values, got {got}"
-            )
+        _mrope_table(where(b, i), r, width)
     for j, r in enumerate(b.generation):
-        delta = getattr(r, "mrope_position_deltas", None)
-        if delta is None:
-            raise BatchError(
-                f"{where(b, len(b.context) + j)}: a generation request needs mrope_position_deltas"
-            )
-        check_int(
-            delta, "mrope_position_deltas", where(b, len(b.context) + j), -INT32_MAX, INT32_MAX
+        _mrope_delta(where(b, len(b.context) + j), r, "a generation request")
+
+
+def admit_mrope(r: Any, *, max_position_embeddings: int, rotary_embedding_dim: int) -> None:
+    """A request arriving in flight: its cos/sin table for the context phase, and the position
+    delta its generation steps read (both known when it arrives: get_rope_index gives them)."""
+    w = f"request (seq_slot {r.seq_slot})"
+    _mrope_table(w, r, max_position_embeddings * rotary_embedding_dim)
+    _mrope_delta(w, r, "a request in flight")
+
+
+def _mrope_table(w: str, r: Any, width: int) -> None:
+    t = getattr(r, "mrope_rotary_cos_sin", None)
+    if t is not None and not _plain_tensor(t):
+        raise BatchError(
+            f"{w}: mrope_rotary_cos_sin must be a dense torch.Tensor, got {type(t).__name__}"
         )
+    if t is None or t.numel() != width:
+        got = "none" if t is None else f"{t.numel()} values"
+        raise BatchError(
+            f"{w}: mrope_rotary_cos_sin needs max_position_embeddings * "
+            f"rotary_embedding_dim = {width} values, got {got}"
+        )
+
+
+def _mrope_delta(w: str, r: Any, who: str) -> None:
+    delta = getattr(r, "mrope_position_deltas", None)
+    if delta is None:
+        raise BatchError(f"{w}: {who} needs mrope_position_deltas")
+    check_int(delta, "mrope_position_deltas", w, -INT32_MAX, INT32_MAX)
 
 
 def mrope_rotary_cos_sin(
@@ -484,18 +522,27 @@ def _thresholds(b: Batch) -> np.ndarray:
 def check_posterior_thresholds(b: Batch) -> None:
     """Each eagle_posterior_threshold, if any, is a number >= 0, finite in float32."""
     for i, r in enumerate(all_requests(b)):
-        v = getattr(r, "eagle_posterior_threshold", None)
-        if v is None:
-            continue
-        try:
-            f = float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else math.nan
-        except OverflowError:
-            f = math.inf
-        if not 0 <= f <= _FLOAT32_MAX:  # NaN fails too; the buffers are float32
-            raise BatchError(
-                f"{where(b, i)}: eagle_posterior_threshold {show(v)} must be a number >= 0 "
-                "(and finite in float32)"
-            )
+        _posterior_threshold(where(b, i), r)
+
+
+def admit_posterior_threshold(r: Any) -> None:
+    """A request arriving in flight: its eagle_posterior_threshold, if any."""
+    _posterior_threshold(f"request (seq_slot {r.seq_slot})", r)
+
+
+def _posterior_threshold(w: str, r: Any) -> None:
+    v = getattr(r, "eagle_posterior_threshold", None)
+    if v is None:
+        return
+    try:
+        f = float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else math.nan
+    except OverflowError:
+        f = math.inf
+    if not 0 <= f <= _FLOAT32_MAX:  # NaN fails too; the buffers are float32
+        raise BatchError(
+            f"{w}: eagle_posterior_threshold {show(v)} must be a number >= 0 "
+            "(and finite in float32)"
+        )
 
 
 def posterior_thresholds(out: np.ndarray, b: Batch) -> int:

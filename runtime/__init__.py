@@ -19,7 +19,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised in a subproce
 from ..errors import BatchError, ConfigError, RuleError
 from ..rules.request import Request
 from ..rules.sizes import ENCODER_SIZES, STEP_SIZES, StepSizes
-from .buffers import KV_CACHE_LENGTH_ROUND, RuntimeBuffers, Step, check_size
+from .buffers import RuntimeBuffers, Step, check_size
 from .config import ConfigBase, cdiv, check_bool, check_dtype, check_int, check_names, require
 from .decl import (
     DEVICE,
@@ -36,7 +36,7 @@ from .decl import (
     TensorDecl,
 )
 from .project import ProjectImpl, rule_module
-from .staging import REPEAT_LAST, Targets
+from .staging import REPEAT_LAST, Targets, write_all, written_max
 
 FORMAT_VERSION = 4
 """The generated-module format this runtime implements; bumped on incompatible changes (4: the
@@ -67,7 +67,6 @@ __all__ = [
     "EXTERNAL",
     "FORMAT_VERSION",
     "HOST",
-    "KV_CACHE_LENGTH_ROUND",
     "PINNED",
     "STATIC",
     "STEP_SIZES",
@@ -87,6 +86,8 @@ __all__ = [
     "Step",
     "StepSizes",
     "REPEAT_LAST",
+    "write_all",
+    "written_max",
     "Targets",
     "TensorDecl",
     "cdiv",

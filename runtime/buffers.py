@@ -17,6 +17,7 @@ import inspect
 import math
 import os
 import threading
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -34,7 +35,7 @@ from .storage import allocate, records, static_values
 from .tokens import Gather, tokens_on_device, tokens_on_host
 from .transfer import Transfer
 
-KV_CACHE_LENGTH_ROUND = 256  # the reference's CUDA-graph key rounding
+NO_SCALARS: Mapping[str, int] = types.MappingProxyType({})
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -70,14 +71,23 @@ def check_size(name: str, value: int, bound: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One prepared step: engine IO views sized for this step, and its sizes."""
+    """One prepared step: engine IO views sized for this step, its sizes, and its scalars (the
+    host integers the spec's `scalars` declare, also readable as attributes:
+    ``step.max_kv_cache_length_rounded``)."""
 
     inputs: dict[str, torch.Tensor]
     outputs: dict[str, torch.Tensor]
     sizes: Any  # the family's StepSizes
-    max_kv_cache_length_rounded: int
+    scalars: Mapping[str, int] = dataclasses.field(default_factory=lambda: NO_SCALARS)
     ring_slots: dict[str, int] = dataclasses.field(default_factory=dict)
     """The slot each ring tensor binds in this step."""
+
+    def __getattr__(self, name: str) -> int:
+        scalars = self.__dict__.get("scalars")
+        if scalars is not None and name in scalars:
+            return scalars[name]
+        known = ", ".join(sorted(scalars or ())) or "none in this family"
+        raise AttributeError(f"Step has no attribute or scalar {name!r} (scalars: {known})")
 
 
 class RuntimeBuffers:
@@ -89,11 +99,11 @@ class RuntimeBuffers:
     sizes_type: ClassVar[type]  # the StepSizes the batch builder computes
     state_type: ClassVar[type]  # what the family's checks keep between steps
     tensor_decls: ClassVar[tuple[TensorDecl, ...]]
-    kv_lengths: ClassVar[str | None] = None  # the host tensor of each sequence's past KV length
     no_advance: ClassVar[tuple[str, ...]] = ()  # rules without an advance form
     # the host tensor whose generation rows take each sequence's sampled token
     sampled_tokens: ClassVar[str | None] = None
     advances_on_device: ClassVar[bool] = False  # the family has ``_advance_on_device``
+    captures: ClassVar[bool] = False  # the family has ``_capture`` (prepare_for_cuda_graph)
     # the spec's own implementations the step calls: an exception one raises names it
     project_impls: ClassVar[tuple[ProjectImpl, ...]] = ()
     VIEW_CACHE: ClassVar[int] = 16  # shapes whose views each tensor keeps, per staging half
@@ -142,11 +152,10 @@ class RuntimeBuffers:
         self._ring_step = 0
         for name, values in (static_inputs or {}).items():
             self.set_static(name, values)
-        self._past_kv = self.kv_lengths if self.kv_lengths in self.decls else None
         self._half = 1  # the first step writes half 0
         self._step_views: list[tuple[Any, dict, dict] | None] = [None] * HALVES
         self._last: Any = None  # the sizes of the last step
-        self._longest = 0  # the longest past-KV length of the last step
+        self._scalars_now: Mapping[str, int] = NO_SCALARS  # the last step's scalars
         self._decode: Any = None  # the state a following advance() continues from, if any
         self._by_step = False  # the last step was step()'s: advance() does not continue it
         # the run of decode steps (a prepare_step and the advance() calls after it) whose
@@ -191,6 +200,15 @@ class RuntimeBuffers:
         raise NotImplementedError
 
     def _advance_on_device(self, v: DeviceStep, advancing: Any) -> None:
+        raise NotImplementedError
+
+    def _scalars(self, targets: Targets, sizes: Any) -> Mapping[str, int]:
+        """The step scalars of the step just written (none unless the family declares any)."""
+        return NO_SCALARS
+
+    def _capture(
+        self, targets: Targets, sizes: Any, scalars: Mapping[str, int], max_sequence_length: int
+    ) -> None:
         raise NotImplementedError
 
     # ------------------------------------------------------------------------- helpers
@@ -351,9 +369,7 @@ class RuntimeBuffers:
         self._half = h
         self._run += 1
         self._half_run[h] = self._run
-        if self._past_kv is not None:
-            kv = getattr(targets, self._past_kv)
-            self._longest = int(kv.out[: kv.written[0]].max()) if kv.written[0] else 0
+        self._scalars_now = self._scalars(targets, s)
         self._last = s
         self._decode = decode
         return self._step(s)
@@ -434,7 +450,7 @@ class RuntimeBuffers:
             self._to_device(h, lambda: self._io.copy(h, targets, gather))
         self._half = h
         self._half_run[h] = self._run
-        self._longest += 1
+        self._scalars_now = self._scalars(targets, self._last)
         self._decode = advancing.decode
         return self._step(self._last)
 
@@ -615,7 +631,7 @@ class RuntimeBuffers:
             inputs=inputs,
             outputs=outputs,
             sizes=s,
-            max_kv_cache_length_rounded=self._max_kv_rounded(),
+            scalars=self._scalars_now,
             ring_slots=slots,
         )
 
@@ -665,16 +681,13 @@ class RuntimeBuffers:
             (inputs if which == "inputs" else outputs)[engine_name] = slot_view
         return inputs, outputs
 
-    def _max_kv_rounded(self) -> int:
-        if self._past_kv is None:
-            return 0
-        return -(-self._longest // KV_CACHE_LENGTH_ROUND) * KV_CACHE_LENGTH_ROUND
-
     @_exclusive
     def prepare_for_cuda_graph(self, max_sequence_length: int) -> None:
-        """Before capturing the last (generation-only) step as a CUDA graph: raise its
-        past-KV lengths to min(max_sequence_length - 1, the rounded max KV length), so the
-        captured attention grid covers the next steps, as the reference does."""
+        """Before capturing the last (generation-only) step as a CUDA graph: each tensor with
+        a declared `capture` value gets it in the elements the step wrote (in the TensorRT-LLM
+        families, the past KV lengths become min(max_sequence_length - 1, the longest rounded
+        up), so the captured attention grid covers the steps it is replayed for, as the
+        reference does). Nothing to do in a family that declares none."""
         check_int(
             max_sequence_length, "max_sequence_length", "prepare_for_cuda_graph", 1, INT32_MAX + 1
         )
@@ -686,9 +699,8 @@ class RuntimeBuffers:
                 f"prepare_for_cuda_graph needs a generation-only step; the last step had "
                 f"{s.num_context_requests} context requests"
             )
-        if self._past_kv is None:
+        if not self.captures:
             return
-        value = min(max_sequence_length - 1, self._max_kv_rounded())
-        self._t[self._past_kv].flat[self._half][: s.num_sequences] = value
-        self._decode = None  # the past-KV lengths no longer follow the tokens
+        self._capture(self._targets[self._half], s, self._scalars_now, int(max_sequence_length))
+        self._decode = None  # the captured values no longer follow the tokens
         self._half_run[self._half] = None

@@ -95,6 +95,18 @@ class Target:
         w[0] = n
 
 
+def written_max(target: Target) -> int:
+    """The largest element the last fill of `target` wrote (0 when it wrote none): what a step
+    scalar's ``max_of(tensor)`` reads."""
+    n = target.written[0]
+    return int(target.out[:n].max()) if n else 0
+
+
+def write_all(target: Target, value: int) -> None:
+    """`value` into every element the last fill of `target` wrote (a capture value)."""
+    target.out[: target.written[0]] = value
+
+
 class Targets:
     """One half's fill targets, one attribute per rule tensor of the family that the Config
     allocates (the generated program writes the others only under their conditions)."""

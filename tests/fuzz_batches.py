@@ -156,11 +156,8 @@ def diff_step(step, ref_step) -> list[str]:
     out += diff_views(step.outputs, ref_step.outputs, "step.outputs")
     if step.sizes != ref_step.sizes:
         out.append(f"step.sizes {step.sizes} vs {ref_step.sizes}")
-    if step.max_kv_cache_length_rounded != ref_step.max_kv_cache_length_rounded:
-        out.append(
-            f"max_kv_cache_length_rounded {step.max_kv_cache_length_rounded} vs "
-            f"{ref_step.max_kv_cache_length_rounded}"
-        )
+    if step.scalars != ref_step.scalars:
+        out.append(f"scalars {dict(step.scalars)} vs {dict(ref_step.scalars)}")
     return out
 
 

@@ -421,7 +421,7 @@ def test_generated_names_hold_every_name_a_generated_module_binds_or_calls():
         seen |= names
         module_seen |= module
     # and nothing is listed that no module uses (but min, which a formula may call)
-    assert vocab.GENERATED_NAMES - seen == vocab.MODULE_NAMES - module_seen == {"min"}
+    assert vocab.GENERATED_NAMES - seen == vocab.MODULE_NAMES - module_seen <= {"min"}
     assert vocab.GENERATED_NAMES == vocab.MODULE_NAMES | vocab.MEMBER_NAMES | vocab.LOCAL_NAMES
 
 
@@ -433,6 +433,6 @@ def test_the_module_level_names_are_reserved(tmp_path):
     with pytest.raises(SpecError) as exc:
         compile_text(spec)
     assert str(exc.value) == (
-        "buffers.yaml:12:3: construct-time parameter name 'dataclasses' is reserved: "
+        "buffers.yaml:13:3: construct-time parameter name 'dataclasses' is reserved: "
         "generated modules use it at module level; choose another name"
     )

@@ -123,7 +123,7 @@ CASES = [
         '    shape: ["num_tokens"]',
         '    shpae: ["num_tokens"]',
         [
-            "buffers.yaml:19:5: unknown key 'shpae' in tensors[0] (did you mean 'shape'?); allowed keys: bind, capacity, doc, dtype, fill, memory, name, pad, ring, shape, when"
+            "buffers.yaml:19:5: unknown key 'shpae' in tensors[0] (did you mean 'shape'?); allowed keys: bind, capacity, capture, doc, dtype, fill, memory, name, pad, ring, shape, when"
         ],
         id="unknownkey",
     ),
@@ -219,7 +219,7 @@ CASES = [
         '  num_requests: {doc: Requests., max: "max_batch_size"}',
         '  num_requests: {doc: Requests., max: "max_batch_size"}\n  max_batch_size: {doc: X.}',
         [
-            "buffers.yaml:11:3: name 'max_batch_size' is already declared at line 5; flags, parameters, derived values and sizes share one namespace",
+            "buffers.yaml:11:3: name 'max_batch_size' is already declared at line 5; flags, parameters, derived values, sizes and scalars share one namespace",
             "buffers.yaml:11:3: unknown step size 'max_batch_size'; the runtime computes: num_context_requests, num_context_tokens, num_generation_requests, num_generation_sequences, num_generation_tokens, num_logits, num_sequences, num_tokens, num_requests, max_context_length, "
             "num_encoder_tokens, num_encoder_input_tokens, max_encoder_input_length",
         ],
@@ -760,6 +760,84 @@ def _with(*tensors: str, before_sizes: str = "", params: str = "") -> str:
             "  act_dtype: {doc: Dtype., type: dtype, default: float16}\n" + params,
         )
     return text
+
+
+def _scalar(declaration: str) -> str:
+    return BASE.replace("families:", f"scalars:\n  {declaration}\nfamilies:")
+
+
+SCALAR_CASES = [
+    pytest.param(
+        _scalar('top: {doc: T., value: "max_of(host_idz)"}'),
+        ["buffers.yaml:12:33: unknown tensor 'host_idz' (did you mean 'host_ids'?)"],
+        id="max_of_unknown",
+    ),
+    pytest.param(
+        _scalar('top: {doc: T., value: "max_of(ids)"}'),
+        [
+            "buffers.yaml:12:33: max_of() reads a host or pinned tensor a rule fills; 'ids' is "
+            "device memory filled by mirror"
+        ],
+        id="max_of_device",
+    ),
+    pytest.param(
+        _scalar('top: {doc: T., value: "max_of(1 + 2)"}'),
+        ["buffers.yaml:12:26: max_of() takes the name of a tensor"],
+        id="max_of_expression",
+    ),
+    pytest.param(
+        _scalar('top: {doc: T., value: "num_tokens // max_of(host_ids)"}'),
+        [
+            "buffers.yaml:12:47: 'num_tokens // max_of(host_ids)' may divide by zero: "
+            "'max_of(host_ids)' is known only when a step runs; divide by a constant, a "
+            "parameter or a derived value"
+        ],
+        id="scalar_divisor",
+    ),
+    pytest.param(
+        BASE.replace(
+            "fill: {rule: token_ids}\n",
+            'fill: {rule: token_ids}\n    capture: "max_of(host_ids)"\n',
+        ),
+        [
+            "buffers.yaml:21:22: max_of() reads what a step wrote, so only a step scalar's value "
+            "may use it, not a capture value"
+        ],
+        id="max_of_in_capture",
+    ),
+    pytest.param(
+        BASE.replace(
+            "  max_num_tokens: {doc: Tokens., min: 1}\n",
+            "  max_sequence_length: {doc: S., min: 1}\n  max_num_tokens: {doc: Tokens., min: 1}\n",
+        ),
+        [
+            "buffers.yaml:6:3: construct-time parameter name 'max_sequence_length' is reserved; "
+            "choose another name"
+        ],
+        id="capture_argument_reserved",
+    ),
+    pytest.param(
+        _with(_tensor("k", "int32", '    fill: engine\n    capture: "1"\n')),
+        [
+            "buffers.yaml:34:5: tensor 'k': prepare_for_cuda_graph writes a capture value into "
+            "a host or pinned tensor a rule fills, not device memory filled by engine"
+        ],
+        id="capture_engine",
+    ),
+    pytest.param(
+        _scalar('top: {doc: T., value: "cdiv(max_of(host_ids), 4) * 4"}').replace(
+            "fill: {rule: token_ids}\n",
+            'fill: {rule: token_ids}\n    capture: "min(max_sequence_length - 1, top)"\n',
+        ),
+        [],
+        id="scalar_and_capture_ok",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), SCALAR_CASES)
+def test_scalar_and_capture_diagnostic(text: str, expected: list[str]) -> None:
+    assert diagnostics(text) == expected
 
 
 LATER_CASES = [

@@ -107,6 +107,63 @@ def test_add_refuses_a_bad_request_and_keeps_nothing(case: str) -> None:
     assert _same(b, twin) == []
 
 
+PROMPT = dict(max_prompt_embedding_table_size=8 * 5, hidden_size=4)  # 5 rows per request
+MROPE = dict(PROMPT, max_position_embeddings=6, rotary_embedding_dim=2)
+_MROPE_GOOD = dict(mrope_rotary_cos_sin=torch.zeros(12), mrope_position_deltas=0)
+FEATURE_ARRIVALS = {
+    "a prompt table of the wrong width": (
+        "gpt_prompt_tuning",
+        PROMPT,
+        {},
+        dict(prompt_table=torch.zeros(3, 3)),
+        r"request \(seq_slot 2\): prompt_table must be \[vocab, hidden_size=4\], got \[3, 3\]",
+    ),
+    "a prompt id past its table": (
+        "gpt_prompt_tuning",
+        PROMPT,
+        {},
+        dict(prompt=[1, 1000 + 3], prompt_table=torch.zeros(2, 4, dtype=torch.float16)),
+        r"request \(seq_slot 2\): token 1003 reads prompt-table row 3, but its table has 2 rows",
+    ),
+    "an M-RoPE table of the wrong size": (
+        "qwen2_vl",
+        MROPE,
+        _MROPE_GOOD,
+        dict(mrope_rotary_cos_sin=torch.zeros(5), mrope_position_deltas=0),
+        r"request \(seq_slot 2\): mrope_rotary_cos_sin needs max_position_embeddings \* "
+        r"rotary_embedding_dim = 12 values, got 5 values",
+    ),
+    "no M-RoPE position delta": (
+        "qwen2_vl",
+        MROPE,
+        _MROPE_GOOD,
+        dict(mrope_position_deltas=None),
+        r"request \(seq_slot 2\): a request in flight needs mrope_position_deltas",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FEATURE_ARRIVALS)
+def test_add_refuses_a_bad_feature_field(case: str) -> None:
+    """A prompt table or an M-RoPE table no step could read is refused by add() (before:
+    accepted, then every step refused the whole batch until that request was finished)."""
+    name, config, good, fields, message = FEATURE_ARRIVALS[case]
+    b = make_buffers(name, max_beam_width=1, **config)
+    twin = make_buffers(name, max_beam_width=1, **config)
+    for x in (b, twin):
+        for slot in (0, 1):
+            x.add(Request(seq_slot=slot, prompt=[5, 6, 7], kv_block_ids=[[slot + 1]], **good))
+        x.step()
+    request = Request(seq_slot=2, prompt=[1, 2, 3], kv_block_ids=[[3]], **good)
+    for k, v in fields.items():
+        setattr(request, k, v)
+    with pytest.raises(BatchError, match=message):
+        b.add(request)
+    for x in (b, twin):
+        x.step(_tokens())
+    assert _same(b, twin) == []
+
+
 def test_add_accepts_a_good_lora_request() -> None:
     b = make_buffers("gpt_lora", max_beam_width=1)
     b.add(Request(seq_slot=0, prompt=[1, 2, 3], kv_block_ids=[[0]], lora_weights=[LORA_ROW]))

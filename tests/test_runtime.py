@@ -212,6 +212,26 @@ def test_max_kv_cache_length_rounding_and_cuda_graph_preparation():
     assert b.tensors["host_past_key_value_lengths"][:2].tolist() == [512, 512]
 
 
+def test_a_scalar_a_family_lacks_is_named_with_those_it_has():
+    step = make_buffers("mamba", max_beam_width=1).prepare_step([], [])
+    assert step.scalars == {}
+    with pytest.raises(AttributeError, match=r"no attribute or scalar 'max_kv_cache_length_"):
+        step.max_kv_cache_length_rounded  # noqa: B018
+    gpt = make_buffers("gpt").prepare_step([], [])
+    with pytest.raises(AttributeError, match=r"\(scalars: max_kv_cache_length_rounded\)"):
+        gpt.max_kv_length  # noqa: B018
+
+
+def test_the_rounded_kv_length_follows_advance_past_a_rounding_boundary():
+    b = make_buffers("gpt")
+    step = b.prepare_step([], [Request(seq_slot=3, prompt=list(range(250)), generated=[[1] * 6])])
+    assert step.max_kv_cache_length_rounded == 256  # 255 tokens before the step
+    step = b.advance([2])
+    assert step.max_kv_cache_length_rounded == 256  # 256
+    step = b.advance([2])
+    assert step.max_kv_cache_length_rounded == 512  # 257
+
+
 def test_cuda_graph_preparation_needs_a_generation_only_step():
     b = make_buffers("gpt")
     with pytest.raises(BatchError, match="needs a prepared step"):
