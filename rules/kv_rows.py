@@ -249,21 +249,10 @@ def _diagnose(
     for kind, reqs in (("context", b.context), ("generation", b.generation)):
         for i, r in enumerate(reqs):
             w = f"{kind} request {i} (seq_slot {r.seq_slot})"
-            ids = getattr(r, field, None)
+            lists = _request_lists(w, r, field)
             beams = 1 if kind == "context" else int(r.beam_width)
-            try:
-                count = len(ids) if ids is not None else 0
-                lists = list(ids) if ids is not None and count else []
-            except TypeError:
-                count, lists = 0, []
-            if not count or count not in (1, r.beam_width) or not all(map(_is_sequence, lists)):
-                got = f"{count} lists" if count else show(ids)
-                raise BatchError(
-                    f"{w}: {field} needs one block list (shared by all beams) or one per beam, "
-                    f"got {got}"
-                )
             for k in range(beams):
-                blocks = lists[k if count > 1 else 0]
+                blocks = lists[k if len(lists) > 1 else 0]
                 if len(blocks) > width:
                     raise BatchError(
                         f"{w}: {len(blocks)} {what} blocks exceed {width_name}={width}"
@@ -273,14 +262,7 @@ def _diagnose(
                         f"{w}: {field} holds {len(blocks)} blocks, but its tokens after this "
                         f"step need {int(need[seq + k])}; allocate the blocks before scheduling"
                     )
-                for j, block in enumerate(blocks):
-                    if not is_int(block):
-                        raise BatchError(f"{w}: {field} block {j} is {show(block)}, not an integer")
-                    if not 0 <= block < limit[0]:
-                        raise BatchError(
-                            f"{w}: {what} block id {block} is outside 0 .. {limit[0] - 1} "
-                            f"({limit[1]})"
-                        )
+                _name_bad_id(blocks, 0, field, w, limit, what)
             seq += beams
     raise BatchError(f"the {field} of this step are malformed")  # pragma: no cover
 
@@ -322,6 +304,13 @@ def admit_lists(
     each of at most `width` integer ids in 0 .. limit - 1; a BatchError naming the request and
     the first bad value otherwise."""
     w = f"request (seq_slot {r.seq_slot})"
+    for blocks in _request_lists(w, r, field):
+        check_ids(blocks, field, w, width=width, width_name=width_name, limit=limit, what=what)
+
+
+def _request_lists(w: str, r: Any, field: str) -> list:
+    """Request `r`'s block lists of `field`, one (shared by all beams) or one per beam; a
+    BatchError otherwise."""
     ids: Any = getattr(r, field, None)
     try:
         count = len(ids) if ids is not None else 0
@@ -333,8 +322,7 @@ def admit_lists(
         raise BatchError(
             f"{w}: {field} needs one block list (shared by all beams) or one per beam, got {got}"
         )
-    for blocks in lists:
-        check_ids(blocks, field, w, width=width, width_name=width_name, limit=limit, what=what)
+    return lists
 
 
 def check_ids(
@@ -352,8 +340,15 @@ def check_ids(
     if len(blocks) > width:
         raise BatchError(f"{w}: {len(blocks)} {what} blocks exceed {width_name}={width}")
     a = int_array(blocks[start:])
-    if a is not None and in_range(a, 0, limit[0]):
-        return
+    if a is None or not in_range(a, 0, limit[0]):
+        _name_bad_id(blocks, start, field, w, limit, what)
+
+
+def _name_bad_id(
+    blocks: Any, start: int, field: str, w: str, limit: tuple[int, str], what: str
+) -> None:
+    """A BatchError naming the first id of `blocks` from `start` on that is not an integer in
+    0 .. limit - 1 (none when all are)."""
     for j, block in enumerate(blocks[start:], start):
         if not is_int(block):
             raise BatchError(f"{w}: {field} block {j} is {show(block)}, not an integer")
