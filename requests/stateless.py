@@ -71,7 +71,7 @@ def build(
 
 @dataclasses.dataclass
 class Memo:
-    """What ``Batch.build`` keeps from one step to the next: the columns of the in-flight
+    """What ``build`` keeps from one step to the next: the columns of the in-flight
     generation requests that cannot change (reused while the generation list is the last
     step's) and the converted prompts of the context requests still being chunked. Written
     only once every check of the build has passed."""

@@ -40,8 +40,9 @@ from .staging import REPEAT_LAST, Targets, write_all, written_max
 
 FORMAT_VERSION = 4
 """The generated-module format this runtime implements; bumped on incompatible changes (4: the
-request layer is ``bufc.requests`` (``batch``, ``stateless``, ``table``), and the format check
-comes before every other import; 3: a spec's own implementation modules imported through
+request layer is ``bufc.requests`` (``batch``, ``stateless``, ``table``), the format check
+comes before every other import, arrival checks (``_admit``), step scalars (``_scalars``) and
+capture values (``_capture``); 3: a spec's own implementation modules imported through
 ``rule_module``, and ``project_impls``)."""
 
 READS_FORMATS = (FORMAT_VERSION,)
