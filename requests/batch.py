@@ -82,28 +82,17 @@ def limits(
 
 
 @dataclasses.dataclass(frozen=True)
-class FlightRows:
-    """How a step of requests in flight continues the KV rows of the last step (``inflight``):
-    where each generation sequence's row is among them, and the sequences whose KV block lists
-    are new or grew in this step, so the rows are moved and rebuilt without comparing every
-    list. Valid for the rows of the requests as laid out at full step `since`; the fill records
-    `step` as this step's.
+class FlightLists:
+    """Requests in flight: where each sequence of the step finds its KV block list in the
+    request table (``table``: its entries, serials, and each slot's list count and lengths),
+    so the KV rules keep their rows per slot and list, whatever row a sequence lands on.
+    ``seq_slots`` is each sequence's seq slot (context requests, then every generation beam),
+    ``seq_lists`` the index of its list among the slot's (0 where one list serves every
+    beam)."""
 
-    Where the rows are: `moved`, each sequence's row among the last step's generation rows
-    (-1: not one of them); or, when `moved` is None (one beam each), the first `same`
-    sequences are where they were but those of `refill`, (sequence, its row then), which
-    ``finish`` moved into the rows of requests that left."""
-
-    since: int
-    step: int
-    moved: np.ndarray | None
-    changed: list[int]
-    # each generation sequence's kv_block_ids length and the lists of the `changed` sequences
-    # (None: unknown, the lists are walked): the KV check then reads no other list
-    lengths: np.ndarray | None = None
-    lists: list | None = None
-    same: int = 0
-    refill: tuple[tuple[int, int], ...] = ()
+    table: Any
+    seq_slots: np.ndarray
+    seq_lists: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +118,7 @@ class Batch:  # not slotted: cached_property needs __dict__
     explicit_positions: tuple[int, ...]  # request indices (context first) with position_ids
     limits: Limits
     prompts: dict = dataclasses.field(default_factory=dict, repr=False)  # see prompt_array
-    flight: FlightRows | None = None  # requests in flight: what changed since the last step
+    flight: FlightLists | None = None  # requests in flight: where each sequence's lists are
 
     def prompt_array(self, i: int) -> np.ndarray:
         """Context request i's prompt as an int64 array (converted and checked by ``build``)."""
@@ -212,7 +201,7 @@ def view(
     explicit: tuple[int, ...],
     prompts: dict,
     encoder: bool = False,
-    flight: FlightRows | None = None,
+    flight: FlightLists | None = None,
 ) -> Batch:
     """The step's ``Batch`` from its checked columns: the only place one is made, whichever
     path read the requests. `ctx` holds the context requests' columns (first position, chunk,

@@ -1,7 +1,6 @@
 """A step's rows from the request table: its ``Batch`` (``step_view``, through the one
-builder ``batch.view``), where each generation sequence's KV row is among the last step's
-(``flight_rows``), the gather of tokens that stay on the device (``device_gather``), and the sequences
-whose block lists grew in a step in place (``grown_lists``).
+builder ``batch.view``), where each sequence's KV block list is in the table
+(``flight_lists``), and the gather of tokens that stay on the device (``device_gather``).
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import BatchError
-from .batch import Batch, FlightRows, view
+from .batch import Batch, FlightLists, view
 from .table import _beam_index
 from .values import INT32_MAX
 
@@ -38,7 +37,6 @@ def step_view(
     generated: np.ndarray,
     last: np.ndarray,
     ndraft: np.ndarray,
-    grew: set[int],
 ) -> Batch:
     n_ctx = len(context)
     ctx = tuple(e for e, _, _ in context)
@@ -83,79 +81,26 @@ def step_view(
         explicit=explicit,
         prompts={id(e): (e.prompt, t.prompt_arrays[e.seq_slot]) for e in ctx},
         encoder=t.encoder,
-        flight=flight_rows(t, rows, g_bw, wide, grew),
+        flight=flight_lists(t, ctx_slots, rows, g_bw, wide),
     )
 
 
-def flight_rows(
-    t: RequestTable, rows: np.ndarray, widths: np.ndarray, wide: bool, grew: set[int]
-) -> FlightRows:
-    """Where this step's generation sequences are among the last step's KV rows (every
-    step keeps its rows, ``core.advance_kv`` too, so a list grown in a step in place is in
-    them), the sequences to rebuild (new ones, and those of slots whose lists grew in this
-    step), each sequence's list length and the lists to rebuild.
-
-    One beam each, the rows kept from the last full step are where they were, but those
-    that ``finish`` refilled; the finished prompts follow them. With beams, each sequence's
-    row is looked up (a refilled row of another width shifts the sequences after it)."""
-    n_old = t.n_rows if len(rows) else 0  # kept rows, then the promoted ones
-    moved: np.ndarray | None = None
-    same = 0
-    refill: tuple[tuple[int, int], ...] = ()
+def flight_lists(
+    t: RequestTable, ctx_slots: np.ndarray, rows: np.ndarray, widths: np.ndarray, wide: bool
+) -> FlightLists | None:
+    """Each sequence's seq slot and list index in the table (a context request reads its first
+    list; a generation beam its own list, or the one list all its beams share). None where a
+    request in the step holds no lists the table counted (absent or malformed: the KV check then
+    walks the requests and names it)."""
     if wide:
-        slots, beam = _beam_index(rows, widths)
-        base = t.kept_first[slots]
-        moved = np.where(base >= 0, base + beam, -1)
-        changed = (moved < 0).nonzero()[0].tolist()
-    elif not t.kept_rows:  # the last full step ran no generation rows: none is kept
-        slots, changed = rows, list(range(len(rows)))
-    elif t.kept_one_beam:
-        slots, same = rows, n_old
-        refill = tuple((i, int(t.kept_first[rows[i]])) for i in sorted(t.refilled) if i < n_old)
-        changed = list(range(n_old, len(rows)))
-    else:  # the kept rows are a step's with beams: each sequence's is looked up
-        slots, moved = rows, t.kept_first[rows]
-        changed = (moved < 0).nonzero()[0].tolist()
-    # the sequences of kept rows whose lists grew (new rows are rebuilt anyway)
-    if grew and len(changed) < len(slots):
-        first = np.cumsum(widths) - widths if wide else None
-        for slot in grew:
-            row = int(t.row_of[slot])
-            if not 0 <= row < n_old:  # in its context phase, or promoted in this step
-                continue
-            seq = row if first is None else int(first[row])
-            if moved is None or moved[seq] >= 0:
-                changed.extend(range(seq, seq + int(t.beam_width[slot])))
-        changed.sort()
-    if t.n_unlisted:  # a request in flight whose lists the KV check walks
-        n_lists = t.n_lists[slots]
-        if len(slots) and not n_lists.all():
-            return FlightRows(t.full, t.full + 1, moved, changed, same=same, refill=refill)
-    at = slots[changed].tolist()
-    entries = t.entries
-    if wide:
-        counts = t.n_blocks
-        if grew:
-            counts = counts.copy()
-            for slot in grew:
-                t.count_blocks(slot, t.held(slot).kv_block_ids, counts)
-        column = np.where(t.n_lists[slots] > 1, beam, 0)
-        lengths = counts[slots, column]
-        columns = column[changed].tolist()
-        lists = [entries[s].kv_block_ids[k] for s, k in zip(at, columns)]  # type: ignore[union-attr]
-    else:  # one sequence per slot: its first list (the grown ones' lengths patched in,
-        # rather than a copy of the whole count table)
-        lengths = t.n_blocks[:, 0][slots]
-        if grew:
-            tail = rows[n_old:].tolist()
-            for slot in grew:
-                row = int(t.row_of[slot])
-                if row < 0 and slot in tail:
-                    row = n_old + tail.index(slot)
-                if 0 <= row < len(rows):  # a slot in its context phase has no row
-                    lengths[row] = len(t.held(slot).kv_block_ids[0])  # type: ignore[index]
-        lists = [entries[s].kv_block_ids[0] for s in at]  # type: ignore[union-attr]
-    return FlightRows(t.full, t.full + 1, moved, changed, lengths, lists, same=same, refill=refill)
+        gen_slots, beam = _beam_index(rows, widths)
+        gen_lists = np.where(t.n_lists[gen_slots] > 1, beam, 0)
+    else:
+        gen_slots, gen_lists = rows, np.zeros(len(rows), np.int64)
+    slots = np.concatenate((ctx_slots, gen_slots))
+    if t.n_unlisted and len(slots) and not t.n_lists[slots].all():
+        return None
+    return FlightLists(t, slots, np.concatenate((np.zeros(len(ctx_slots), np.int64), gen_lists)))
 
 
 def device_gather(
@@ -185,21 +130,6 @@ def device_gather(
         seq_slots, beams = np.concatenate((seq_slots, s)), np.concatenate((beams, bm))
     gather = TokenGather(seq_slots * k + beams, dst)
     return gather, (seq_slots, beams)
-
-
-def grown_lists(t: RequestTable, grew: dict[int, list[int]], rows: np.ndarray) -> tuple:
-    """(sequence, length before) for each sequence of a slot whose lists grew."""
-    if not t.n_wide:  # one sequence per row
-        return tuple((int(t.row_of[slot]), before[0]) for slot, before in grew.items())
-    widths = t.beam_width[rows]
-    first = np.cumsum(widths) - widths if t.n_wide else None
-    out = []
-    for slot, before in grew.items():
-        row = int(t.row_of[slot])
-        seq = row if first is None else int(first[row])
-        for k in range(int(t.beam_width[slot])):
-            out.append((seq + k, before[k if len(before) > 1 else 0]))
-    return tuple(out)
 
 
 def _beam_values(tok: np.ndarray, slots: np.ndarray, widths: np.ndarray) -> np.ndarray:

@@ -22,7 +22,6 @@ from .rows import (
     _beam_values,
     _sequence_values,
     device_gather,
-    grown_lists,
     step_view,
 )
 from .table import _EMPTY, Entry, RequestTable, _beam_index
@@ -61,17 +60,26 @@ class Plan:
     # each value it copies back (their state entries once they land)
     gather: TokenGather | None = None
     gathered: tuple[np.ndarray, np.ndarray] | None = None
+    table: RequestTable | None = None  # whose list lengths the undo recounts
 
     def undo(self) -> None:
         """The step failed: the block lists and drafts it set are as they were."""
-        _undo(self.undo_blocks, self.undo_drafts)
+        _undo(self.undo_blocks, self.undo_drafts, self.table, self.grew)
 
 
-def _undo(blocks: list[tuple[list, int]], drafts: list[tuple[Entry, Any]]) -> None:
+def _undo(
+    blocks: list[tuple[list, int]],
+    drafts: list[tuple[Entry, Any]],
+    t: RequestTable | None = None,
+    grew: Any = (),
+) -> None:
     for ids, n in blocks:
         del ids[n:]
     for entry, values in drafts:
         entry.draft_tokens = values
+    if t is not None:  # the lengths the table counted when the lists grew
+        for slot in grew:
+            t.count_blocks(slot, t.held(slot).kv_block_ids, t.n_blocks)
 
 
 def plan(
@@ -108,6 +116,7 @@ def plan(
         return _steady(t, tokens, blocks, on_device)
     undo_blocks: list[tuple[list, int]] = []
     undo_drafts: list[tuple[Entry, Any]] = []
+    undo_grew: list[int] = []
     try:
         # the tokens the last step produced: its generation rows still in flight and the
         # prompts it finished (they join the generation rows now)
@@ -128,14 +137,14 @@ def plan(
                 raise BatchError("step(): drafts given, but generation=False runs no generation")
             rows, row_entries = _EMPTY, []
         ndraft, drafted = _step_drafts(t, drafts, promoted, rows, undo_drafts)
-        grew = _grow(t, blocks, undo_blocks)
+        grew = _grow(t, blocks, undo_blocks, undo_grew)
         context, positions, completing = _context(t, chunks)
         if admit is not None and grew:
             running = {e.seq_slot for e, _, _ in context}
             for slot in grew:
                 if slot in t.waiting and slot not in running:
                     admit(t.held(slot))
-        batch = step_view(t, context, rows, row_entries, generated, last, ndraft, set(grew))
+        batch = step_view(t, context, rows, row_entries, generated, last, ndraft)
         gather, gathered = (
             device_gather(t, batch, tokens.columns, producers)
             if on_device and producers.size
@@ -158,9 +167,10 @@ def plan(
             set(grew),
             gather,
             gathered,
+            t,
         )
     except BaseException:
-        _undo(undo_blocks, undo_drafts)
+        _undo(undo_blocks, undo_drafts, t, undo_grew)
         raise
 
 
@@ -294,15 +304,22 @@ def _step_drafts(
 
 
 def _grow(
-    t: RequestTable, blocks: Mapping[int, Any] | None, undo: list[tuple[list, int]]
+    t: RequestTable,
+    blocks: Mapping[int, Any] | None,
+    undo: list[tuple[list, int]],
+    grew_slots: list[int],
 ) -> dict[int, list[int]]:
-    """Append the step's KV blocks to their slots' lists: each slot's lists' lengths
-    before, each append recorded in `undo`."""
+    """Append the step's KV blocks to their slots' lists, and count the lengths at once (the
+    KV check reads them): each slot's lists' lengths before, each append recorded in `undo`
+    and each slot in `grew_slots` (the undo recounts them)."""
     grew: dict[int, list[int]] = {}
     for slot, new in (blocks or {}).items():
-        done = _append_blocks(t.entry(slot, "blocks"), new, slot)
+        entry = t.entry(slot, "blocks")
+        done = _append_blocks(entry, new, slot)
         undo += done
+        grew_slots.append(int(slot))
         grew[int(slot)] = [n for _, n in done]
+        t.count_blocks(int(slot), entry.kv_block_ids, t.n_blocks)
     return grew
 
 
@@ -346,16 +363,16 @@ def _steady(
         gather = TokenGather(held[1], held[2])
         gathered = (held[3], held[4])
     undo: list[tuple[list, int]] = []
+    undo_grew: list[int] = []
     try:
-        grew = _grow(t, blocks, undo)
+        grew = _grow(t, blocks, undo, undo_grew)
     except BaseException:
-        _undo(undo, [])
+        _undo(undo, [], t, undo_grew)
         raise
-    grown = grown_lists(t, grew, rows) if grew else ()
     return Plan(
         None,
         Sampled(values),
-        grown,
+        (),
         None,
         None,
         t.ndraft,
@@ -369,6 +386,7 @@ def _steady(
         set(grew),
         gather,
         gathered,
+        t,
     )
 
 

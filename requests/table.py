@@ -117,16 +117,9 @@ class RequestTable:
         self.produced, self.produced_serial = _EMPTY, _EMPTY
         self.completing: list[tuple[int, int]] = []
         self.changed = True  # requests arrived or finished since the last step
-        # the KV rows the fills keep: each slot's first sequence among the generation rows of
-        # the last full step (`full`, its serial; -1: none), and the slots whose block lists
-        # grew in the steps in place since
-        self.full = 0
-        self.kept_first = np.full(n, -1, np.int64)
-        self.kept_rows = 0  # generation sequences of the last full step
-        self.kept_one_beam = True  # ... one per row (kept_first then indexes rows)
-        self.refilled: set[int] = set()  # rows finish() has moved another request into since
         # each slot's KV block lists: how many (0: none, or not one per beam or one for all:
-        # the KV check walks the lists) and each one's length, as of the last step
+        # the KV check walks the lists) and each one's length, counted when they change (the
+        # KV rules keep their rows per slot and list, and read these)
         self.n_lists = np.zeros(n, np.int64)
         self.n_unlisted = 0  # requests in flight with n_lists 0
         self.n_blocks = np.zeros((n, w), np.int64)
@@ -218,13 +211,11 @@ class RequestTable:
             self.row_entries.pop()
             self.n_rows = last
             self.row_of[slot] = -1
-            self.refilled.add(row)
         self.waiting.pop(slot, None)
         self.entries[slot] = None
         self.prompt_arrays[slot] = None
         self._serials_pending()
         self.serial[slot] += 1
-        self.kept_first[slot] = -1
         self.n_unlisted -= not self.n_lists[slot]
         self.n_lists[slot] = 0
         if slot in self.drafted:
@@ -286,8 +277,6 @@ class RequestTable:
                 self.last[:, 0][rows] = plan.tokens.values  # one axis: a cheaper scatter
             else:
                 self.last[_beam_index(rows, widths)] = plan.tokens.values
-            for slot in plan.grew:
-                self.count_blocks(slot, self.held(slot).kv_block_ids, self.n_blocks)
             return
         assert plan.last is not None and plan.generated is not None
         self.steady_gather = None  # rows may have joined
@@ -308,23 +297,9 @@ class RequestTable:
         for slot in plan.completing:
             del self.waiting[slot]
         self.completing = [(s, int(self.serial[s])) for s in plan.completing]
-        for slot in plan.grew:
-            self.count_blocks(slot, self.held(slot).kv_block_ids, self.n_blocks)
         self.produced = self.rows[: self.n_rows].copy() if plan.generation else _EMPTY
         self.produced_serial = self.serial[self.produced]
         self.changed = False
-        self.full += 1
-        self.refilled = set()
-        self.kept_first[:] = -1
-        b = plan.batch
-        assert b is not None
-        gen = b.seq_slot[b.sizes.num_context_requests :]
-        self.kept_rows = b.sizes.num_generation_sequences
-        self.kept_one_beam = b.sizes.num_generation_sequences == len(gen)
-        if len(gen) and self.kept_one_beam:
-            self.kept_first[gen] = np.arange(len(gen))
-        elif len(gen):
-            self.kept_first[gen] = b.seq_first
 
     # ---------------------------------------------------------------------------- helpers
 

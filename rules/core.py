@@ -26,9 +26,12 @@ if TYPE_CHECKING:
 from .kv_rows import (
     BlockPlan,
     KeptRows,
+    SlotPlan,
     check_block_lists,
+    from_slots,
     id_limit,
     sequence_keys,
+    slot_plan,
     write_at,
     write_kv_rows,
 )
@@ -334,9 +337,8 @@ def kv_cache_block_offsets(
     kept = plan.kept
     assert kept is not None  # check_kv_blocks hands its state on
     kept.entered = []  # advance() continues from these rows
-    kept.flight = plan.flight
-    if plan.hint is not None:  # in flight: the state says which rows moved and which grew
-        _follow(kept, plan, rows, n_ctx, layers)
+    if plan.slots is not None:  # in flight: each sequence's row from its slot's
+        from_slots(kept, plan.slots, rows, layers)
         return rows.size
     k = int(plan.lengths[:n_ctx].sum())
     write_kv_rows(rows[:n_ctx], plan.blocks[:k], plan.lengths[:n_ctx], layers)
@@ -371,27 +373,6 @@ def _take_rows(into: np.ndarray, table: np.ndarray, moved: Any) -> None:
     the table lacks (-1) is left for the caller to build."""
     if len(into) and len(table):  # -1 wraps to some row, overwritten by the caller
         np.take(table, moved, axis=0, out=into, mode="wrap")
-
-
-def _follow(kept: KeptRows, plan: BlockPlan, rows: np.ndarray, n_ctx: int, layers: int) -> None:
-    """In flight: the generation rows from the last step's rows where their sequences now are
-    (one beam each: all but those ``finish`` refilled are where they were, one contiguous
-    copy), then the context rows and those of `plan.changed` built from their lists (the
-    plan's blocks, in that order). The next step continues from these rows, in place."""
-    hint, table = plan.hint, kept.table
-    assert hint is not None and table is not None and plan.changed is not None
-    gen = rows[n_ctx:]
-    if hint.moved is not None:
-        _take_rows(gen, table, hint.moved)
-    else:
-        gen[: hint.same] = table[: hint.same]
-        for seq, j in hint.refill:
-            gen[seq] = table[j]
-    at = list(range(n_ctx))
-    at += [n_ctx + i for i in plan.changed]
-    write_at(rows, at, plan.blocks, plan.lengths, layers)
-    kept.table = gen
-    kept.snapshot, kept.requests, kept.keys = None, (), None
 
 
 def check_chatglm(b: Batch) -> None:
@@ -469,6 +450,9 @@ def check_kv_entered(
     their request (the only requests read in a decode step); raise before anything is
     written."""
     width, tpb = max_blocks_per_seq, tokens_per_block
+    if d.batch.flight is not None:  # in flight: the rows come from the slots' rows
+        plan = _flight_entered(d, kept, width, tpb, num_local_layers, num_kv_blocks)
+        return KvEntered(kept, [], plan, num_local_layers)
     # the sequences whose new token is the first of a block (a mask for the usual power of two)
     before = d.seq_tokens - 1
     offset = before & (tpb - 1) if not tpb & (tpb - 1) else before % tpb
@@ -529,13 +513,60 @@ def check_kv_entered(
     return KvEntered(kept, values)
 
 
+def _flight_entered(
+    d: Decode, kept: KeptRows, width: int, tpb: int, layers: int, num_kv_blocks: int
+) -> SlotPlan:
+    """A decode step of requests in flight: every sequence's list, as the table counts it,
+    covers its tokens after the step; the lists that grew since are converted (their ids
+    checked). Raises before anything is written, naming the first sequence short of a block or
+    the first bad id."""
+    b = d.batch
+    flight = b.flight
+    assert flight is not None
+    t, slots, cols = flight.table, flight.seq_slots, flight.seq_lists
+    lengths = t.n_blocks[slots, cols]
+    tokens = d.seq_tokens
+    limit, limit_text = id_limit(layers, num_kv_blocks)
+    short = ((lengths * tpb < tokens) & (lengths < width)) | (lengths > width)
+    plan = None if short.any() else slot_plan(kept, t, slots, cols, lengths, width, limit)
+    if plan is not None:
+        return plan
+    for seq in range(len(tokens)):  # the cold path: name the first bad sequence
+        req = int(b.seq_request[seq])
+        r = b.generation[req]
+        w = f"generation request {req} (seq_slot {r.seq_slot})"
+        blocks = r.kv_block_ids[int(cols[seq])]
+        if len(blocks) > width:
+            raise BatchError(f"{w}: {len(blocks)} KV blocks exceed max_blocks_per_seq={width}")
+        col = (int(tokens[seq]) - 1) // tpb
+        if col < width and col >= len(blocks):
+            raise BatchError(
+                f"{w}: its token {tokens[seq]} needs KV block {col}, which kv_block_ids does "
+                "not hold; allocate the block before this step"
+            )
+        for j, block in enumerate(blocks):
+            if not is_int(block) or not 0 <= block < limit:
+                raise BatchError(
+                    f"{w}: KV block {j} is {show(block)}, not an id in 0 .. {limit - 1} "
+                    f"({limit_text})"
+                )
+    raise AssertionError("a decode step's KV lists failed a check none of them fails")
+
+
 class KvEntered:
-    """The KV blocks sequences enter in a decode step, as (sequence, column, index)."""
+    """The KV blocks sequences enter in a decode step, as (sequence, column, index); in flight
+    (`slots`), where each sequence's row is among the slots' rows instead."""
 
-    __slots__ = ("kept", "new")
+    __slots__ = ("kept", "new", "slots", "layers")
 
-    def __init__(self, kept: KeptRows, new: list[tuple[int, int, int]]) -> None:
-        self.kept, self.new = kept, new
+    def __init__(
+        self,
+        kept: KeptRows,
+        new: list[tuple[int, int, int]],
+        slots: SlotPlan | None = None,
+        layers: int = 0,
+    ) -> None:
+        self.kept, self.new, self.slots, self.layers = kept, new, slots, layers
 
 
 def advance_kv(
@@ -545,6 +576,9 @@ def advance_kv(
     rows of two steps back, those entered in the step between)."""
     width = max_blocks_per_seq
     n = len(d.tokens) * 2 * width
+    if entered.slots is not None:  # in flight: each sequence's row from its slot's
+        from_slots(entered.kept, entered.slots, out[:n].reshape(-1, 2, width), entered.layers)
+        return n
     if d.holds_run:
         written = entered.kept.entered + entered.new  # `out` has the rows of two steps back
     else:
@@ -555,6 +589,4 @@ def advance_kv(
         rows[seq, 0, col] = index
         rows[seq, 1, col] = index + 1
     entered.kept.entered = entered.new
-    if entered.kept.flight is not None:  # in flight the next full step continues these rows
-        entered.kept.table = rows
     return n

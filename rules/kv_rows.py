@@ -21,10 +21,12 @@ from typing import Any, NoReturn
 import numpy as np
 
 from ..errors import BatchError
-from ..requests.batch import Batch, FlightRows
+from ..requests.batch import Batch
 from ..requests.values import INT32_MAX, in_range, int_array, is_int, show
 
 _FIRST = itemgetter(0)
+_EMPTY = np.zeros(0, np.int64)
+_EMPTY.flags.writeable = False
 
 
 def id_limit(num_local_layers: int, num_kv_blocks: int) -> tuple[int, str]:
@@ -56,10 +58,36 @@ class KeptRows:
     # sequence to its new position instead of being rebuilt
     requests: tuple[Any, ...] = ()
     keys: list | None = None
-    # in flight: the full step the rows were laid out at (None: a stateless step's); `table`
-    # is then a view of the last step's own rows in its staging half (the next step writes
-    # the other half), which advance() keeps current
-    flight: int | None = None
+    # requests in flight: the rows of every (slot, list) of the request table
+    slots: SlotRows | None = None
+
+
+class SlotRows:
+    """Requests in flight: the KV rows of every (seq slot, list) of the request table, encoded,
+    with the serial of the slot's request and the length of the list each was written from. A
+    step takes its sequences' rows from here, whatever row each lands on (finish condenses,
+    prompts join), and first rewrites the rows of lists that are new or grew; nothing follows
+    rows from step to step."""
+
+    def __init__(self, slots: int, lists: int, width: int) -> None:
+        self.lists = lists
+        self.rows: np.ndarray | None = None  # [slots * lists, K/V, width], the fill's dtype
+        self.shape = (slots * lists, 2, width)
+        self.serial = np.full(slots * lists, -1, np.int64)
+        self.length = np.zeros(slots * lists, np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotPlan:
+    """A step's sequences in ``SlotRows`` (`index`), and the rows to rewrite first: `stale`,
+    with their lists' request serials, lengths and ids (converted and checked, list after
+    list)."""
+
+    index: np.ndarray
+    stale: np.ndarray
+    serials: np.ndarray
+    lengths: np.ndarray
+    blocks: np.ndarray
 
 
 def sequence_keys(b: Batch) -> list:
@@ -86,8 +114,7 @@ class BlockPlan:
     # (-1: a sequence the table does not hold), and the rows' sequence keys
     moved: list[int] | np.ndarray | None = None
     keys: list | None = None
-    flight: int | None = None  # requests in flight: the step the fill's rows belong to
-    hint: FlightRows | None = None  # in flight: the rows move and rebuild as the state says
+    slots: SlotPlan | None = None  # requests in flight: the rows come from ``SlotRows``
 
 
 def _block_lists(b: Batch, field: str) -> list | None:
@@ -136,17 +163,11 @@ def check_block_lists(
     `need[i]` and at most `width` blocks, every id converted is an integer in 0 .. limit - 1.
     Of the generation lists, only those that differ from `kept`'s snapshot are converted (the
     others were checked when they were). A BatchError names the first bad request."""
+    if b.flight is not None and kept is not None and field == "kv_block_ids":
+        # in flight the table counts every list's length: the check reads no list but those
+        # whose rows are new or grew
+        return _check_flight(b, kept, tokens, tokens_per_block, width, width_name, limit, what)
     snapshot = kept.snapshot if kept is not None else None
-    hint = b.flight if kept is not None and kept.table is not None else None
-    if hint is not None and kept is not None and kept.flight != hint.since:
-        hint = None  # the kept rows are not the ones the hint continues
-    # in flight the state may know every generation list's length and hold the new or grown
-    # lists: then only the context lists are read (the others' shapes were checked when they
-    # were context lists, and appends keep them)
-    if hint is not None and hint.lengths is not None and field == "kv_block_ids":
-        return _check_known(
-            b, field, hint, tokens, tokens_per_block, width, width_name, limit, what, kept
-        )
     need = required_blocks(tokens, tokens_per_block, width)
     lists = _block_lists(b, field)
     if lists is None:
@@ -160,10 +181,7 @@ def check_block_lists(
     moved: list[int] | np.ndarray | None = None
     keys = None
     same_requests = kept is not None and kept.requests == b.generation  # identity, then eq
-    if hint is not None:  # in flight: the state says what moved and changed
-        changed = hint.changed
-        convert = lists[:n_ctx] + [gen[i] for i in changed]
-    elif snapshot is None:
+    if snapshot is None:
         changed, convert = None, lists
     elif same_requests and snapshot == gen:
         changed, convert = [], lists[:n_ctx]
@@ -183,56 +201,86 @@ def check_block_lists(
     sub = (
         lengths if changed is None else np.concatenate((lengths[:n_ctx], lengths[n_ctx:][changed]))
     )
-    step = b.flight.step if b.flight is not None else None
-    return BlockPlan(lists, blocks, sub, changed, kept, moved, keys, step, hint)
+    return BlockPlan(lists, blocks, sub, changed, kept, moved, keys)
 
 
-def _check_known(
+def _check_flight(
     b: Batch,
-    field: str,
-    hint: FlightRows,
+    kept: KeptRows,
     tokens: np.ndarray,
     tpb: int,
     width: int,
     width_name: str,
     limit: tuple[int, str],
     what: str,
-    kept: KeptRows | None,
 ) -> BlockPlan:
-    """check_block_lists in flight, where the state knows every generation list's length and
-    holds the new or grown lists (`hint`): only the context lists are read (the others' shapes
-    were checked when they were context lists, and appends keep them); the ids of the context
-    lists and of the new or grown ones are converted. A list covers its sequence's tokens when
-    its blocks hold them (length * tokens_per_block >= tokens), or it fills the window."""
-    assert hint.lengths is not None and hint.lists is not None
+    """check_block_lists for requests in flight: every sequence's list length, as the table
+    counts them, covers its tokens after the step (length * tokens_per_block >= tokens, or the
+    list fills the window) within `width`; the lists whose rows ``SlotRows`` lacks (a new
+    request, a list that grew) are converted and their ids checked. The cold path walks the
+    requests to name the first bad list."""
+    flight = b.flight
+    assert flight is not None
+    t, slots, cols = flight.table, flight.seq_slots, flight.seq_lists
+    field = "kv_block_ids"
 
     def fail() -> NoReturn:
         _diagnose(b, field, required_blocks(tokens, tpb, width), width, width_name, limit, what)
 
-    lists = []  # a request in flight holds its own copy of its lists, as Python lists
-    for r in b.context:
-        ids = getattr(r, field)
-        if not ids or len(ids) != 1 and len(ids) != r.beam_width:
-            fail()
-        lists.append(ids[0])
-    counts = [len(x) for x in lists]
-    n_ctx = len(counts)
-    for n, t in zip(counts, tokens[:n_ctx].tolist()):  # a few context lists, in Python
-        if n > width or n < width and n * tpb < t:
-            fail()
-    lengths, gen = hint.lengths, tokens[n_ctx:]
-    if len(lengths) and int(lengths.max()) > width:
+    lengths = t.n_blocks[slots, cols]
+    if len(lengths) and (
+        int(lengths.max()) > width or ((lengths * tpb < tokens) & (lengths < width)).any()
+    ):
         fail()
-    short = lengths * tpb < gen
-    if short.any() and (short & (lengths < width)).any():  # a full window covers any length
+    plan = slot_plan(kept, t, slots, cols, lengths, width, limit[0])
+    if plan is None:
         fail()
-    convert = lists + hint.lists
+    return BlockPlan([], _EMPTY, _EMPTY, None, kept, slots=plan)
+
+
+def slot_plan(
+    kept: KeptRows,
+    t: Any,
+    slots: np.ndarray,
+    cols: np.ndarray,
+    lengths: np.ndarray,
+    width: int,
+    limit: int,
+) -> SlotPlan | None:
+    """Where `slots`' lists `cols` are in the kept ``SlotRows``, and which of those rows to
+    rewrite (their lists' ids converted); None when an id is not an integer in the pool (the
+    caller names it)."""
+    lists = t.limits.max_beam_width
+    rows = kept.slots
+    if rows is None or rows.shape != (t.limits.max_batch_size * lists, 2, width):
+        rows = kept.slots = SlotRows(t.limits.max_batch_size, lists, width)
+    index = slots * lists + cols
+    serials = t.serial[slots]
+    stale = (rows.serial[index] != serials) | (rows.length[index] != lengths)
+    if not stale.any():
+        return SlotPlan(index, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
+    at = np.flatnonzero(stale)
+    at = at[np.unique(index[at], return_index=True)[1]]  # each list once (beams share one)
+    entries = t.entries
+    convert = [entries[s].kv_block_ids[k] for s, k in zip(slots[at].tolist(), cols[at].tolist())]
     blocks = int_array(list(itertools.chain.from_iterable(convert)))
-    if blocks is None or not in_range(blocks, 0, limit[0]):
-        fail()
-    counts += map(len, hint.lists)
-    sub = np.array(counts, dtype=np.int64)
-    return BlockPlan(convert, blocks, sub, hint.changed, kept, None, None, hint.step, hint)
+    if blocks is None or not in_range(blocks, 0, limit):
+        return None
+    return SlotPlan(index, index[at], serials[at], lengths[at], blocks)
+
+
+def from_slots(kept: KeptRows, plan: SlotPlan, rows: np.ndarray, layers: int) -> None:
+    """`rows` [sequences, K/V, width]: each sequence's row from ``SlotRows``, once the rows of
+    the plan's new or grown lists are rewritten there."""
+    slots = kept.slots
+    assert slots is not None  # slot_plan made it
+    if slots.rows is None:  # every row is stale before the first (slot_plan saw serials -1)
+        slots.rows = np.zeros(slots.shape, rows.dtype)
+    if len(plan.stale):
+        write_at(slots.rows, plan.stale, plan.blocks, plan.lengths, layers)
+        slots.serial[plan.stale] = plan.serials
+        slots.length[plan.stale] = plan.lengths
+    np.take(slots.rows, plan.index, axis=0, out=rows, mode="clip")
 
 
 def _diagnose(

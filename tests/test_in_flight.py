@@ -308,8 +308,8 @@ def run_traffic(
         if want is not None:
             assert_matches_reference(step, want, paged=traffic.paged, where=(seed, i))
         kept = getattr(flight.state, "kv_blocks", None)
-        if kept is not None and kept.table is not None and kept.snapshot is None:
-            seen["rows followed"] += 1  # the KV rows moved as the in-flight state says
+        if kept is not None and kept.slots is not None and kept.slots.rows is not None:
+            seen["rows from slots"] += 1  # the KV rows came from the slots' rows
         seen["steps"] += 1
     return seen
 
@@ -337,7 +337,7 @@ def test_traffic_exercises_every_change() -> None:
     seen = run_traffic("llama", 7, steps=80) + run_traffic("gpt", 3, steps=80)
     seen += run_traffic("llama:1", 5, steps=80)
     kinds = ("steady", "moved", "finished", "chunked", "accepted", "beams", "grown")
-    for what in (*kinds, "rows followed"):
+    for what in (*kinds, "rows from slots"):
         assert seen[what] >= 3, (what, seen)
     assert seen["steps"] >= 120
 
