@@ -88,11 +88,13 @@ class FlightLists:
     so the KV rules keep their rows per slot and list, whatever row a sequence lands on.
     ``seq_slots`` is each sequence's seq slot (context requests, then every generation beam),
     ``seq_lists`` the index of its list among the slot's (0 where one list serves every
-    beam)."""
+    beam), ``index`` both as one: slot * max_beam_width + list (the flat index of the table's
+    [slots, lists] counts)."""
 
     table: Any
     seq_slots: np.ndarray
     seq_lists: np.ndarray
+    index: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ from .rows import (
     _beam_values,
     _sequence_values,
     device_gather,
+    grown_lists,
     step_view,
 )
 from .table import _EMPTY, Entry, RequestTable, _beam_index
@@ -372,7 +373,7 @@ def _steady(
     return Plan(
         None,
         Sampled(values),
-        (),
+        grown_lists(t, grew, rows) if grew else (),
         None,
         None,
         t.ndraft,

@@ -123,6 +123,7 @@ class RequestTable:
         self.n_lists = np.zeros(n, np.int64)
         self.n_unlisted = 0  # requests in flight with n_lists 0
         self.n_blocks = np.zeros((n, w), np.int64)
+        self.list_lengths = self.n_blocks.reshape(-1)  # the same counts by slot * w + list
         # tokens gathered on the device in the last step: (slot, beam, the slot's serial) of
         # each value on its way back; and the slots a step sampled an out-of-range token for
         self.pending: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None

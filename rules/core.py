@@ -26,12 +26,10 @@ if TYPE_CHECKING:
 from .kv_rows import (
     BlockPlan,
     KeptRows,
-    SlotPlan,
     check_block_lists,
     from_slots,
     id_limit,
     sequence_keys,
-    slot_plan,
     write_at,
     write_kv_rows,
 )
@@ -450,9 +448,6 @@ def check_kv_entered(
     their request (the only requests read in a decode step); raise before anything is
     written."""
     width, tpb = max_blocks_per_seq, tokens_per_block
-    if d.batch.flight is not None:  # in flight: the rows come from the slots' rows
-        plan = _flight_entered(d, kept, width, tpb, num_local_layers, num_kv_blocks)
-        return KvEntered(kept, [], plan, num_local_layers)
     # the sequences whose new token is the first of a block (a mask for the usual power of two)
     before = d.seq_tokens - 1
     offset = before & (tpb - 1) if not tpb & (tpb - 1) else before % tpb
@@ -513,60 +508,13 @@ def check_kv_entered(
     return KvEntered(kept, values)
 
 
-def _flight_entered(
-    d: Decode, kept: KeptRows, width: int, tpb: int, layers: int, num_kv_blocks: int
-) -> SlotPlan:
-    """A decode step of requests in flight: every sequence's list, as the table counts it,
-    covers its tokens after the step; the lists that grew since are converted (their ids
-    checked). Raises before anything is written, naming the first sequence short of a block or
-    the first bad id."""
-    b = d.batch
-    flight = b.flight
-    assert flight is not None
-    t, slots, cols = flight.table, flight.seq_slots, flight.seq_lists
-    lengths = t.n_blocks[slots, cols]
-    tokens = d.seq_tokens
-    limit, limit_text = id_limit(layers, num_kv_blocks)
-    short = ((lengths * tpb < tokens) & (lengths < width)) | (lengths > width)
-    plan = None if short.any() else slot_plan(kept, t, slots, cols, lengths, width, limit)
-    if plan is not None:
-        return plan
-    for seq in range(len(tokens)):  # the cold path: name the first bad sequence
-        req = int(b.seq_request[seq])
-        r = b.generation[req]
-        w = f"generation request {req} (seq_slot {r.seq_slot})"
-        blocks = r.kv_block_ids[int(cols[seq])]
-        if len(blocks) > width:
-            raise BatchError(f"{w}: {len(blocks)} KV blocks exceed max_blocks_per_seq={width}")
-        col = (int(tokens[seq]) - 1) // tpb
-        if col < width and col >= len(blocks):
-            raise BatchError(
-                f"{w}: its token {tokens[seq]} needs KV block {col}, which kv_block_ids does "
-                "not hold; allocate the block before this step"
-            )
-        for j, block in enumerate(blocks):
-            if not is_int(block) or not 0 <= block < limit:
-                raise BatchError(
-                    f"{w}: KV block {j} is {show(block)}, not an id in 0 .. {limit - 1} "
-                    f"({limit_text})"
-                )
-    raise AssertionError("a decode step's KV lists failed a check none of them fails")
-
-
 class KvEntered:
-    """The KV blocks sequences enter in a decode step, as (sequence, column, index); in flight
-    (`slots`), where each sequence's row is among the slots' rows instead."""
+    """The KV blocks sequences enter in a decode step, as (sequence, column, index)."""
 
-    __slots__ = ("kept", "new", "slots", "layers")
+    __slots__ = ("kept", "new")
 
-    def __init__(
-        self,
-        kept: KeptRows,
-        new: list[tuple[int, int, int]],
-        slots: SlotPlan | None = None,
-        layers: int = 0,
-    ) -> None:
-        self.kept, self.new, self.slots, self.layers = kept, new, slots, layers
+    def __init__(self, kept: KeptRows, new: list[tuple[int, int, int]]) -> None:
+        self.kept, self.new = kept, new
 
 
 def advance_kv(
@@ -576,9 +524,6 @@ def advance_kv(
     rows of two steps back, those entered in the step between)."""
     width = max_blocks_per_seq
     n = len(d.tokens) * 2 * width
-    if entered.slots is not None:  # in flight: each sequence's row from its slot's
-        from_slots(entered.kept, entered.slots, out[:n].reshape(-1, 2, width), entered.layers)
-        return n
     if d.holds_run:
         written = entered.kept.entered + entered.new  # `out` has the rows of two steps back
     else:

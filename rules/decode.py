@@ -25,8 +25,8 @@ class Decode:
     tokens: np.ndarray
     seq_tokens: np.ndarray
     holds_run: bool = False
-    # sequences whose KV block lists grew since the last step, with their length before: the
-    # blocks past it are written now, as a full step writes every block of a list
+    # requests in flight: sequences whose KV block lists grew since the last step, with their
+    # length before (the blocks past it are written now, as a full step writes every block)
     grown: tuple[tuple[int, int], ...] = ()
 
 

@@ -21,12 +21,13 @@ from typing import Any, NoReturn
 import numpy as np
 
 from ..errors import BatchError
-from ..requests.batch import Batch
+from ..requests.batch import Batch, FlightLists
 from ..requests.values import INT32_MAX, in_range, int_array, is_int, show
 
 _FIRST = itemgetter(0)
 _EMPTY = np.zeros(0, np.int64)
 _EMPTY.flags.writeable = False
+FEW = 4  # lists converted and written one id at a time (a decode step's grown lists)
 
 
 def id_limit(num_local_layers: int, num_kv_blocks: int) -> tuple[int, str]:
@@ -58,7 +59,8 @@ class KeptRows:
     # sequence to its new position instead of being rebuilt
     requests: tuple[Any, ...] = ()
     keys: list | None = None
-    # requests in flight: the rows of every (slot, list) of the request table
+    # requests in flight: the rows of every (slot, list) of the request table (a full step
+    # takes its rows from here; a decode step continues the last step's, as advance() does)
     slots: SlotRows | None = None
 
 
@@ -77,17 +79,25 @@ class SlotRows:
         self.length = np.zeros(slots * lists, np.int64)
 
 
-@dataclasses.dataclass(frozen=True)
 class SlotPlan:
     """A step's sequences in ``SlotRows`` (`index`), and the rows to rewrite first: `stale`,
-    with their lists' request serials, lengths and ids (converted and checked, list after
-    list)."""
+    with their lists' request serials and lengths, the column each rewrite starts at
+    (`starts`: a grown list keeps the columns it had, another list starts at 0) and the ids
+    from there (`blocks`, checked, list after list)."""
 
-    index: np.ndarray
-    stale: np.ndarray
-    serials: np.ndarray
-    lengths: np.ndarray
-    blocks: np.ndarray
+    __slots__ = ("index", "stale", "serials", "lengths", "starts", "blocks")
+
+    def __init__(
+        self,
+        index: np.ndarray,
+        stale: Any,  # int64 arrays, or (few_lists) lists of ints, as `blocks`
+        serials: Any,
+        lengths: Any,
+        starts: Any,
+        blocks: Any,
+    ) -> None:
+        self.index, self.stale, self.serials, self.lengths = index, stale, serials, lengths
+        self.starts, self.blocks = starts, blocks
 
 
 def sequence_keys(b: Batch) -> list:
@@ -221,18 +231,17 @@ def _check_flight(
     requests to name the first bad list."""
     flight = b.flight
     assert flight is not None
-    t, slots, cols = flight.table, flight.seq_slots, flight.seq_lists
     field = "kv_block_ids"
 
     def fail() -> NoReturn:
         _diagnose(b, field, required_blocks(tokens, tpb, width), width, width_name, limit, what)
 
-    lengths = t.n_blocks[slots, cols]
+    lengths = flight.table.list_lengths[flight.index]
     if len(lengths) and (
         int(lengths.max()) > width or ((lengths * tpb < tokens) & (lengths < width)).any()
     ):
         fail()
-    plan = slot_plan(kept, t, slots, cols, lengths, width, limit[0])
+    plan = slot_plan(kept, flight, lengths, width, limit[0])
     if plan is None:
         fail()
     return BlockPlan([], _EMPTY, _EMPTY, None, kept, slots=plan)
@@ -240,33 +249,108 @@ def _check_flight(
 
 def slot_plan(
     kept: KeptRows,
-    t: Any,
-    slots: np.ndarray,
-    cols: np.ndarray,
+    flight: FlightLists,
     lengths: np.ndarray,
     width: int,
     limit: int,
+    same_requests: bool = False,
 ) -> SlotPlan | None:
-    """Where `slots`' lists `cols` are in the kept ``SlotRows``, and which of those rows to
-    rewrite (their lists' ids converted); None when an id is not an integer in the pool (the
-    caller names it)."""
-    lists = t.limits.max_beam_width
+    """Where the step's lists are in the kept ``SlotRows``, and which of those rows to rewrite
+    (their lists' ids converted): those of another request (`same_requests`: a decode step,
+    where no request arrived or left, skips that test) or of another length. None when an id
+    is not an integer in the pool or a list is longer than `width` (the caller names it)."""
+    t, slots, index = flight.table, flight.seq_slots, flight.index
     rows = kept.slots
-    if rows is None or rows.shape != (t.limits.max_batch_size * lists, 2, width):
-        rows = kept.slots = SlotRows(t.limits.max_batch_size, lists, width)
-    index = slots * lists + cols
-    serials = t.serial[slots]
-    stale = (rows.serial[index] != serials) | (rows.length[index] != lengths)
+    if rows is None or rows.shape != (t.serial.size * t.limits.max_beam_width, 2, width):
+        rows = kept.slots = SlotRows(t.serial.size, t.limits.max_beam_width, width)
+    stale = rows.length[index] != lengths
+    if not same_requests:
+        stale |= rows.serial[index] != t.serial[slots]
     if not stale.any():
-        return SlotPlan(index, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
+        return SlotPlan(index, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
     at = np.flatnonzero(stale)
-    at = at[np.unique(index[at], return_index=True)[1]]  # each list once (beams share one)
+    if len(at) <= FEW:  # a list or two grew: plain Python beats numpy's calls
+        return few_lists(kept, flight, at, width, limit)
+    if t.n_wide:  # beams may share one list: each list once
+        at = at[np.unique(index[at], return_index=True)[1]]
+    where, serials, new = index[at], t.serial[slots[at]], lengths[at]
+    if int(new.max()) > width:  # a list grew past the window
+        return None
+    had = rows.length[where]
+    starts = np.where((rows.serial[where] == serials) & (had <= new), had, 0)
     entries = t.entries
-    convert = [entries[s].kv_block_ids[k] for s, k in zip(slots[at].tolist(), cols[at].tolist())]
-    blocks = int_array(list(itertools.chain.from_iterable(convert)))
+    tails = [
+        entries[s].kv_block_ids[k][a:]
+        for s, k, a in zip(slots[at].tolist(), flight.seq_lists[at].tolist(), starts.tolist())
+    ]
+    blocks = int_array(list(itertools.chain.from_iterable(tails)))
     if blocks is None or not in_range(blocks, 0, limit):
         return None
-    return SlotPlan(index, index[at], serials[at], lengths[at], blocks)
+    return SlotPlan(index, where, serials, new, starts, blocks)
+
+
+def few_lists(
+    kept: KeptRows, flight: FlightLists, seqs: Any, width: int, limit: int
+) -> SlotPlan | None:
+    """slot_plan for the stale sequences `seqs` (positions among the step's, few), in plain
+    Python (the plan's fields then lists); None as slot_plan."""
+    t = flight.table
+    rows = kept.slots
+    if rows is None:  # a fresh state (a failed step replaced it): every list is stale
+        rows = kept.slots = SlotRows(t.serial.size, t.limits.max_beam_width, width)
+    stale: list[int] = []
+    serials, new, starts, blocks = [], [], [], []
+    entries = t.entries
+    for seq in seqs.tolist():
+        i = int(flight.index[seq])
+        if i in stale:  # beams sharing one list
+            continue
+        slot, n = int(flight.seq_slots[seq]), int(t.list_lengths[i])
+        serial, had = int(t.serial[slot]), int(rows.length[i])
+        start = had if int(rows.serial[i]) == serial and had <= n else 0
+        tail = entries[slot].kv_block_ids[int(flight.seq_lists[seq])][start:n]
+        if n > width or not all(is_int(x) and 0 <= x < limit for x in tail):
+            return None
+        stale.append(i)
+        serials.append(serial)
+        new.append(n)
+        starts.append(start)
+        blocks += tail
+    return SlotPlan(flight.index, stale, serials, new, starts, blocks)
+
+
+def _rewrite(slots: SlotRows, plan: SlotPlan, layers: int) -> None:
+    """The plan's stale rows of `slots` [rows, K/V, width]: a row starting at column 0
+    zeroed, then each list's ids from its start column encoded (K, and V one further), and the
+    serial and length each row is now of."""
+    table = slots.rows
+    assert table is not None
+    width = table.shape[-1]
+    flat = table.reshape(-1)  # contiguous: K's column j of row r is r * 2w + j, V's w further
+    if isinstance(plan.blocks, list):  # few_lists' plan: lists
+        per_block, ids = 2 * layers, iter(plan.blocks)
+        rows = zip(plan.stale, plan.starts, plan.lengths, plan.serials)
+        for row, start, n, serial in rows:
+            if not start:
+                table[row] = 0
+            base = row * 2 * width + start
+            for j in range(base, base + n - start):
+                flat[j] = k = next(ids) * per_block
+                flat[j + width] = k + 1
+            slots.serial[row], slots.length[row] = serial, n
+        return
+    slots.serial[plan.stale] = plan.serials
+    slots.length[plan.stale] = plan.lengths
+    fresh = plan.stale[plan.starts == 0]
+    if len(fresh):
+        table[fresh] = 0
+    counts = plan.lengths - plan.starts
+    first = np.add.accumulate(counts) - counts  # each list's offset in `blocks`
+    at = np.repeat(plan.stale * (2 * width) + plan.starts - first, counts)
+    at += np.arange(len(plan.blocks))
+    index = plan.blocks * (2 * layers)
+    flat[at] = index
+    flat[at + width] = index + 1
 
 
 def from_slots(kept: KeptRows, plan: SlotPlan, rows: np.ndarray, layers: int) -> None:
@@ -277,9 +361,7 @@ def from_slots(kept: KeptRows, plan: SlotPlan, rows: np.ndarray, layers: int) ->
     if slots.rows is None:  # every row is stale before the first (slot_plan saw serials -1)
         slots.rows = np.zeros(slots.shape, rows.dtype)
     if len(plan.stale):
-        write_at(slots.rows, plan.stale, plan.blocks, plan.lengths, layers)
-        slots.serial[plan.stale] = plan.serials
-        slots.length[plan.stale] = plan.lengths
+        _rewrite(slots, plan, layers)
     np.take(slots.rows, plan.index, axis=0, out=rows, mode="clip")
 
 
