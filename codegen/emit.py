@@ -55,6 +55,33 @@ def _construct(e: E.Expr) -> str:
     )
 
 
+def _scalars_and_captures(program: StepProgram, sizes: set[str]) -> dict[str, Any]:
+    """The lines of the generated `_scalars` (one per step scalar) and `_capture` (one per
+    tensor with a capture value), each under its construct-time condition."""
+    names = {x.name for x in program.scalars}
+    return {
+        "scalars": [
+            {
+                "doc": _wrapped(f"{x.name}: {_comment(x.doc)}"),
+                "lines": _under(
+                    x.guard,
+                    _assign(f"scalars[{x.name!r}]", _scalar(x.value, sizes), x.guard),
+                ),
+            }
+            for x in program.scalars
+        ],
+        "captures": [
+            {
+                "doc": _wrapped(f"{x.tensor}: {_comment(x.doc)}"),
+                "lines": _guarded(
+                    x.guard, "rt.write_all", [f"t.{x.tensor}", _capture(x.value, sizes, names)]
+                ),
+            }
+            for x in program.captures
+        ],
+    }
+
+
 def _assign(target: str, value: str, guard: E.Expr | None) -> list[str]:
     """`target = value`, the value in parentheses on a line of its own past 100 columns."""
     indent = 8 if guard is None else 12
@@ -442,7 +469,6 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
                 advance_checks.extend(_guarded(f.guard, alias(f.advance_check), args))
         advances.append({"doc": _fill_doc(f), "lines": _advance_lines(f, alias)})
     device = _device_advances(plan, alias) if advance else None
-    scalar_names = {x.name for x in program.scalars}
     return {
         "device_advances": device,
         # the device form reads the Config only under a construct-time condition
@@ -462,27 +488,7 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
         "advancing_lines": _construction("Advancing", "d", advance_results),
         "advances": advances,
         "sampled_tokens": program.sampled_tokens,
-        "scalars": [
-            {
-                "doc": _wrapped(f"{x.name}: {_comment(x.doc)}"),
-                "lines": _under(
-                    x.guard,
-                    _assign(f"scalars[{x.name!r}]", _scalar(x.value, sizes), x.guard),
-                ),
-            }
-            for x in program.scalars
-        ],
-        "captures": [
-            {
-                "doc": _wrapped(f"{x.tensor}: {_comment(x.doc)}"),
-                "lines": _guarded(
-                    x.guard,
-                    "rt.write_all",
-                    [f"t.{x.tensor}", _capture(x.value, sizes, scalar_names)],
-                ),
-            }
-            for x in program.captures
-        ],
+        **_scalars_and_captures(program, sizes),
         "no_advance": program.no_advance,
         "state": [
             {"name": chk.name, "type": alias(chk.state)}

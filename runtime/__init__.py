@@ -19,7 +19,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised in a subproce
 from ..errors import BatchError, ConfigError, RuleError
 from ..rules.request import Request
 from ..rules.sizes import ENCODER_SIZES, STEP_SIZES, StepSizes
-from .buffers import RuntimeBuffers, Step, check_size
+from .buffers import RuntimeBuffers, check_size
 from .config import ConfigBase, cdiv, check_bool, check_dtype, check_int, check_names, require
 from .decl import (
     DEVICE,
@@ -37,6 +37,7 @@ from .decl import (
 )
 from .project import ProjectImpl, rule_module
 from .staging import REPEAT_LAST, Targets, write_all, written_max
+from .step import Step
 
 FORMAT_VERSION = 4
 """The generated-module format this runtime implements; bumped on incompatible changes (4: the

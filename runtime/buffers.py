@@ -11,13 +11,11 @@ what a family has, and what its step does, is in its generated module.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import math
 import os
 import threading
-import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -31,11 +29,10 @@ from .bindings import bindings, prefix_layout, step_sizes
 from .decl import DEVICE, STATIC, Mirror, Rule, TensorDecl
 from .project import ProjectImpl, culprit
 from .staging import HALVES, DeviceStep, Targets
+from .step import NO_SCALARS, Step
 from .storage import allocate, records, static_values
 from .tokens import Gather, tokens_on_device, tokens_on_host
 from .transfer import Transfer
-
-NO_SCALARS: Mapping[str, int] = types.MappingProxyType({})
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -67,27 +64,6 @@ def check_size(name: str, value: int, bound: int) -> None:
         raise BatchError(
             f"{name} = {value} exceeds its capacity {bound}; schedule fewer requests or tokens"
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class Step:
-    """One prepared step: engine IO views sized for this step, its sizes, and its scalars (the
-    host integers the spec's `scalars` declare, also readable as attributes:
-    ``step.max_kv_cache_length_rounded``)."""
-
-    inputs: dict[str, torch.Tensor]
-    outputs: dict[str, torch.Tensor]
-    sizes: Any  # the family's StepSizes
-    scalars: Mapping[str, int] = dataclasses.field(default_factory=lambda: NO_SCALARS)
-    ring_slots: dict[str, int] = dataclasses.field(default_factory=dict)
-    """The slot each ring tensor binds in this step."""
-
-    def __getattr__(self, name: str) -> int:
-        scalars = self.__dict__.get("scalars")
-        if scalars is not None and name in scalars:
-            return scalars[name]
-        known = ", ".join(sorted(scalars or ())) or "none in this family"
-        raise AttributeError(f"Step has no attribute or scalar {name!r} (scalars: {known})")
 
 
 class RuntimeBuffers:
