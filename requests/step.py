@@ -80,7 +80,7 @@ def _undo(
         entry.draft_tokens = values
     if t is not None:  # the lengths the table counted when the lists grew
         for slot in grew:
-            t.count_blocks(slot, t.held(slot).kv_block_ids, t.n_blocks)
+            t.count_blocks(slot, t.held(slot).kv_block_ids)
 
 
 def plan(
@@ -320,7 +320,7 @@ def _grow(
         undo += done
         grew_slots.append(int(slot))
         grew[int(slot)] = [n for _, n in done]
-        t.count_blocks(int(slot), entry.kv_block_ids, t.n_blocks)
+        t.count_blocks(int(slot), entry.kv_block_ids)
     return grew
 
 

@@ -124,6 +124,8 @@ class RequestTable:
         self.n_unlisted = 0  # requests in flight with n_lists 0
         self.n_blocks = np.zeros((n, w), np.int64)
         self.list_lengths = self.n_blocks.reshape(-1)  # the same counts by slot * w + list
+        self.list_version = np.zeros(n * w, np.int64)  # by slot * w + list: bumped on change
+        self.clock = 0
         # tokens gathered on the device in the last step: (slot, beam, the slot's serial) of
         # each value on its way back; and the slots a step sampled an out-of-range token for
         self.pending: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
@@ -178,7 +180,7 @@ class RequestTable:
         n_lists = 0 if blocks is None or not 1 <= len(blocks) <= L.max_beam_width else len(blocks)
         self.n_lists[slot] = n_lists
         self.n_unlisted += not n_lists
-        self.count_blocks(slot, blocks, self.n_blocks)
+        self.count_blocks(slot, blocks)
         self._serials_pending()
         self.serial[slot] += 1
         self.prompt_len[slot] = len(prompt)
@@ -304,13 +306,18 @@ class RequestTable:
 
     # ---------------------------------------------------------------------------- helpers
 
-    def count_blocks(self, slot: int, lists: Any, into: np.ndarray) -> None:
-        """The lengths of the slot's block lists into `into` (its `n_lists` of them)."""
+    def count_blocks(self, slot: int, lists: Any) -> None:
+        """The lengths of the slot's block lists (its `n_lists` of them), counted when they
+        change, and a new version for each (the KV rules rewrite the rows of a list whose
+        version is not the one they wrote)."""
         n = int(self.n_lists[slot])
         if n == 1:  # the common case: one list, one scalar write
-            into[slot, 0] = len(lists[0])
+            self.n_blocks[slot, 0] = len(lists[0])
         elif n:
-            into[slot, :n] = [len(x) for x in lists[:n]]
+            self.n_blocks[slot, :n] = [len(x) for x in lists[:n]]
+        self.clock += 1
+        w = self.n_blocks.shape[1]
+        self.list_version[slot * w : slot * w + w] = self.clock
 
     def held(self, slot: int) -> Entry:
         entry = self.entries[slot]

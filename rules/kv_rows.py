@@ -27,7 +27,7 @@ from ..requests.values import INT32_MAX, in_range, int_array, is_int, show
 _FIRST = itemgetter(0)
 _EMPTY = np.zeros(0, np.int64)
 _EMPTY.flags.writeable = False
-FEW = 4  # lists converted and written one id at a time (a decode step's grown lists)
+MANY = 16  # stale lists past which their ids are checked and written as one array
 
 
 def id_limit(num_local_layers: int, num_kv_blocks: int) -> tuple[int, str]:
@@ -66,7 +66,8 @@ class KeptRows:
 
 class SlotRows:
     """Requests in flight: the KV rows of every (seq slot, list) of the request table, encoded,
-    with the serial of the slot's request and the length of the list each was written from. A
+    with the serial of the slot's request, the length and the version of the list each was
+    written from (the request table's `list_version`). A
     step takes its sequences' rows from here, whatever row each lands on (finish condenses,
     prompts join), and first rewrites the rows of lists that are new or grew; nothing follows
     rows from step to step."""
@@ -77,27 +78,29 @@ class SlotRows:
         self.shape = (slots * lists, 2, width)
         self.serial = np.full(slots * lists, -1, np.int64)
         self.length = np.zeros(slots * lists, np.int64)
+        self.version = np.full(slots * lists, -1, np.int64)
 
 
 class SlotPlan:
     """A step's sequences in ``SlotRows`` (`index`), and the rows to rewrite first: `stale`,
-    with their lists' request serials and lengths, the column each rewrite starts at
+    with their lists' request serials, lengths and versions, the column each rewrite starts at
     (`starts`: a grown list keeps the columns it had, another list starts at 0) and the ids
-    from there (`blocks`, checked, list after list)."""
+    from there (`tails`, checked), one list each."""
 
-    __slots__ = ("index", "stale", "serials", "lengths", "starts", "blocks")
+    __slots__ = ("index", "stale", "serials", "lengths", "starts", "tails", "versions")
 
     def __init__(
         self,
         index: np.ndarray,
-        stale: Any,  # int64 arrays, or (few_lists) lists of ints, as `blocks`
-        serials: Any,
-        lengths: Any,
-        starts: Any,
-        blocks: Any,
+        stale: list[int],
+        serials: list[int],
+        lengths: list[int],
+        starts: list[int],
+        tails: list[Any],
+        versions: list[int],
     ) -> None:
         self.index, self.stale, self.serials, self.lengths = index, stale, serials, lengths
-        self.starts, self.blocks = starts, blocks
+        self.starts, self.tails, self.versions = starts, tails, versions
 
 
 def sequence_keys(b: Batch) -> list:
@@ -241,116 +244,98 @@ def _check_flight(
         int(lengths.max()) > width or ((lengths * tpb < tokens) & (lengths < width)).any()
     ):
         fail()
-    plan = slot_plan(kept, flight, lengths, width, limit[0])
+    plan = slot_plan(kept, flight, width, limit[0])
     if plan is None:
         fail()
     return BlockPlan([], _EMPTY, _EMPTY, None, kept, slots=plan)
 
 
-def slot_plan(
-    kept: KeptRows,
-    flight: FlightLists,
-    lengths: np.ndarray,
-    width: int,
-    limit: int,
-    same_requests: bool = False,
-) -> SlotPlan | None:
-    """Where the step's lists are in the kept ``SlotRows``, and which of those rows to rewrite
-    (their lists' ids converted): those of another request (`same_requests`: a decode step,
-    where no request arrived or left, skips that test) or of another length. None when an id
-    is not an integer in the pool or a list is longer than `width` (the caller names it)."""
-    t, slots, index = flight.table, flight.seq_slots, flight.index
+def slot_plan(kept: KeptRows, flight: FlightLists, width: int, limit: int) -> SlotPlan | None:
+    """Where the step's lists are in the kept ``SlotRows``, and which of those rows to rewrite:
+    those whose list's version (the request table bumps it when a list arrives, grows or is
+    undone) is not the one they were written from, with their ids checked (a grown list's
+    only past the columns its row has). None when an id is not an integer in the pool or a
+    list is longer than `width` (the caller names it)."""
+    t, index = flight.table, flight.index
     rows = kept.slots
     if rows is None or rows.shape != (t.serial.size * t.limits.max_beam_width, 2, width):
         rows = kept.slots = SlotRows(t.serial.size, t.limits.max_beam_width, width)
-    stale = rows.length[index] != lengths
-    if not same_requests:
-        stale |= rows.serial[index] != t.serial[slots]
-    if not stale.any():
-        return SlotPlan(index, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
-    at = np.flatnonzero(stale)
-    if len(at) <= FEW:  # a list or two grew: plain Python beats numpy's calls
-        return few_lists(kept, flight, at, width, limit)
+    versions = t.list_version[index]
+    stale = np.flatnonzero(rows.version[index] != versions)
+    if not len(stale):
+        return SlotPlan(index, [], [], [], [], [], [])
+    where = index[stale]
     if t.n_wide:  # beams may share one list: each list once
-        at = at[np.unique(index[at], return_index=True)[1]]
-    where, serials, new = index[at], t.serial[slots[at]], lengths[at]
-    if int(new.max()) > width:  # a list grew past the window
-        return None
-    had = rows.length[where]
-    starts = np.where((rows.serial[where] == serials) & (had <= new), had, 0)
-    entries = t.entries
-    tails = [
-        entries[s].kv_block_ids[k][a:]
-        for s, k, a in zip(slots[at].tolist(), flight.seq_lists[at].tolist(), starts.tolist())
-    ]
-    blocks = int_array(list(itertools.chain.from_iterable(tails)))
-    if blocks is None or not in_range(blocks, 0, limit):
-        return None
-    return SlotPlan(index, where, serials, new, starts, blocks)
-
-
-def few_lists(
-    kept: KeptRows, flight: FlightLists, seqs: Any, width: int, limit: int
-) -> SlotPlan | None:
-    """slot_plan for the stale sequences `seqs` (positions among the step's, few), in plain
-    Python (the plan's fields then lists); None as slot_plan."""
-    t = flight.table
-    rows = kept.slots
-    if rows is None:  # a fresh state (a failed step replaced it): every list is stale
-        rows = kept.slots = SlotRows(t.serial.size, t.limits.max_beam_width, width)
-    stale: list[int] = []
-    serials, new, starts, blocks = [], [], [], []
-    entries = t.entries
-    for seq in seqs.tolist():
-        i = int(flight.index[seq])
-        if i in stale:  # beams sharing one list
-            continue
-        slot, n = int(flight.seq_slots[seq]), int(t.list_lengths[i])
-        serial, had = int(t.serial[slot]), int(rows.length[i])
-        start = had if int(rows.serial[i]) == serial and had <= n else 0
-        tail = entries[slot].kv_block_ids[int(flight.seq_lists[seq])][start:n]
-        if n > width or not all(is_int(x) and 0 <= x < limit for x in tail):
+        where, first = np.unique(where, return_index=True)
+        stale = stale[first]
+    where_l = where.tolist()
+    slots = flight.seq_slots[stale].tolist()
+    serials = t.serial[slots].tolist()
+    new = t.list_lengths[where].tolist()
+    had = rows.length[where].tolist()
+    same = (rows.serial[where] == t.serial[slots]).tolist()
+    entries, starts, tails = t.entries, [], []
+    many = len(where_l) > MANY  # then the ids are checked as one array
+    for slot, k, n, h, keep in zip(slots, flight.seq_lists[stale].tolist(), new, had, same):
+        start = h if keep and h <= n else 0
+        tail = entries[slot].kv_block_ids[k][start:n]
+        if n > width or not many and not all(is_int(x) and 0 <= x < limit for x in tail):
             return None
-        stale.append(i)
-        serials.append(serial)
-        new.append(n)
         starts.append(start)
-        blocks += tail
-    return SlotPlan(flight.index, stale, serials, new, starts, blocks)
+        tails.append(tail)
+    if many:
+        ids = int_array(list(itertools.chain.from_iterable(tails)))
+        if ids is None or not in_range(ids, 0, limit):
+            return None
+        tails = [ids]  # one array, list after list
+    return SlotPlan(index, where_l, serials, new, starts, tails, versions[stale].tolist())
 
 
 def _rewrite(slots: SlotRows, plan: SlotPlan, layers: int) -> None:
     """The plan's stale rows of `slots` [rows, K/V, width]: a row starting at column 0
     zeroed, then each list's ids from its start column encoded (K, and V one further), and the
-    serial and length each row is now of."""
+    serial, length and version each row is now of."""
     table = slots.rows
     assert table is not None
     width = table.shape[-1]
     flat = table.reshape(-1)  # contiguous: K's column j of row r is r * 2w + j, V's w further
-    if isinstance(plan.blocks, list):  # few_lists' plan: lists
-        per_block, ids = 2 * layers, iter(plan.blocks)
-        rows = zip(plan.stale, plan.starts, plan.lengths, plan.serials)
-        for row, start, n, serial in rows:
+    per_block = 2 * layers
+    if len(plan.stale) > MANY:  # one scatter by flat position
+        _scatter_tails(table, plan, per_block)
+    else:
+        for row, start, n, tail in zip(plan.stale, plan.starts, plan.lengths, plan.tails):
             if not start:
                 table[row] = 0
             base = row * 2 * width + start
-            for j in range(base, base + n - start):
-                flat[j] = k = next(ids) * per_block
-                flat[j + width] = k + 1
-            slots.serial[row], slots.length[row] = serial, n
-        return
+            if n - start <= 2:  # a grown list's block or two: scalar writes
+                for j, block in enumerate(tail, base):
+                    flat[j] = k = block * per_block
+                    flat[j + width] = k + 1
+            elif tail:
+                ids = np.array(tail, np.int64) * per_block
+                flat[base : base + len(tail)] = ids
+                flat[base + width : base + width + len(tail)] = ids + 1
     slots.serial[plan.stale] = plan.serials
     slots.length[plan.stale] = plan.lengths
-    fresh = plan.stale[plan.starts == 0]
+    slots.version[plan.stale] = plan.versions
+
+
+def _scatter_tails(table: np.ndarray, plan: SlotPlan, per_block: int) -> None:
+    """_rewrite's ids for many lists at once: the plan's one array of ids, list after list."""
+    width = table.shape[-1]
+    stale = np.array(plan.stale, np.int64)
+    starts = np.array(plan.starts, np.int64)
+    counts = np.array(plan.lengths, np.int64) - starts
+    fresh = stale[starts == 0]
     if len(fresh):
         table[fresh] = 0
-    counts = plan.lengths - plan.starts
-    first = np.add.accumulate(counts) - counts  # each list's offset in `blocks`
-    at = np.repeat(plan.stale * (2 * width) + plan.starts - first, counts)
-    at += np.arange(len(plan.blocks))
-    index = plan.blocks * (2 * layers)
-    flat[at] = index
-    flat[at + width] = index + 1
+    first = np.add.accumulate(counts) - counts  # each list's offset in the ids
+    at = np.repeat(stale * (2 * width) + starts - first, counts)
+    ids = plan.tails[0]
+    at += np.arange(len(ids))
+    flat = table.reshape(-1)
+    flat[at] = ids * per_block
+    flat[at + width] = ids * per_block + 1
 
 
 def from_slots(kept: KeptRows, plan: SlotPlan, rows: np.ndarray, layers: int) -> None:

@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import reference_step
 
+from bufc.rules import kv_rows
 from bufc.runtime import BatchError, Request
 
 # "llama:1": one beam per request, so steady steps take the shortest path (with block growth)
@@ -329,6 +330,18 @@ def test_tokens_gathered_on_the_device_equal_host_tokens(name: str, seed: int) -
     the device writes the generation rows and the host tensors and state catch up one step
     later; every tensor still equals the stateless step's."""
     run_traffic(name, seed, device_tokens=True)
+
+
+@pytest.mark.parametrize("name", ("llama", "llama:1"))
+def test_many_new_or_grown_lists_in_one_step_equal_the_one_by_one_path(monkeypatch, name) -> None:
+    """Past MANY stale lists the KV rows' ids are checked and written as one array (large
+    batches under churn); with MANY at 0 every step takes that path, and equals the stateless
+    step's tensors as the per-list path does (beams sharing one list included)."""
+    monkeypatch.setattr(kv_rows, "MANY", 0)
+    seen = Counter()
+    for seed in range(4):
+        seen += run_traffic(name, seed)
+    assert seen["grown"] and seen["moved"] and (seen["beams"] or name == "llama:1")
 
 
 def test_traffic_exercises_every_change() -> None:
