@@ -378,7 +378,8 @@ def _arrival(r: Any, L: Limits) -> Arrival | None:
     if g is not None and len(g) and any(map(len, g)):
         return None
     drafts = () if r.draft_tokens is None else r.draft_tokens
-    d = int_array(drafts)
+    none = type(drafts) in (list, tuple) and not drafts  # most requests bring none
+    d = _EMPTY if none else int_array(drafts)
     if (
         d is None
         or len(d)
@@ -393,7 +394,7 @@ def _arrival(r: Any, L: Limits) -> Arrival | None:
         if int(p[-1]) + len(drafts) > INT32_MAX:
             return None
         p = _frozen(p, r.position_ids)
-    return Arrival(_frozen(prompt, r.prompt), p, tuple(d.tolist()))
+    return Arrival(_frozen(prompt, r.prompt), p, tuple(d.tolist()) if len(d) else ())
 
 
 def _beam_index(slots: np.ndarray, widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -56,7 +56,14 @@ def int_array(values: Any) -> np.ndarray | None:
         return None
     kind = a.dtype.kind
     if kind == "i":
-        if a is not values and not BOOLS.isdisjoint(frozenset(map(type, values))):
+        # a bool reads as 0 or 1: the types are walked only where such a value is (token
+        # ids, block ids and positions are rarely that small, and the walk is most of the cost)
+        if (
+            a is not values
+            and a.size
+            and int(a.min()) <= 1
+            and not BOOLS.isdisjoint(frozenset(map(type, values)))
+        ):
             return None
         return a.astype(np.int64, copy=False)
     if kind == "u":
