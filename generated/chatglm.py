@@ -504,6 +504,14 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         """The per-slot state of the requests in flight (add, finish, step)."""
         return table.RequestTable(self.limits, encoder=False)
 
+    def _admit(self, r: table.Entry) -> None:
+        """Every check of a request arriving in flight (add), in order: a request no step
+        could run raises BatchError before it is kept."""
+        c = self.config
+        # ChatGLM-6B's two-row positions take no explicit position ids, no chunked prompt, and
+        # prompts of at least 2 tokens.
+        core.admit_chatglm(r)
+
     def _check(self, b: batch.Batch) -> Checked:
         """Every check of a chatglm step, in order: a bad batch raises BatchError before a
         byte is written."""

@@ -504,6 +504,14 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         """The per-slot state of the requests in flight (add, finish, step)."""
         return table.RequestTable(self.limits, encoder=False)
 
+    def _admit(self, r: table.Entry) -> None:
+        """Every check of a request arriving in flight (add), in order: a request no step
+        could run raises BatchError before it is kept."""
+        c = self.config
+        # GLM-10B's two-row positions take no explicit position ids and no chunked prompt;
+        # generation requests carry their mask_position.
+        core.admit_two_rows(r)
+
     def _check(self, b: batch.Batch) -> Checked:
         """Every check of a glm step, in order: a bad batch raises BatchError before a
         byte is written."""

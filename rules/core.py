@@ -126,6 +126,25 @@ def context_position_ids(out: np.ndarray, b: Batch) -> int:
     return o
 
 
+def admit_two_rows(r: Any) -> None:
+    """A request arriving in flight for a two-row layout (GLM): no explicit position ids."""
+    if getattr(r, "position_ids", None) is not None:
+        raise BatchError(
+            f"request (seq_slot {r.seq_slot}): explicit position_ids are not supported by the "
+            "ChatGLM/GLM two-row position layout"
+        )
+
+
+def admit_chatglm(r: Any) -> None:
+    """admit_two_rows, and a prompt of at least 2 tokens (ChatGLM's [gMASK] and <sop>)."""
+    admit_two_rows(r)
+    if len(r.prompt) < 2:
+        raise BatchError(
+            f"request (seq_slot {r.seq_slot}): a ChatGLM prompt ends with its [gMASK] and <sop> "
+            "tokens, so it has at least 2 tokens"
+        )
+
+
 def _two_row_check(b: Batch) -> None:
     """What the ChatGLM/GLM two-row layout cannot express: explicit position ids, and a
     context in chunks (its rows restart at 0 with every chunk, as in the reference, which

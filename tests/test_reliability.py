@@ -73,6 +73,16 @@ BAD_ARRIVALS = {
         dict(kv_block_ids=[["a"]]),
         r"request \(seq_slot 2\): kv_block_ids block 0 is 'a', not an integer",
     ),
+    "a one-token ChatGLM prompt": (
+        "chatglm",
+        dict(prompt=[5]),
+        r"request \(seq_slot 2\): a ChatGLM prompt ends with its \[gMASK\] and <sop> tokens",
+    ),
+    "explicit positions for GLM": (
+        "glm",
+        dict(position_ids=[0, 1, 2]),
+        r"request \(seq_slot 2\): explicit position_ids are not supported by the ChatGLM/GLM",
+    ),
     "a LoRA module the engine lacks": (
         "gpt_lora",
         dict(kv_block_ids=[[3]], lora_weights=[("nope", 0, 1, 2, None, 8)]),
