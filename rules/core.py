@@ -342,11 +342,12 @@ def kv_cache_block_offsets(
     row, even with beam_width > 1: the reference writes one row per beam but advances by one,
     so the next request overwrites them (a bug; fixed by writing one row).
 
-    The generation rows are kept from step to step with a copy of the block lists they were
-    built from: a list equal to its copy (compared by value, so a list changed in place is
-    seen) keeps its row, so steady decoding converts only the lists that changed; when
+    Stateless steps keep the generation rows from step to step with a copy of the block lists
+    they were built from: a list equal to its copy (compared by value, so a list changed in
+    place is seen) keeps its row, so steady decoding converts only the lists that changed; when
     requests finish or arrive, a kept row moves with its sequence, and only the rows of new
-    sequences and of changed lists are built.
+    sequences and of changed lists are built. Requests in flight take every row from the
+    slots' rows (``SlotRows``), where only new or grown lists were rewritten.
     """
     width, layers = max_blocks_per_seq, num_local_layers
     rows = out[: b.sizes.num_sequences * 2 * width].reshape(b.sizes.num_sequences, 2, width)

@@ -115,8 +115,7 @@ class BlockPlan:
     """One step's checked block lists, for the fill: `blocks` and `lengths` are the converted
     ids of the context lists, then of the generation lists to rebuild: all of them when
     `changed` is None, else the generation sequences listed in `changed`. `lists` holds every
-    sequence's list (in flight with the lengths known: the context lists, then the changed
-    ones)."""
+    sequence's list. In flight only `slots` is set (the rows come from ``SlotRows``)."""
 
     lists: list
     blocks: np.ndarray
