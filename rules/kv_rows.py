@@ -300,7 +300,7 @@ def _rewrite(slots: SlotRows, plan: SlotPlan, layers: int) -> None:
     flat = table.reshape(-1)  # contiguous: K's column j of row r is r * 2w + j, V's w further
     per_block = 2 * layers
     if len(plan.stale) > MANY:  # one scatter by flat position
-        _scatter_tails(table, plan, per_block)
+        _scatter_tails(table, plan, layers)
     else:
         for row, start, n, tail in zip(plan.stale, plan.starts, plan.lengths, plan.tails):
             if not start:
@@ -319,22 +319,16 @@ def _rewrite(slots: SlotRows, plan: SlotPlan, layers: int) -> None:
     slots.version[plan.stale] = plan.versions
 
 
-def _scatter_tails(table: np.ndarray, plan: SlotPlan, per_block: int) -> None:
-    """_rewrite's ids for many lists at once: the plan's one array of ids, list after list."""
-    width = table.shape[-1]
+def _scatter_tails(table: np.ndarray, plan: SlotPlan, layers: int) -> None:
+    """_rewrite's ids for many lists at once: the plan's one array of ids, list after list,
+    each from its start column (a row starting at 0 zeroed first)."""
     stale = np.array(plan.stale, np.int64)
     starts = np.array(plan.starts, np.int64)
-    counts = np.array(plan.lengths, np.int64) - starts
     fresh = stale[starts == 0]
     if len(fresh):
         table[fresh] = 0
-    first = np.add.accumulate(counts) - counts  # each list's offset in the ids
-    at = np.repeat(stale * (2 * width) + starts - first, counts)
-    ids = plan.tails[0]
-    at += np.arange(len(ids))
-    flat = table.reshape(-1)
-    flat[at] = ids * per_block
-    flat[at + width] = ids * per_block + 1
+    counts = np.array(plan.lengths, np.int64) - starts
+    _scatter(table, stale, plan.tails[0], counts, layers, starts)
 
 
 def from_slots(kept: KeptRows, plan: SlotPlan, rows: np.ndarray, layers: int) -> None:
@@ -507,17 +501,23 @@ def write_at(
 
 
 def _scatter(
-    table: np.ndarray, at: np.ndarray, blocks: np.ndarray, lengths: np.ndarray, layers: int
+    table: np.ndarray,
+    at: np.ndarray,
+    blocks: np.ndarray,
+    lengths: np.ndarray,
+    layers: int,
+    starts: np.ndarray | int = 0,
 ) -> None:
-    """The k-th list's indices into the first lengths[k] columns of row at[k] (zeroed), by flat
-    position: [rows, K/V, width] is contiguous, so K's column j of row r is r * 2w + j and V's
-    is w further (fewer numpy calls than a three-axis index; this runs every step)."""
+    """The k-th list's indices into lengths[k] columns of row at[k], from column starts[k]
+    (0: the first), by flat position: [rows, K/V, width] is contiguous, so K's column j of row
+    r is r * 2w + j and V's is w further (fewer numpy calls than a three-axis index; this runs
+    every step)."""
     if not table.flags.c_contiguous:  # a reshape would copy, and the writes be lost
         raise ValueError("KV rows to write by flat position must be contiguous")
     flat = table.reshape(-1)
     width = table.shape[-1]
     first = np.add.accumulate(lengths) - lengths  # each list's offset in `blocks`
-    at_k = np.repeat(at * (2 * width) - first, lengths) + np.arange(len(blocks))
+    at_k = np.repeat(at * (2 * width) + starts - first, lengths) + np.arange(len(blocks))
     index = blocks * (2 * layers)
     flat[at_k] = index
     flat[at_k + width] = index + 1
