@@ -391,7 +391,6 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
     assert program is not None
     limits = [f"{k}=c.{v}" for k, v in program.limits] + [
         f"encoder_only={program.encoder_only!r}",
-        f"fixed_drafts={program.fixed_drafts!r}",
     ]
     bounds = [
         f"rt.check_size({z.name!r}, s.{z.name}, {_construct(z.bound.expr)})"

@@ -243,10 +243,11 @@ class Rule:
 
 @dataclasses.dataclass(frozen=True)
 class Requests:
-    """How the batch builder reads requests: flag conditions (None: never)."""
+    """How the batch builder reads requests, and the request checks families run beside those
+    their rules name: flag conditions (None: never)."""
 
     encoder_only: Formula | None = None
-    fixed_drafts: Formula | None = None
+    checks: tuple[tuple[str, Formula], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,7 +396,10 @@ class _Builder:
         req = d.get("requests", {})
         requests = Requests(
             self.opt_formula(req, "encoder_only", ("requests",)),
-            self.opt_formula(req, "fixed_drafts", ("requests",)),
+            tuple(
+                (n, self.formula(v, ("requests", "checks", n)))
+                for n, v in req.get("checks", {}).items()
+            ),
         )
         self.errors.raise_if_any()
         return Spec(

@@ -149,7 +149,6 @@ class StepProgram:
 
     limits: tuple[tuple[str, str], ...]  # batch.limits keyword -> Config name
     encoder_only: bool
-    fixed_drafts: bool
     encoder_sizes: bool
     checks: tuple[PlannedCheck, ...]
     fills: tuple[PlannedFill, ...]
@@ -213,6 +212,7 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
     sizes = _step_sizes(spec, tensors, scalars)
     derived_by_name = {d.name: d for d in spec.derived}
     read = _used_names(spec, tensors, sizes, index_sets) | _scalar_names(scalars, tensors)
+    read |= _family_check_reads(spec, flags)
     used = _closure(read, derived_by_name)
     checks = []
     for c in spec.checks:
@@ -402,6 +402,17 @@ def _used_names(
     return used
 
 
+def _family_check_reads(spec: Spec, flags: dict[str, str | bool]) -> set[str]:
+    """The Config values the family's own request checks (requests.checks) read."""
+    reads: set[str] = set()
+    for name, cond in spec.requests.checks:
+        check = spec.request_check(name)
+        if check is not None and _holds(cond, flags):
+            reads.update(check.reads)
+            reads.update(check.admit.reads if check.admit else ())
+    return reads
+
+
 def _closure(names: set[str], derived_by_name: Mapping[str, Derived]) -> set[str]:
     """`names` and every name the derived values among them read, transitively."""
     todo = list(names)
@@ -507,6 +518,9 @@ def _program(
                 device_advance=rule.device_advance,
             )
         )
+    for name, cond in spec.requests.checks:  # the family's own checks, beside its rules'
+        if _holds(cond, flags):
+            guards[name] = [None]
     checks = []
     for name, whens in guards.items():
         c = spec.request_check(name)
@@ -525,7 +539,6 @@ def _program(
     return StepProgram(
         limits=tuple((n, n) for n in LIMIT_VALUES if n in names),
         encoder_only=_holds(requests.encoder_only, flags),
-        fixed_drafts=_holds(requests.fixed_drafts, flags),
         encoder_sizes=any(z.name in ENCODER_SIZES for z in sizes),
         checks=tuple(checks),
         fills=tuple(fills),

@@ -51,7 +51,15 @@ def declarations(scope: Scope) -> None:
         scope.formula(x.value, SCALAR)
         scope.formula(x.when, WHEN)
     scope.formula(s.requests.encoder_only, REQUESTS)
-    scope.formula(s.requests.fixed_drafts, REQUESTS)
+    for name, cond in s.requests.checks:
+        scope.formula(cond, REQUESTS)
+        if s.request_check(name) is None:
+            known = [c.name for c in s.request_checks]
+            scope.errors.error(
+                cond.loc,
+                f"requests.checks names '{name}', which is no request check"
+                f"{did_you_mean(name, known)}; declare it under request_checks",
+            )
     _index_sets(scope)
     _derived_cycles(scope)
     _families(scope)

@@ -700,7 +700,6 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             max_input_length=c.max_input_length,
             max_encoder_length=c.max_encoder_length,
             encoder_only=False,
-            fixed_drafts=False,
         )
 
     def _batch(self, context: Sequence[typing.Any], generation: Sequence[typing.Any]) -> batch.Batch:

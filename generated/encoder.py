@@ -213,7 +213,6 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             max_input_length=c.max_input_length,
             max_encoder_length=c.max_encoder_length,
             encoder_only=True,
-            fixed_drafts=False,
         )
 
     def _batch(self, context: Sequence[typing.Any], generation: Sequence[typing.Any]) -> batch.Batch:

@@ -593,7 +593,6 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             vocab_size=c.vocab_size,
             max_prompt_vocab_size=c.max_prompt_vocab_size,
             encoder_only=False,
-            fixed_drafts=False,
         )
 
     def _batch(self, context: Sequence[typing.Any], generation: Sequence[typing.Any]) -> batch.Batch:

@@ -392,7 +392,6 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             max_draft_tokens=c.max_draft_tokens,
             vocab_size=c.vocab_size,
             encoder_only=False,
-            fixed_drafts=False,
         )
 
     def _batch(self, context: Sequence[typing.Any], generation: Sequence[typing.Any]) -> batch.Batch:

@@ -538,7 +538,6 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             max_draft_tokens=c.max_draft_tokens,
             vocab_size=c.vocab_size,
             encoder_only=False,
-            fixed_drafts=True,
         )
 
     def _batch(self, context: Sequence[typing.Any], generation: Sequence[typing.Any]) -> batch.Batch:
@@ -581,6 +580,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         rt.check_size('num_requests', s.num_requests, c.max_batch_size)
         # the step shapes the generator could not prove within their capacities
         self.check_shape('host_position_ids', (s.num_context_tokens + s.num_generation_sequences,))
+        # Every generation request carries exactly max_draft_tokens draft tokens (Medusa verifies a
+        # fixed tree).
+        core.check_fixed_drafts(b, max_draft_tokens=c.max_draft_tokens)
         return Checked(
             b,
             # Every sequence's kv_block_ids cover its tokens after the step, within max_blocks_per_seq,

@@ -42,9 +42,6 @@ class Limits:
     max_input_length: int = INT32_MAX  # encoder input tokens of one request
     max_encoder_length: int = INT32_MAX  # encoder output rows of one request
     encoder_engine: bool = False  # the step runs an encoder engine: sizes from encoder inputs
-    # every generation request carries exactly max_draft_tokens drafts (Medusa's fixed tree:
-    # the engine reads max_decoding_tokens tokens per generation request)
-    exact_drafts: bool = False
 
 
 def limits(
@@ -57,7 +54,6 @@ def limits(
     max_input_length: int = INT32_MAX,
     max_encoder_length: int = INT32_MAX,
     encoder_only: bool = False,
-    fixed_drafts: bool = False,
 ) -> Limits:
     """A family's request limits from its Config values (each family's generated module passes
     the ones it has; the rest keep their defaults) and the spec's `requests` conditions."""
@@ -77,7 +73,6 @@ def limits(
         max_input_length=max_input_length,
         max_encoder_length=max_encoder_length,
         encoder_engine=encoder_only,
-        exact_drafts=fixed_drafts,
     )
 
 

@@ -240,8 +240,6 @@ def _generation_columns(
     g_max = np.maximum.reduceat(seq_len, seq_offsets) if len(seq_len) else seq_len
     if len(flat) != len(generation) and (np.minimum.reduceat(seq_len, seq_offsets) != g_max).any():
         fail()  # beams of unequal length
-    if limits.exact_drafts and generation and (g_ndraft != limits.max_draft_tokens).any():
-        fail()
     return g_ndraft, g_max, last
 
 
@@ -440,11 +438,6 @@ def check_request(r: Any, w: str, limits: Limits, is_context: bool) -> None:
         )
     if n_drafts:
         check_ints(drafts, "draft_tokens", w, *vocab)
-    if limits.exact_drafts and not is_context and n_drafts != limits.max_draft_tokens:
-        raise BatchError(
-            f"{w}: Medusa verifies a fixed tree, so every generation request carries "
-            f"max_draft_tokens={limits.max_draft_tokens} draft tokens; got {n_drafts}"
-        )
     if r.position_ids is not None:
         if _length(r.position_ids, "position_ids", w) != n:
             raise BatchError(f"{w}: {len(r.position_ids)} position_ids for a prompt of {n} tokens")

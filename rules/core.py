@@ -393,6 +393,19 @@ def _take_rows(into: np.ndarray, table: np.ndarray, moved: Any) -> None:
         np.take(table, moved, axis=0, out=into, mode="wrap")
 
 
+def check_fixed_drafts(b: Batch, *, max_draft_tokens: int) -> None:
+    """Every generation request carries exactly max_draft_tokens draft tokens: Medusa verifies a
+    fixed tree (the engine reads max_decoding_tokens tokens per generation request)."""
+    wrong = np.flatnonzero(b.gen_drafts != max_draft_tokens)
+    if wrong.size:
+        j = int(wrong[0])
+        raise BatchError(
+            f"generation request {j} (seq_slot {b.generation[j].seq_slot}): Medusa verifies a "
+            f"fixed tree, so every generation request carries max_draft_tokens="
+            f"{max_draft_tokens} draft tokens; got {int(b.gen_drafts[j])}"
+        )
+
+
 def check_chatglm(b: Batch) -> None:
     """The two-row layout's limits, and prompts of at least 2 tokens."""
     _two_row_check(b)

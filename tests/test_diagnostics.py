@@ -835,6 +835,35 @@ SCALAR_CASES = [
 ]
 
 
+FAMILY_CHECK_CASES = [
+    pytest.param(
+        BASE.replace(
+            "families:", "requests:\n  checks:\n    fixd_drafts: \"variant == 'a'\"\nfamilies:"
+        ),
+        [
+            "buffers.yaml:13:19: requests.checks names 'fixd_drafts', which is no request check "
+            "(did you mean 'fixed_drafts'?); declare it under request_checks"
+        ],
+        id="family_check_unknown",
+    ),
+    pytest.param(
+        BASE.replace(
+            "families:", 'requests:\n  checks:\n    fixed_drafts: "max_batch_size > 1"\nfamilies:'
+        ),
+        [
+            "buffers.yaml:13:20: 'max_batch_size' is a construct-time parameter; a condition "
+            "under requests may use only generate-time flags"
+        ],
+        id="family_check_not_a_flag_condition",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), FAMILY_CHECK_CASES)
+def test_family_check_diagnostic(text: str, expected: list[str]) -> None:
+    assert diagnostics(text) == expected
+
+
 @pytest.mark.parametrize(("text", "expected"), SCALAR_CASES)
 def test_scalar_and_capture_diagnostic(text: str, expected: list[str]) -> None:
     assert diagnostics(text) == expected

@@ -214,6 +214,29 @@ def test_blocks_for_a_waiting_request_are_checked_by_that_step() -> None:
     assert _same(b, twin) == []
 
 
+def test_medusa_drafts_are_a_fixed_tree_in_both_entry_points() -> None:
+    """The family's own request check (requests.checks: fixed_drafts): every generation
+    request carries max_draft_tokens drafts; fewer are refused by the step, which changes
+    nothing, in flight and stateless alike."""
+    b, twin = make_buffers("medusa"), make_buffers("medusa")
+    for x in (b, twin):
+        _decoding(x)
+    message = (
+        r"generation request 0 \(seq_slot 0\): Medusa verifies a fixed tree, so every "
+        r"generation request carries max_draft_tokens=3 draft tokens; got 2"
+    )
+    with pytest.raises(BatchError, match=message):
+        b.step(_tokens(), drafts={0: [4, 5], 1: [4, 5, 6]})
+    for x in (b, twin):
+        x.step(_tokens(), drafts={0: [4, 5, 6], 1: [4, 5, 6]})
+    assert _same(b, twin) == []
+    stateless = make_buffers("medusa")
+    gen = Request(seq_slot=0, prompt=[5, 6, 7], generated=[[9]], draft_tokens=[1, 2])
+    gen.kv_block_ids = [[1]]
+    with pytest.raises(BatchError, match=message):
+        stateless.prepare_step([], [gen])
+
+
 @pytest.mark.parametrize("value", [None, 0, 1, "yes", np.bool_(True)])
 def test_generation_must_be_a_bool(value) -> None:
     """generation=None used to run no generation rows, silently."""
