@@ -558,10 +558,11 @@ class RuntimeBuffers:
     def _abandon_half(self, h: int) -> None:
         """Half h was partly written by a step that failed: the current half stays the last
         step's, h holds no run any more, and every row of h is re-padded when it is next
-        written (its high-water marks at capacity). Rule state is rebuilt from the requests."""
+        written (its high-water marks at capacity, no repeated tail known). Rule state is
+        rebuilt from the requests."""
         self._half_run[h] = None
         for name, target in vars(self._targets[h]).items():
-            target.written[0] = self._t[name].numel
+            target.written[:] = [self._t[name].numel, None]
         self.state = self.state_type()
 
     def _tokens_back(self) -> None:

@@ -639,3 +639,32 @@ def test_kept_kv_rows_follow_their_sequences_when_requests_finish_and_arrive(dat
         want = make_buffers("llama", tokens_per_block=4).prepare_step([], order)
         for name, t in want.inputs.items():
             assert torch.equal(got.inputs[name], t), name
+
+
+def test_a_failed_fill_leaves_no_stale_repeat_last_tail(monkeypatch):
+    """A fill that fails after writing a cumulative tensor's rows (more of them than the next
+    step has) leaves no stale values in its repeated tail: the bucket rows past the next step
+    repeat its last value, as on buffers that never saw the failure."""
+    from bufc.rules import core
+
+    def steps(b, fail: bool) -> list:
+        few = [gen(i, n=10 + i, kv_block_ids=[[i + 1]]) for i in range(3)]
+        b.prepare_step([], few)  # half 0
+        b.prepare_step([], few)  # half 1
+        if fail:  # half 0 again: 5 rows written, then the rule raises
+            real = core.last_token_ids
+
+            def writes_then_fails(out, batch):
+                real(out, batch)
+                raise ZeroDivisionError("after the writes")
+
+            monkeypatch.setattr(core, "last_token_ids", writes_then_fails)
+            more = few + [gen(i, n=10 + i, kv_block_ids=[[i + 1]]) for i in (3, 4)]
+            with pytest.raises(BatchError, match="a fill failed after the checks passed"):
+                b.prepare_step([], more)
+            monkeypatch.setattr(core, "last_token_ids", real)
+        step = b.prepare_step([], few)  # half 0, 3 rows
+        return b.views(step.sizes.generation_bucket(8))[0]["last_token_ids"].tolist()
+
+    assert steps(make_buffers("llama"), True) == steps(make_buffers("llama"), False)
+    assert steps(make_buffers("llama"), False) == [1, 2, 3, 3, 3, 3, 3, 3]
