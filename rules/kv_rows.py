@@ -73,7 +73,6 @@ class SlotRows:
     rows from step to step."""
 
     def __init__(self, slots: int, lists: int, width: int) -> None:
-        self.lists = lists
         self.rows: np.ndarray | None = None  # [slots * lists, K/V, width], the fill's dtype
         self.shape = (slots * lists, 2, width)
         self.serial = np.full(slots * lists, -1, np.int64)
@@ -257,7 +256,7 @@ def slot_plan(kept: KeptRows, flight: FlightLists, width: int, limit: int) -> Sl
     list is longer than `width` (the caller names it)."""
     t, index = flight.table, flight.index
     rows = kept.slots
-    if rows is None or rows.shape != (t.serial.size * t.limits.max_beam_width, 2, width):
+    if rows is None:  # the first step in flight, or a failed step replaced the state
         rows = kept.slots = SlotRows(t.serial.size, t.limits.max_beam_width, width)
     versions = t.list_version[index]
     stale = np.flatnonzero(rows.version[index] != versions)

@@ -28,6 +28,14 @@ HALVES = 2
 REPEAT_LAST = "repeat_last"
 
 
+def written() -> list[Any]:
+    """A storage's record of its last fill, shared by the Targets of the halves where the
+    storage is: the elements it wrote, and (repeat_last) the count and value its tail was last
+    padded at (None: unknown, after a failed fill); as allocated, nothing written and every
+    element 0."""
+    return [0, (0, 0)]
+
+
 class Target:
     """One rule tensor's storage in one half: `out` (a flat numpy view of host memory, or the
     flat device tensor of a rule that copies request tensors), its pad policy, and what the
@@ -48,8 +56,6 @@ class Target:
     ) -> None:
         self.repeat = pad == REPEAT_LAST
         self.out, self.pad, self.written = out, None if self.repeat else pad, written
-        if len(written) == 1:
-            written.append((0, 0))  # the tail as allocated: every element 0
         self.size = len(out)
         self.tensor, self.rule = tensor, rule
 

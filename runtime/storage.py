@@ -20,7 +20,7 @@ import torch
 from ..errors import ConfigError
 from ..requests.values import int_array
 from .decl import DEVICE, PINNED, Constant, Mirror, Rule, TensorDecl
-from .staging import ALIGN, HALVES, Staging, Target
+from .staging import ALIGN, HALVES, Staging, Target, written
 from .tokens import region_bytes
 
 
@@ -129,12 +129,12 @@ def _targets(t: Stored) -> tuple[Target, ...]:
     stream). The elements the last fill of a storage wrote are counted per storage (shared by
     the halves where the storage is), so rows past a shorter step are re-padded."""
     d = t.decl
-    shared = [0]
+    shared = written()
     return tuple(
         Target(
             t.flat[h] if d.memory == DEVICE else t.flat[h].numpy(),
             d.pad,
-            shared if t.flat[0] is t.flat[1] else [0],
+            shared if t.flat[0] is t.flat[1] else written(),
             d.name,
             d.fill.impl,  # type: ignore[union-attr]
         )
