@@ -43,6 +43,9 @@ LIMIT_VALUES = (
     "max_prompt_vocab_size",
     "max_input_length",
     "max_encoder_length",
+    "max_blocks_per_seq",
+    "num_local_layers",
+    "num_kv_blocks",
 )
 
 

@@ -222,7 +222,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         )
 
     def _in_flight(self) -> table.RequestTable:
-        """The per-slot state of the requests in flight (add, finish, step)."""
+        """The per-slot state of the requests in flight (add, finish, step); it checks each
+        request's tokens, beams, drafts, positions and KV block ids as it takes them."""
         return table.RequestTable(self.limits, encoder=True)
 
     def _check(self, b: batch.Batch) -> Checked:

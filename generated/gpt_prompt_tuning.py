@@ -592,6 +592,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             max_draft_tokens=c.max_draft_tokens,
             vocab_size=c.vocab_size,
             max_prompt_vocab_size=c.max_prompt_vocab_size,
+            max_blocks_per_seq=c.max_blocks_per_seq,
+            num_local_layers=c.num_local_layers,
+            num_kv_blocks=c.num_kv_blocks,
             encoder_only=False,
         )
 
@@ -602,21 +605,14 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         )
 
     def _in_flight(self) -> table.RequestTable:
-        """The per-slot state of the requests in flight (add, finish, step)."""
+        """The per-slot state of the requests in flight (add, finish, step); it checks each
+        request's tokens, beams, drafts, positions and KV block ids as it takes them."""
         return table.RequestTable(self.limits, encoder=False)
 
     def _admit(self, r: table.Entry) -> None:
         """Every check of a request arriving in flight (add), in order: a request no step
         could run raises BatchError before it is kept."""
         c = self.config
-        # Every sequence's kv_block_ids cover its tokens after the step, within max_blocks_per_seq,
-        # with ids in the pool.
-        kv_rows.admit_kv_blocks(
-            r,
-            max_blocks_per_seq=c.max_blocks_per_seq,
-            num_local_layers=c.num_local_layers,
-            num_kv_blocks=c.num_kv_blocks,
-        )
         # Each prompt_table is [rows <= max_prompt_vocab_size, hidden_size] in the model dtype; ids
         # past the vocabulary name a row of their own request's table.
         features.admit_prompt_table(

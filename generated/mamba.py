@@ -391,6 +391,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             max_beam_width=c.max_beam_width,
             max_draft_tokens=c.max_draft_tokens,
             vocab_size=c.vocab_size,
+            num_local_layers=c.num_local_layers,
             encoder_only=False,
         )
 
@@ -401,7 +402,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         )
 
     def _in_flight(self) -> table.RequestTable:
-        """The per-slot state of the requests in flight (add, finish, step)."""
+        """The per-slot state of the requests in flight (add, finish, step); it checks each
+        request's tokens, beams, drafts, positions and KV block ids as it takes them."""
         return table.RequestTable(self.limits, encoder=False)
 
     def _check(self, b: batch.Batch) -> Checked:

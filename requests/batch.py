@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import BatchError
 from ..rules.sizes import StepSizes
+from .blocks import id_limit
 from .values import INT32_MAX, check_int, show
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -42,6 +43,9 @@ class Limits:
     max_input_length: int = INT32_MAX  # encoder input tokens of one request
     max_encoder_length: int = INT32_MAX  # encoder output rows of one request
     encoder_engine: bool = False  # the step runs an encoder engine: sizes from encoder inputs
+    # a paged KV cache: at most kv_width blocks per list, ids in 0 .. kv_limit[0] - 1 (0: none)
+    kv_width: int = 0
+    kv_limit: tuple[int, str] = (0, "")
 
 
 def limits(
@@ -54,6 +58,9 @@ def limits(
     max_input_length: int = INT32_MAX,
     max_encoder_length: int = INT32_MAX,
     encoder_only: bool = False,
+    max_blocks_per_seq: int = 0,
+    num_local_layers: int = 1,
+    num_kv_blocks: int = 0,
 ) -> Limits:
     """A family's request limits from its Config values (each family's generated module passes
     the ones it has; the rest keep their defaults) and the spec's `requests` conditions."""
@@ -73,22 +80,19 @@ def limits(
         max_input_length=max_input_length,
         max_encoder_length=max_encoder_length,
         encoder_engine=encoder_only,
+        kv_width=max_blocks_per_seq,
+        kv_limit=id_limit(num_local_layers, num_kv_blocks) if max_blocks_per_seq else (0, ""),
     )
 
 
 @dataclasses.dataclass(frozen=True)
 class FlightLists:
-    """Requests in flight: where each sequence of the step finds its KV block list in the
-    request table (``table``: its entries, serials, and each slot's list count and lengths),
-    so the KV rules keep their rows per slot and list, whatever row a sequence lands on.
-    ``seq_slots`` is each sequence's seq slot (context requests, then every generation beam),
-    ``seq_lists`` the index of its list among the slot's (0 where one list serves every
-    beam), ``index`` both as one: slot * max_beam_width + list (the flat index of the table's
-    [slots, lists] counts)."""
+    """Requests in flight: where each sequence of the step finds its KV block ids in the
+    request table's block table (``blocks``, a ``blocks.BlockTable``): ``index`` is the row of
+    each sequence's list (context requests, then every generation beam; slot * lists + the
+    list's index among the slot's, 0 where one list serves every beam)."""
 
-    table: Any
-    seq_slots: np.ndarray
-    seq_lists: np.ndarray
+    blocks: Any
     index: np.ndarray
 
 

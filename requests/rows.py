@@ -89,20 +89,18 @@ def step_view(
 def flight_lists(
     t: RequestTable, ctx_slots: np.ndarray, rows: np.ndarray, widths: np.ndarray, wide: bool
 ) -> FlightLists | None:
-    """Each sequence's seq slot and list index in the table (a context request reads its first
-    list; a generation beam its own list, or the one list all its beams share). None where a
-    request in the step holds no lists the table counted (absent or malformed: the KV check then
-    walks the requests and names it)."""
+    """Each sequence's row in the block table: a context request reads its first list, a
+    generation beam its own list, or the one list all its beams share. None for a family
+    without a paged KV cache."""
+    kv = t.kv
+    if kv is None:
+        return None
     if wide:
         gen_slots, beam = _beam_index(rows, widths)
-        gen_lists = np.where(t.n_lists[gen_slots] > 1, beam, 0)
+        gen_rows = gen_slots * kv.lists + np.where(kv.n_lists[gen_slots] > 1, beam, 0)
     else:
-        gen_slots, gen_lists = rows, np.zeros(len(rows), np.int64)
-    slots = np.concatenate((ctx_slots, gen_slots))
-    if t.n_unlisted and len(slots) and not t.n_lists[slots].all():
-        return None
-    lists = np.concatenate((np.zeros(len(ctx_slots), np.int64), gen_lists))
-    return FlightLists(t, slots, lists, slots * t.limits.max_beam_width + lists)
+        gen_rows = rows * kv.lists
+    return FlightLists(kv, np.concatenate((ctx_slots * kv.lists, gen_rows)))
 
 
 def device_gather(

@@ -8,7 +8,7 @@ step set). A step where only the tokens changed is planned without a batch (``_s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from itertools import chain
 from typing import Any
 
@@ -53,10 +53,9 @@ class Plan:
     positions: list[tuple[int, int]]  # context slots and their prompt position after the step
     promoted: list[int]  # last step's finished prompts, generation rows from this step
     completing: list[int]  # context slots whose last chunk this step runs
-    undo_blocks: list[tuple[list, int]]
+    undo_blocks: list[tuple[list, int, int]]  # (the entry's list, its length before, table row)
     undo_drafts: list[tuple[Entry, Any]]
     generation: bool = True  # the generation rows ran (and produce tokens)
-    grew: set[int] = dataclasses.field(default_factory=set)  # slots whose block lists grew
     # tokens that stay on the device: the gather the step runs there, and the (slot, beam) of
     # each value it copies back (their state entries once they land)
     gather: TokenGather | None = None
@@ -65,22 +64,20 @@ class Plan:
 
     def undo(self) -> None:
         """The step failed: the block lists and drafts it set are as they were."""
-        _undo(self.undo_blocks, self.undo_drafts, self.table, self.grew)
+        _undo(self.undo_blocks, self.undo_drafts, self.table)
 
 
 def _undo(
-    blocks: list[tuple[list, int]],
+    blocks: list[tuple[list, int, int]],
     drafts: list[tuple[Entry, Any]],
     t: RequestTable | None = None,
-    grew: Any = (),
 ) -> None:
-    for ids, n in blocks:
+    for ids, n, row in blocks:
         del ids[n:]
+        if t is not None and t.kv is not None:
+            t.kv.undo([(row, n)])
     for entry, values in drafts:
         entry.draft_tokens = values
-    if t is not None:  # the lengths the table counted when the lists grew
-        for slot in grew:
-            t.count_blocks(slot, t.held(slot).kv_block_ids)
 
 
 def plan(
@@ -94,12 +91,11 @@ def plan(
     generation: bool = True,
     steady: bool = False,
     on_device: bool = False,
-    admit: Callable[[Entry], None] | None = None,
 ) -> Plan:
     """Check the next step and lay it out; nothing is committed (``commit``) and only the
-    block lists and drafts are set on the entries (``Plan.undo`` restores them). Blocks given
-    for a request that waits in this step are checked now, by `admit` (the family's arrival
-    checks): the step's own checks read only the requests it runs.
+    block lists and drafts are set on the entries and the block table (``Plan.undo`` restores
+    them). Every block id handed over is checked as it is appended, whether its request runs
+    in this step or waits.
 
     `steady`: the last step can be continued in place (generation only, no drafts); the
     plan then has no batch when nothing but the tokens changed. `on_device`: `tokens` is
@@ -115,9 +111,8 @@ def plan(
         and t.n_rows
     ):
         return _steady(t, tokens, blocks, on_device)
-    undo_blocks: list[tuple[list, int]] = []
+    undo_blocks: list[tuple[list, int, int]] = []
     undo_drafts: list[tuple[Entry, Any]] = []
-    undo_grew: list[int] = []
     try:
         # the tokens the last step produced: its generation rows still in flight and the
         # prompts it finished (they join the generation rows now)
@@ -138,13 +133,8 @@ def plan(
                 raise BatchError("step(): drafts given, but generation=False runs no generation")
             rows, row_entries = _EMPTY, []
         ndraft, drafted = _step_drafts(t, drafts, promoted, rows, undo_drafts)
-        grew = _grow(t, blocks, undo_blocks, undo_grew)
+        _grow(t, blocks, undo_blocks)
         context, positions, completing = _context(t, chunks)
-        if admit is not None and grew:
-            running = {e.seq_slot for e, _, _ in context}
-            for slot in grew:
-                if slot in t.waiting and slot not in running:
-                    admit(t.held(slot))
         batch = step_view(t, context, rows, row_entries, generated, last, ndraft)
         gather, gathered = (
             device_gather(t, batch, tokens.columns, producers)
@@ -165,13 +155,12 @@ def plan(
             undo_blocks=undo_blocks,
             undo_drafts=undo_drafts,
             generation=generation,
-            grew=set(grew),
             gather=gather,
             gathered=gathered,
             table=t,
         )
     except BaseException:
-        _undo(undo_blocks, undo_drafts, t, undo_grew)
+        _undo(undo_blocks, undo_drafts, t)
         raise
 
 
@@ -298,22 +287,28 @@ def _step_drafts(
 
 
 def _grow(
-    t: RequestTable,
-    blocks: Mapping[int, Any] | None,
-    undo: list[tuple[list, int]],
-    grew_slots: list[int],
+    t: RequestTable, blocks: Mapping[int, Any] | None, undo: list[tuple[list, int, int]]
 ) -> dict[int, list[int]]:
-    """Append the step's KV blocks to their slots' lists, and count the lengths at once (the
-    KV check reads them): each slot's lists' lengths before, each append recorded in `undo`
-    and each slot in `grew_slots` (the undo recounts them)."""
+    """Append the step's KV block ids to their slots' lists in the table, each checked there
+    (integers in the pool, within the width), and to the entries' own lists; returns each
+    slot's list lengths before, every append recorded in `undo`."""
     grew: dict[int, list[int]] = {}
-    for slot, new in (blocks or {}).items():
+    if not blocks:
+        return grew
+    kv = t.kv
+    if kv is None:
+        raise BatchError("step(): blocks given, but this family has no paged KV cache")
+    for slot, new in blocks.items():
         entry = t.entry(slot, "blocks")
-        done = _append_blocks(entry, new, slot)
-        undo += done
-        grew_slots.append(int(slot))
-        grew[int(slot)] = [n for _, n in done]
-        t.count_blocks(int(slot), entry.kv_block_ids)
+        done = kv.append(int(slot), new, f"step(): blocks[{slot}]")
+        lists = entry.kv_block_ids
+        assert lists is not None  # the table holds the lists it checked at add()
+        before = []
+        for k, (row, n) in enumerate(done):
+            undo.append((lists[k], n, row))
+            lists[k].extend(kv.ids[row, n : kv.count[row]].tolist())
+            before.append(n)
+        grew[int(slot)] = before
     return grew
 
 
@@ -356,12 +351,11 @@ def _steady(
             )
         gather = TokenGather(held[1], held[2])
         gathered = (held[3], held[4])
-    undo: list[tuple[list, int]] = []
-    undo_grew: list[int] = []
+    undo: list[tuple[list, int, int]] = []
     try:
-        grew = _grow(t, blocks, undo, undo_grew)
+        grew = _grow(t, blocks, undo)
     except BaseException:
-        _undo(undo, [], t, undo_grew)
+        _undo(undo, [], t)
         raise
     return Plan(
         batch=None,
@@ -377,7 +371,6 @@ def _steady(
         undo_blocks=undo,
         undo_drafts=[],
         generation=True,
-        grew=set(grew),
         gather=gather,
         gathered=gathered,
         table=t,
@@ -488,32 +481,3 @@ def _drafts(values: Any, slot: int, entry: Entry, L: Limits) -> np.ndarray:
             f"{w}: a draft token is outside 0 .. {L.token_limit - 1} ({L.token_limit_text})"
         )
     return a
-
-
-def _append_blocks(entry: Entry, new: Any, slot: int) -> list[tuple[list, int]]:
-    """Append KV block ids to the slot's lists: one list of ids (every list of the request
-    gets them) or one list per list the request holds. Returns what undoes it. The ids are
-    checked with the step's other block lists, before anything is written."""
-    lists = entry.kv_block_ids
-    w = f"step(): blocks[{slot}]"
-    if lists is None:
-        raise BatchError(f"{w}: the request arrived without kv_block_ids")
-    if type(new) is not list:
-        try:
-            new = list(new)
-        except TypeError:
-            raise BatchError(f"{w} must be a list of block ids, got {show(new)}") from None
-    if len(lists) == 1 and new and type(new[0]) is int:  # the common case: ids for one list
-        blocks = lists[0]
-        undo = [(blocks, len(blocks))]
-        blocks.extend(new)  # a value other than an id is refused by the step's KV check
-        return undo
-    per_list = bool(new) and all(isinstance(x, (list, tuple)) for x in new)
-    if per_list and len(new) != len(lists):
-        raise BatchError(
-            f"{w}: {len(new)} lists of block ids for a request with {len(lists)} block lists"
-        )
-    undo = [(x, len(x)) for x in lists]
-    for i, blocks in enumerate(lists):
-        blocks.extend(new[i] if per_list else new)
-    return undo

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..errors import BatchError
 from .batch import Limits
+from .blocks import BlockTable
 from .stateless import check_request
 from .values import INT32_MAX, in_range, int_array, is_int, show
 
@@ -117,15 +118,13 @@ class RequestTable:
         self.produced, self.produced_serial = _EMPTY, _EMPTY
         self.completing: list[tuple[int, int]] = []
         self.changed = True  # requests arrived or finished since the last step
-        # each slot's KV block lists: how many (0: none, or not one per beam or one for all:
-        # the KV check walks the lists) and each one's length, counted when they change (the
-        # KV rules keep their rows per slot and list, and read these)
-        self.n_lists = np.zeros(n, np.int64)
-        self.n_unlisted = 0  # requests in flight with n_lists 0
-        self.n_blocks = np.zeros((n, w), np.int64)
-        self.list_lengths = self.n_blocks.reshape(-1)  # the same counts by slot * w + list
-        self.list_version = np.zeros(n * w, np.int64)  # by slot * w + list: bumped on change
-        self.clock = 0
+        # each slot's KV block ids, checked when they arrive or grow (a family with a paged
+        # KV cache; the KV rules read the ids and counts, and rewrite what changed)
+        self.kv = (
+            BlockTable(n, w, limits.kv_width, limits.kv_limit, "kv_block_ids")
+            if limits.kv_width
+            else None
+        )
         # tokens gathered on the device in the last step: (slot, beam, the slot's serial) of
         # each value on its way back; and the slots a step sampled an out-of-range token for
         self.pending: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
@@ -161,7 +160,11 @@ class RequestTable:
                 check_request(request, w, L, True)
                 raise BatchError(f"{w}: the request is invalid")  # pragma: no cover
             ids = request.kv_block_ids
-            blocks = None if ids is None else [list(x) for x in ids]
+            if self.kv is not None:
+                blocks: list[list[Any]] | None
+                blocks, arrays = self.kv.check(ids, int(request.beam_width), w)
+            else:
+                blocks, arrays = (None if ids is None else [list(x) for x in ids]), []
         except BatchError:
             raise
         except Exception as exc:
@@ -176,11 +179,8 @@ class RequestTable:
             admit(entry)
         prompt = arrival.prompt
         self.entries[slot] = entry
-        # lists absent, or more than the beams: 0, and the KV check walks (and refuses) them
-        n_lists = 0 if blocks is None or not 1 <= len(blocks) <= L.max_beam_width else len(blocks)
-        self.n_lists[slot] = n_lists
-        self.n_unlisted += not n_lists
-        self.count_blocks(slot, blocks)
+        if self.kv is not None:
+            self.kv.put(slot, arrays)
         self._serials_pending()
         self.serial[slot] += 1
         self.prompt_len[slot] = len(prompt)
@@ -219,8 +219,8 @@ class RequestTable:
         self.prompt_arrays[slot] = None
         self._serials_pending()
         self.serial[slot] += 1
-        self.n_unlisted -= not self.n_lists[slot]
-        self.n_lists[slot] = 0
+        if self.kv is not None:
+            self.kv.clear(slot)
         if slot in self.drafted:
             self.drafted.remove(slot)
             self.ndraft[slot] = 0
@@ -305,19 +305,6 @@ class RequestTable:
         self.changed = False
 
     # ---------------------------------------------------------------------------- helpers
-
-    def count_blocks(self, slot: int, lists: Any) -> None:
-        """The lengths of the slot's block lists (its `n_lists` of them), counted when they
-        change, and a new version for each (the KV rules rewrite the rows of a list whose
-        version is not the one they wrote)."""
-        n = int(self.n_lists[slot])
-        if n == 1:  # the common case: one list, one scalar write
-            self.n_blocks[slot, 0] = len(lists[0])
-        elif n:
-            self.n_blocks[slot, :n] = [len(x) for x in lists[:n]]
-        self.clock += 1
-        w = self.n_blocks.shape[1]
-        self.list_version[slot * w : slot * w + w] = self.clock
 
     def held(self, slot: int) -> Entry:
         entry = self.entries[slot]

@@ -490,6 +490,8 @@ def check_kv_entered(
         return KvEntered(kept, values)
     b = d.batch
     per_block = num_local_layers * 2
+    if b.flight is not None:  # in flight: the ids from the block table, checked when appended
+        return KvEntered(kept, _entered_in_flight(d, starting, before, width, tpb, per_block))
     limit, limit_text = id_limit(num_local_layers, num_kv_blocks)
 
     def where(req: int) -> str:  # formatted only for a message
@@ -539,6 +541,37 @@ def check_kv_entered(
                 )
             values.append((seq, col, int(block) * per_block))
     return KvEntered(kept, values)
+
+
+def _entered_in_flight(
+    d: Decode, starting: np.ndarray, before: np.ndarray, width: int, tpb: int, per_block: int
+) -> list[tuple[int, int, int]]:
+    """check_kv_entered for requests in flight: each entered block's id read from the block
+    table (its list must hold it), then every block appended to a list in this step."""
+    b = d.batch
+    flight = b.flight
+    assert flight is not None
+    blocks, values = flight.blocks, []
+    if starting.size:
+        cols = before[starting] // tpb
+        inside = cols < width  # past the attention window the rows stay (cyclic cache)
+        seqs, cols = starting[inside], cols[inside]
+        rows = flight.index[seqs]
+        short = np.flatnonzero(cols >= blocks.count[rows])
+        if short.size:
+            seq, req = int(seqs[short[0]]), int(b.seq_request[seqs[short[0]]])
+            raise BatchError(
+                f"generation request {req} (seq_slot {b.generation[req].seq_slot}): its token "
+                f"{d.seq_tokens[seq]} needs KV block {int(cols[short[0]])}, which kv_block_ids "
+                "does not hold; allocate the block before this step"
+            )
+        index = blocks.ids[rows, cols] * per_block
+        values = list(zip(seqs.tolist(), cols.tolist(), index.tolist()))
+    for seq, length in d.grown:  # lists grown in flight: every new block, as a full step
+        row = int(flight.index[seq])
+        ids = blocks.ids[row, length : blocks.count[row]] * per_block
+        values += [(seq, col, index) for col, index in enumerate(ids.tolist(), length)]
+    return values
 
 
 class KvEntered:

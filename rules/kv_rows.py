@@ -22,21 +22,12 @@ import numpy as np
 
 from ..errors import BatchError
 from ..requests.batch import Batch, FlightLists
-from ..requests.values import INT32_MAX, in_range, int_array, is_int, show
+from ..requests.blocks import id_limit, name_bad_id, request_lists
+from ..requests.values import in_range, int_array
 
 _FIRST = itemgetter(0)
 _EMPTY = np.zeros(0, np.int64)
 _EMPTY.flags.writeable = False
-MANY = 16  # stale lists past which their ids are checked and written as one array
-
-
-def id_limit(num_local_layers: int, num_kv_blocks: int) -> tuple[int, str]:
-    """Block ids lie in 0 .. limit - 1: the pool's blocks (0: unbounded), and at most what the
-    int32 index (id * num_local_layers * 2 + 1) can encode."""
-    encodable = (INT32_MAX - 1) // (2 * num_local_layers) + 1
-    if num_kv_blocks and num_kv_blocks <= encodable:
-        return num_kv_blocks, f"num_kv_blocks={num_kv_blocks}"
-    return encodable, f"the int32 block index with num_local_layers={num_local_layers}"
 
 
 def required_blocks(tokens: np.ndarray, tokens_per_block: int, width: int) -> np.ndarray:
@@ -65,41 +56,16 @@ class KeptRows:
 
 
 class SlotRows:
-    """Requests in flight: the KV rows of every (seq slot, list) of the request table, encoded,
-    with the serial of the slot's request, the length and the version of the list each was
-    written from (the request table's `list_version`). A
+    """Requests in flight: the encoded KV rows of every row of the request table's block
+    table (``blocks``: a slot's list), with the version of the list each was written from. A
     step takes its sequences' rows from here, whatever row each lands on (finish condenses,
-    prompts join), and first rewrites the rows of lists that are new or grew; nothing follows
-    rows from step to step."""
+    prompts join), once the rows whose list changed are rewritten; nothing follows rows from
+    step to step."""
 
-    def __init__(self, slots: int, lists: int, width: int) -> None:
-        self.rows: np.ndarray | None = None  # [slots * lists, K/V, width], the fill's dtype
-        self.shape = (slots * lists, 2, width)
-        self.serial = np.full(slots * lists, -1, np.int64)
-        self.length = np.zeros(slots * lists, np.int64)
-        self.version = np.full(slots * lists, -1, np.int64)
-
-
-class SlotPlan:
-    """A step's sequences in ``SlotRows`` (`index`), and the rows to rewrite first: `stale`,
-    with their lists' request serials, lengths and versions, the column each rewrite starts at
-    (`starts`: a grown list keeps the columns it had, another list starts at 0) and the ids
-    from there (`tails`, checked), one list each."""
-
-    __slots__ = ("index", "stale", "serials", "lengths", "starts", "tails", "versions")
-
-    def __init__(
-        self,
-        index: np.ndarray,
-        stale: list[int],
-        serials: list[int],
-        lengths: list[int],
-        starts: list[int],
-        tails: list[Any],
-        versions: list[int],
-    ) -> None:
-        self.index, self.stale, self.serials, self.lengths = index, stale, serials, lengths
-        self.starts, self.tails, self.versions = starts, tails, versions
+    def __init__(self, blocks: Any) -> None:
+        self.blocks = blocks  # the block table these rows are of (held: its versions count)
+        self.rows: np.ndarray | None = None  # [block table rows, K/V, width], the fill's dtype
+        self.version = np.full(len(blocks.count), -1, np.int64)
 
 
 def sequence_keys(b: Batch) -> list:
@@ -125,7 +91,7 @@ class BlockPlan:
     # (-1: a sequence the table does not hold), and the rows' sequence keys
     moved: list[int] | np.ndarray | None = None
     keys: list | None = None
-    slots: SlotPlan | None = None  # requests in flight: the rows come from ``SlotRows``
+    slots: FlightLists | None = None  # requests in flight: the rows come from ``SlotRows``
 
 
 def _block_lists(b: Batch, field: str) -> list | None:
@@ -225,121 +191,36 @@ def _check_flight(
     limit: tuple[int, str],
     what: str,
 ) -> BlockPlan:
-    """check_block_lists for requests in flight: every sequence's list length, as the table
-    counts them, covers its tokens after the step (length * tokens_per_block >= tokens, or the
-    list fills the window) within `width`; the lists whose rows ``SlotRows`` lacks (a new
-    request, a list that grew) are converted and their ids checked. The cold path walks the
-    requests to name the first bad list."""
+    """check_block_lists for requests in flight: every sequence's list, as the block table
+    counts it, covers its tokens after the step (length * tokens_per_block >= tokens, or the
+    list fills the window); the ids were checked when the table took them. The cold path
+    walks the requests to name the first short list."""
     flight = b.flight
     assert flight is not None
-    field = "kv_block_ids"
-
-    def fail() -> NoReturn:
-        _diagnose(b, field, required_blocks(tokens, tpb, width), width, width_name, limit, what)
-
-    lengths = flight.table.list_lengths[flight.index]
-    if len(lengths) and (
-        int(lengths.max()) > width or ((lengths * tpb < tokens) & (lengths < width)).any()
-    ):
-        fail()
-    plan = slot_plan(kept, flight, width, limit[0])
-    if plan is None:
-        fail()
-    return BlockPlan([], _EMPTY, _EMPTY, None, kept, slots=plan)
+    lengths = flight.blocks.count[flight.index]
+    if len(lengths) and ((lengths * tpb < tokens) & (lengths < width)).any():
+        need = required_blocks(tokens, tpb, width)
+        _diagnose(b, "kv_block_ids", need, width, width_name, limit, what)
+    return BlockPlan([], _EMPTY, _EMPTY, None, kept, slots=flight)
 
 
-def slot_plan(kept: KeptRows, flight: FlightLists, width: int, limit: int) -> SlotPlan | None:
-    """Where the step's lists are in the kept ``SlotRows``, and which of those rows to rewrite:
-    those whose list's version (the request table bumps it when a list arrives, grows or is
-    undone) is not the one they were written from, with their ids checked (a grown list's
-    only past the columns its row has). None when an id is not an integer in the pool or a
-    list is longer than `width` (the caller names it)."""
-    t, index = flight.table, flight.index
-    rows = kept.slots
-    if rows is None:  # the first step in flight, or a failed step replaced the state
-        rows = kept.slots = SlotRows(t.serial.size, t.limits.max_beam_width, width)
-    versions = t.list_version[index]
-    stale = np.flatnonzero(rows.version[index] != versions)
-    if not len(stale):
-        return SlotPlan(index, [], [], [], [], [], [])
-    where = index[stale]
-    if t.n_wide:  # beams may share one list: each list once
-        where, first = np.unique(where, return_index=True)
-        stale = stale[first]
-    where_l = where.tolist()
-    slots = flight.seq_slots[stale].tolist()
-    serials = t.serial[slots].tolist()
-    new = t.list_lengths[where].tolist()
-    had = rows.length[where].tolist()
-    same = (rows.serial[where] == t.serial[slots]).tolist()
-    entries, starts, tails = t.entries, [], []
-    many = len(where_l) > MANY  # then the ids are checked as one array
-    for slot, k, n, h, keep in zip(slots, flight.seq_lists[stale].tolist(), new, had, same):
-        start = h if keep and h <= n else 0
-        tail = entries[slot].kv_block_ids[k][start:n]
-        if n > width or not many and not all(is_int(x) and 0 <= x < limit for x in tail):
-            return None
-        starts.append(start)
-        tails.append(tail)
-    if many:
-        ids = int_array(list(itertools.chain.from_iterable(tails)))
-        if ids is None or not in_range(ids, 0, limit):
-            return None
-        tails = [ids]  # one array, list after list
-    return SlotPlan(index, where_l, serials, new, starts, tails, versions[stale].tolist())
-
-
-def _rewrite(slots: SlotRows, plan: SlotPlan, layers: int) -> None:
-    """The plan's stale rows of `slots` [rows, K/V, width]: a row starting at column 0
-    zeroed, then each list's ids from its start column encoded (K, and V one further), and the
-    serial, length and version each row is now of."""
-    table = slots.rows
-    assert table is not None
-    width = table.shape[-1]
-    flat = table.reshape(-1)  # contiguous: K's column j of row r is r * 2w + j, V's w further
-    per_block = 2 * layers
-    if len(plan.stale) > MANY:  # one scatter by flat position
-        _scatter_tails(table, plan, layers)
-    else:
-        for row, start, n, tail in zip(plan.stale, plan.starts, plan.lengths, plan.tails):
-            if not start:
-                table[row] = 0
-            base = row * 2 * width + start
-            if n - start <= 2:  # a grown list's block or two: scalar writes
-                for j, block in enumerate(tail, base):
-                    flat[j] = k = block * per_block
-                    flat[j + width] = k + 1
-            elif tail:
-                ids = np.array(tail, np.int64) * per_block
-                flat[base : base + len(tail)] = ids
-                flat[base + width : base + width + len(tail)] = ids + 1
-    slots.serial[plan.stale] = plan.serials
-    slots.length[plan.stale] = plan.lengths
-    slots.version[plan.stale] = plan.versions
-
-
-def _scatter_tails(table: np.ndarray, plan: SlotPlan, layers: int) -> None:
-    """_rewrite's ids for many lists at once: the plan's one array of ids, list after list,
-    each from its start column (a row starting at 0 zeroed first)."""
-    stale = np.array(plan.stale, np.int64)
-    starts = np.array(plan.starts, np.int64)
-    fresh = stale[starts == 0]
-    if len(fresh):
-        table[fresh] = 0
-    counts = np.array(plan.lengths, np.int64) - starts
-    _scatter(table, stale, plan.tails[0], counts, layers, starts)
-
-
-def from_slots(kept: KeptRows, plan: SlotPlan, rows: np.ndarray, layers: int) -> None:
-    """`rows` [sequences, K/V, width]: each sequence's row from ``SlotRows``, once the rows of
-    the plan's new or grown lists are rewritten there."""
+def from_slots(kept: KeptRows, flight: FlightLists, rows: np.ndarray, layers: int) -> None:
+    """`rows` [sequences, K/V, width]: each sequence's row from ``SlotRows``, once the rows
+    whose list changed since they were written are rewritten from the block table."""
+    blocks, index = flight.blocks, flight.index
     slots = kept.slots
-    assert slots is not None  # slot_plan made it
-    if slots.rows is None:  # every row is stale before the first (slot_plan saw serials -1)
-        slots.rows = np.zeros(slots.shape, rows.dtype)
-    if len(plan.stale):
-        _rewrite(slots, plan, layers)
-    np.take(slots.rows, plan.index, axis=0, out=rows, mode="clip")
+    if slots is None or slots.blocks is not blocks:  # the first step of this table
+        slots = kept.slots = SlotRows(blocks)
+    if slots.rows is None:
+        slots.rows = np.zeros((len(blocks.count), 2, rows.shape[-1]), rows.dtype)
+    stale = index[slots.version[index] != blocks.version[index]]
+    if len(stale):
+        k = blocks.ids[stale] * (2 * layers)  # past a list's count its ids are 0
+        slots.rows[stale, 0] = k
+        k += np.arange(k.shape[1]) < blocks.count[stale, None]  # V: one further, where held
+        slots.rows[stale, 1] = k
+        slots.version[stale] = blocks.version[stale]
+    np.take(slots.rows, index, axis=0, out=rows, mode="clip")
 
 
 def _diagnose(
@@ -369,25 +250,9 @@ def _diagnose(
                         f"{w}: {field} holds {len(blocks)} blocks, but its tokens after this "
                         f"step need {int(need[seq + k])}; allocate the blocks before scheduling"
                     )
-                _name_bad_id(blocks, 0, field, w, limit, what)
+                name_bad_id(blocks, 0, field, w, limit, what)
             seq += beams
     raise BatchError(f"the {field} of this step are malformed")  # pragma: no cover
-
-
-def admit_kv_blocks(
-    r: Any, *, max_blocks_per_seq: int, num_local_layers: int, num_kv_blocks: int = 0
-) -> None:
-    """A request arriving in flight: its kv_block_ids (the entry's own copy) are one list, or
-    one per beam, of at most max_blocks_per_seq integer ids in the pool. That they cover the
-    tokens is checked by the step that runs them (blocks may be appended by then)."""
-    admit_lists(
-        r,
-        "kv_block_ids",
-        width=max_blocks_per_seq,
-        width_name="max_blocks_per_seq",
-        limit=id_limit(num_local_layers, num_kv_blocks),
-        what="KV",
-    )
 
 
 def admit_cross_kv_blocks(
@@ -418,18 +283,7 @@ def admit_lists(
 def _request_lists(w: str, r: Any, field: str) -> list:
     """Request `r`'s block lists of `field`, one (shared by all beams) or one per beam; a
     BatchError otherwise."""
-    ids: Any = getattr(r, field, None)
-    try:
-        count = len(ids) if ids is not None else 0
-        lists = list(ids) if count else []
-    except TypeError:
-        count, lists = 0, []
-    if not count or count not in (1, r.beam_width) or not all(map(_is_sequence, lists)):
-        got = f"{count} lists" if count else show(ids)
-        raise BatchError(
-            f"{w}: {field} needs one block list (shared by all beams) or one per beam, got {got}"
-        )
-    return lists
+    return request_lists(w, getattr(r, field, None), r.beam_width, field)
 
 
 def check_ids(
@@ -448,29 +302,7 @@ def check_ids(
         raise BatchError(f"{w}: {len(blocks)} {what} blocks exceed {width_name}={width}")
     a = int_array(blocks[start:])
     if a is None or not in_range(a, 0, limit[0]):
-        _name_bad_id(blocks, start, field, w, limit, what)
-
-
-def _name_bad_id(
-    blocks: Any, start: int, field: str, w: str, limit: tuple[int, str], what: str
-) -> None:
-    """A BatchError naming the first id of `blocks` from `start` on that is not an integer in
-    0 .. limit - 1 (none when all are)."""
-    for j, block in enumerate(blocks[start:], start):
-        if not is_int(block):
-            raise BatchError(f"{w}: {field} block {j} is {show(block)}, not an integer")
-        if not 0 <= block < limit[0]:
-            raise BatchError(
-                f"{w}: {what} block id {block} is outside 0 .. {limit[0] - 1} ({limit[1]})"
-            )
-
-
-def _is_sequence(x: Any) -> bool:
-    try:
-        len(x)
-    except TypeError:
-        return False
-    return True
+        name_bad_id(blocks, start, field, w, limit, what)
 
 
 def write_kv_rows(

@@ -524,7 +524,6 @@ class RuntimeBuffers:
                 generation=generation,
                 steady=steady,
                 on_device=on_device,
-                admit=self._admit,
             )
         except BatchError:
             raise

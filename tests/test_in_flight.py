@@ -26,7 +26,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import reference_step
 
-from bufc.rules import kv_rows
 from bufc.runtime import BatchError, Request
 
 # "llama:1": one beam per request, so steady steps take the shortest path (with block growth)
@@ -332,18 +331,6 @@ def test_tokens_gathered_on_the_device_equal_host_tokens(name: str, seed: int) -
     run_traffic(name, seed, device_tokens=True)
 
 
-@pytest.mark.parametrize("name", ("llama", "llama:1"))
-def test_many_new_or_grown_lists_in_one_step_equal_the_one_by_one_path(monkeypatch, name) -> None:
-    """Past MANY stale lists the KV rows' ids are checked and written as one array (large
-    batches under churn); with MANY at 0 every step takes that path, and equals the stateless
-    step's tensors as the per-list path does (beams sharing one list included)."""
-    monkeypatch.setattr(kv_rows, "MANY", 0)
-    seen = Counter()
-    for seed in range(4):
-        seen += run_traffic(name, seed)
-    assert seen["grown"] and seen["moved"] and (seen["beams"] or name == "llama:1")
-
-
 def test_traffic_exercises_every_change() -> None:
     """The simulation itself: steps in place and in full, rows moved by finishes, chunked
     prompts, accepted drafts, beams and grown block lists all occur."""
@@ -514,14 +501,25 @@ REFUSED = {  # case: (setup on both buffers, the refused call, its message, the 
     "appended block outside the pool (steady)": (
         _decoded,
         lambda b: b.step(_tokens(), blocks={0: [40], 1: [64]}),
-        r"generation request 1 \(seq_slot 1\): KV block 1 is 64, not an id in 0 \.\. 63 "
-        r"\(num_kv_blocks=64\)",
+        r"step\(\): blocks\[1\]: KV block id 64 is outside 0 \.\. 63 \(num_kv_blocks=64\)",
         lambda b: b.step(_tokens(), blocks={0: [40], 1: [41]}),
     ),
     "appended block outside the pool (churn)": (
         _decoded_and_arrived,
         lambda b: b.step(_tokens(), blocks={0: [40], 1: [64]}),
-        r"KV block id 64 is outside 0 \.\. 63 \(num_kv_blocks=64\)",
+        r"step\(\): blocks\[1\]: KV block id 64 is outside 0 \.\. 63 \(num_kv_blocks=64\)",
+        lambda b: b.step(_tokens(), blocks={0: [40], 1: [41]}),
+    ),
+    "appended blocks past the width": (
+        _decoded,
+        lambda b: b.step(_tokens(), blocks={1: [41], 0: list(range(30, 46))}),
+        r"step\(\): blocks\[0\]: 17 KV blocks exceed max_blocks_per_seq=16",
+        lambda b: b.step(_tokens(), blocks={0: [40], 1: [41]}),
+    ),
+    "appended block id a bool": (
+        _decoded,
+        lambda b: b.step(_tokens(), blocks={1: [41], 0: [True]}),
+        r"step\(\): blocks\[0\]: kv_block_ids block 0 is True, not an integer",
         lambda b: b.step(_tokens(), blocks={0: [40], 1: [41]}),
     ),
     "context list too short": (

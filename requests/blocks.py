@@ -1,0 +1,176 @@
+"""Requests in flight: each slot's KV block ids in one table per pool, checked when written.
+
+A request's block lists (one shared by its beams, or one per beam) are read once, when it
+arrives (``put``), and grow by the ids a step hands over (``append``); both check every id
+then: an integer in the pool, at most ``width`` per list. A step reads no request's list: the
+KV rules take the ids from ``ids`` and the coverage from ``count``, and keep their own encoded
+rows per (slot, list), rewriting those whose ``version`` moved (a list arrived, grew or was
+taken back by a failed step).
+
+The ids of a list sit at ``ids[slot * lists + k, :count]``; the columns past its count hold 0.
+One pool today (the ``kv_block_ids`` of every family with a paged KV cache); a second pool is
+a second table with its own width and id range.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import BatchError
+from .values import INT32_MAX, in_range, int_array, is_int, show
+
+
+def id_limit(num_local_layers: int, num_kv_blocks: int) -> tuple[int, str]:
+    """Block ids lie in 0 .. limit - 1: the pool's blocks (0: unbounded), and at most what the
+    int32 index (id * num_local_layers * 2 + 1) can encode."""
+    encodable = (INT32_MAX - 1) // (2 * num_local_layers) + 1
+    if num_kv_blocks and num_kv_blocks <= encodable:
+        return num_kv_blocks, f"num_kv_blocks={num_kv_blocks}"
+    return encodable, f"the int32 block index with num_local_layers={num_local_layers}"
+
+
+class BlockTable:
+    """One pool's block ids of the requests in flight (see the module docstring)."""
+
+    def __init__(
+        self, slots: int, lists: int, width: int, limit: tuple[int, str], field: str
+    ) -> None:
+        self.lists, self.width, self.limit, self.field = lists, width, limit, field
+        self.ids = np.zeros((slots * lists, width), np.int64)
+        self.count = np.zeros(slots * lists, np.int64)
+        self.version = np.zeros(slots * lists, np.int64)  # bumped whenever a list changes
+        self.n_lists = np.zeros(slots, np.int64)  # 1 (shared by the beams) or the beam width
+        self.clock = 0
+
+    def check(self, lists: Any, beams: int, w: str) -> tuple[list[list[Any]], list[np.ndarray]]:
+        """An arriving request's lists (one, or one per beam), checked: the request's own
+        copy of them (its record of what it was given) and their ids as arrays for ``put``."""
+        copied = request_lists(w, lists, beams, self.field)
+        return copied, [self._checked(x, w) for x in copied]
+
+    def put(self, slot: int, arrays: list[np.ndarray]) -> None:
+        """The checked lists of the request arriving in `slot`."""
+        base = slot * self.lists
+        self.ids[base : base + self.lists] = 0
+        self.count[base : base + self.lists] = 0
+        for k, a in enumerate(arrays):
+            self.ids[base + k, : len(a)] = a
+            self.count[base + k] = len(a)
+        self.n_lists[slot] = len(arrays)
+        self._bump(base, base + self.lists)
+
+    def clear(self, slot: int) -> None:
+        """The slot's request left: its lists are gone."""
+        base = slot * self.lists
+        self.count[base : base + self.lists] = 0
+        self.n_lists[slot] = 0
+        self._bump(base, base + self.lists)
+
+    def append(self, slot: int, new: Any, w: str) -> list[tuple[int, int]]:
+        """Ids handed over for the slot's lists: one list of ids (every list of the request
+        gets them) or one list per list it holds. Checked before any is written; returns
+        (row, count before) per list changed, for ``undo``."""
+        n = int(self.n_lists[slot])
+        base = slot * self.lists
+        if n == 1 and type(new) is list and _ids_in(new, self.limit[0]):  # the common case
+            before = int(self.count[base])
+            after = before + len(new)
+            if after > self.width:
+                raise BatchError(f"{w}: {after} KV blocks exceed max_blocks_per_seq={self.width}")
+            self.ids[base, before:after] = new
+            self.count[base] = after
+            self.clock += 1
+            self.version[base] = self.clock
+            return [(base, before)]
+        if type(new) is not list:
+            try:
+                new = list(new)
+            except TypeError:
+                raise BatchError(f"{w} must be a list of block ids, got {show(new)}") from None
+        per_list = bool(new) and all(isinstance(x, (list, tuple, np.ndarray)) for x in new)
+        if per_list and len(new) != n:
+            raise BatchError(
+                f"{w}: {len(new)} lists of block ids for a request with {n} block lists"
+            )
+        added = [self._added(new[k] if per_list else new, base + k, w) for k in range(n)]
+        done = []
+        for k, a in enumerate(added):
+            row, before = base + k, int(self.count[base + k])
+            self.ids[row, before : before + len(a)] = a
+            self.count[row] = before + len(a)
+            done.append((row, before))
+        self._bump(base, base + n)
+        return done
+
+    def undo(self, done: list[tuple[int, int]]) -> None:
+        """Take back what ``append`` wrote (a failed step)."""
+        for row, before in done:
+            self.ids[row, before:] = 0
+            self.count[row] = before
+            self._bump(row, row + 1)
+
+    def _added(self, values: Any, row: int, w: str) -> np.ndarray:
+        a = int_array(values)
+        if a is None or not in_range(a, 0, self.limit[0]):
+            name_bad_id(list(values), 0, self.field, w, self.limit, "KV")
+            raise BatchError(f"{w} must be a list of block ids, got {show(values)}")
+        if int(self.count[row]) + len(a) > self.width:
+            raise BatchError(
+                f"{w}: {int(self.count[row]) + len(a)} KV blocks exceed "
+                f"max_blocks_per_seq={self.width}"
+            )
+        return a
+
+    def _checked(self, blocks: Any, w: str) -> np.ndarray:
+        if len(blocks) > self.width:
+            raise BatchError(f"{w}: {len(blocks)} KV blocks exceed max_blocks_per_seq={self.width}")
+        a = int_array(blocks)
+        if a is None or not in_range(a, 0, self.limit[0]):
+            name_bad_id(blocks, 0, self.field, w, self.limit, "KV")
+            raise BatchError(f"{w}: {self.field} must be lists of block ids, got {show(blocks)}")
+        return a
+
+    def _bump(self, start: int, stop: int) -> None:
+        self.clock += 1
+        self.version[start:stop] = self.clock
+
+
+def _ids_in(values: list, limit: int) -> bool:
+    """Every value is a Python int in 0 .. limit - 1 (a step's few new ids: cheaper than an
+    array)."""
+    return all(type(x) is int and 0 <= x < limit for x in values)
+
+
+def request_lists(w: str, ids: Any, beams: int, field: str) -> list[list[Any]]:
+    """A request's block lists of `field`, one (shared by all beams) or one per beam, each as
+    a list of its own; a BatchError otherwise."""
+    try:
+        count = len(ids) if ids is not None else 0
+    except TypeError:
+        count = 0
+    try:
+        lists: list[list[Any]] | None = [list(x) for x in ids] if count else []
+    except TypeError:  # an entry that is not a list of ids
+        lists = None
+    if not count or count not in (1, beams) or lists is None:
+        got = f"{count} lists" if count else show(ids)
+        raise BatchError(
+            f"{w}: {field} needs one block list (shared by all beams) or one per beam, got {got}"
+        )
+    return lists
+
+
+def name_bad_id(
+    blocks: Any, start: int, field: str, w: str, limit: tuple[int, str], what: str
+) -> None:
+    """A BatchError naming the first id of `blocks` from `start` on that is not an integer in
+    0 .. limit - 1 (none when all are)."""
+    for j, block in enumerate(blocks[start:], start):
+        if not is_int(block):
+            raise BatchError(f"{w}: {field} block {j} is {show(block)}, not an integer")
+        if not 0 <= block < limit[0]:
+            raise BatchError(
+                f"{w}: {what} block id {block} is outside 0 .. {limit[0] - 1} ({limit[1]})"
+            )
