@@ -59,7 +59,9 @@ MEMORY_KINDS: dict[str, str] = {"device": "DEVICE", "host": "HOST", "pinned": "P
 
 # bufc's own rule modules, imported as their last component (bufc.rules.core as `core`); the
 # emitter gives them these names, and any other module that would take one gets another.
-RULE_MODULES: frozenset[str] = frozenset({"adapters", "core", "features", "kv_rows"})
+RULE_MODULES: frozenset[str] = frozenset(
+    {"adapters", "core", "features", "kv_rows", "paged_attention"}
+)
 
 # The names a generated module (family.py.j2, and render_init's generated/__init__.py) binds or
 # reads as plain names. The only names it binds that are not here are the spec's own: fields

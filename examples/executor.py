@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from bufc.generated import gpt_pp, llama
+from bufc.generated import gpt_pp, llama, llama_flash
 from bufc.runtime import Request
 
+from .flash_llama import FlashKVCache, FlashLlama
 from .llama import PackedLlama
 from .paged_cache import BlockAllocator, PagedKVCache
 from .parallel import Parallel
@@ -100,6 +101,8 @@ class Executor:
         parallel: Parallel | None = None,
         in_flight: bool = False,
         overlap: bool = False,
+        contract: str = "trtllm",
+        attention: str = "packed",
     ) -> None:
         """`bucketed_decode` runs generation-only steps through the fixed-shape decode over a
         power-of-two batch bucket (the padding rows are the buffers' pad values);
@@ -108,7 +111,10 @@ class Executor:
         stage's layers and its tensor-parallel share, and its buffers are the gpt_pp family's
         for its role; every rank runs the same schedule. `in_flight` drives the buffers with
         add/finish/step, `overlap` also keeps the sampled tokens on the device (module
-        docstring); generation-only steps then run the fixed-shape decode."""
+        docstring); generation-only steps then run the fixed-shape decode. `contract`:
+        "trtllm" feeds the packed model from the llama family (TensorRT-LLM's inputs), "flash"
+        feeds FlashLlama from the llama_flash family (the FlashAttention/vLLM inputs), with
+        its `attention` ("packed", or "varlen": torch's FlashAttention on CUDA)."""
         cfg = hf_model.config
         dtype = next(hf_model.parameters()).dtype
         par = self.parallel = parallel or Parallel()
@@ -121,7 +127,17 @@ class Executor:
             tokens_per_block=tokens_per_block,
             logits_dtype=dtype,
         )
-        if par.distributed:
+        if contract not in ("trtllm", "flash"):
+            raise ValueError(f"contract is 'trtllm' or 'flash', got {contract!r}")
+        self.flash = contract == "flash"
+        if self.flash and par.distributed:
+            raise ValueError("the flash contract runs in one process")
+        if self.flash:
+            self.config = llama_flash.Config(**common)
+            self.buffers = llama_flash.RuntimeBuffers(
+                self.config, device=device, device_tokens=overlap or None
+            )
+        elif par.distributed:
             self.config = gpt_pp.Config(
                 **common,
                 hidden_size=cfg.hidden_size,
@@ -136,20 +152,34 @@ class Executor:
             self.buffers = llama.RuntimeBuffers(
                 self.config, device=device, device_tokens=overlap or None
             )
-        self.model = PackedLlama(hf_model, par, self.config.vocab_size_padded)
         blocks = (
             num_blocks or max_batch_size * self.config.max_blocks_per_seq + BlockAllocator.RESERVED
         )
         self.allocator = BlockAllocator(blocks)
-        self.cache = PagedKVCache(
-            blocks,
-            self.model.num_layers,  # this stage's layers
-            tokens_per_block,
-            self.model.kv_heads,  # this rank's share of the heads
-            self.model.head_dim,
-            dtype,
-            device,
-        )
+        self.model: PackedLlama | FlashLlama
+        self.cache: PagedKVCache | FlashKVCache
+        if self.flash:
+            self.model = FlashLlama(hf_model, attention)
+            self.cache = FlashKVCache(
+                blocks,
+                self.model.num_layers,
+                tokens_per_block,
+                self.model.kv_heads,
+                self.model.head_dim,
+                dtype,
+                device,
+            )
+        else:
+            self.model = PackedLlama(hf_model, par, self.config.vocab_size_padded)
+            self.cache = PagedKVCache(
+                blocks,
+                self.model.num_layers,  # this stage's layers
+                tokens_per_block,
+                self.model.kv_heads,  # this rank's share of the heads
+                self.model.head_dim,
+                dtype,
+                device,
+            )
         self.chunk_size = chunk_size or token_budget
         self.token_budget = token_budget
         if par.distributed and (bucketed_decode or cuda_graphs):
@@ -207,7 +237,7 @@ class Executor:
                 step_index += 1
                 continue
             t1 = time.perf_counter()
-            if not context and generation == last_generation:
+            if not context and generation == last_generation and not self.flash:
                 # the same requests, one token longer each: the O(1)-Python decode step
                 step = self.buffers.advance(last_tokens)
             else:
@@ -338,7 +368,7 @@ class Executor:
             start = torch.cuda.Event(enable_timing=True) if cuda else None
             if start is not None:
                 start.record()
-            if chunks:
+            if chunks or self.flash:
                 self.model.forward(step, self.cache)
             else:
                 self.model.decode(step.inputs, step.outputs, self.cache)
@@ -352,7 +382,7 @@ class Executor:
                 event.record()
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
-                timings.append((start, end))  # type: ignore[arg-type]
+                timings.append((start, end))
             # the counts move on now; the token values are read when they land
             producers = _count_step(active, generation, chunks)
             if unread is not None:  # the last step's tokens (with overlap: model t runs now)

@@ -434,7 +434,7 @@ class RuntimeBuffers:
     @_exclusive
     def add(self, request: Any) -> None:
         """A request arrives, in the context phase, in its ``seq_slot``: its prompt, beam
-        width, drafts, explicit positions and KV block lists are read and checked now, once
+        width, drafts, explicit position ids and KV block lists are read and checked now, once
         (BatchError otherwise, nothing kept). Its first step is the next ``step``."""
         try:
             self._flight.add(request, self._admit)

@@ -107,7 +107,7 @@ class Bind:
 
     With `each`, the binding is repeated for every combination of the sets' members: the
     name's ``{set}`` placeholders take the members' labels and the view is the tensor's step
-    view indexed by their positions (one leading dimension per set)."""
+    view indexed by their places in the sets (one leading dimension per set)."""
 
     engine_name: str
     when: ConfigFn | None = None

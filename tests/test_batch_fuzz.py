@@ -15,14 +15,9 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from fuzz_batches import (
-    LORA_MODULES,
-    Fuzzer,
-    diff_step,
-    diff_tensors,
-    diff_tensors_exact,
-    make_buffers,
-)
+from fuzz_batches import Fuzzer
+from fuzz_compare import diff_step, diff_tensors, diff_tensors_exact
+from fuzz_configs import LORA_MODULES, make_buffers
 
 from bufc.runtime import BatchError, Request
 

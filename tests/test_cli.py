@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from conftest import REPO, family
-from test_diagnostics import BASE, diagnostics
+from diagnostics_spec import BASE, diagnostics
 
 from bufc import __version__
 from bufc.codegen.cli import main

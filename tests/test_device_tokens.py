@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from fuzz_batches import make_buffers
+from fuzz_configs import make_buffers
 
 from bufc.runtime import BatchError, Request
 from bufc.runtime.staging import Staging

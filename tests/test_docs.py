@@ -238,7 +238,7 @@ def _function(source: str, name: str) -> str:
 
 def test_the_rule_docs_rules_md_shows_is_the_one_the_quickstart_runs():
     rules = [code for _, _, code, _ in blocks((REPO / "docs/rules.md").read_text())]
-    shown = next(code for code in rules if "def query_start_loc" in code)
+    shown = next(code for code in rules if "def cu_seqlens_q" in code)
     quickstart = blocks((REPO / "docs/quickstart.md").read_text())
     (run,) = [code for _, attrs, code, _ in quickstart if attrs.get("file") == "mypkg/rules.py"]
-    assert _function(shown, "query_start_loc") == _function(run, "query_start_loc")
+    assert _function(shown, "cu_seqlens_q") == _function(run, "cu_seqlens_q")

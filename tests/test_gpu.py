@@ -148,8 +148,8 @@ def test_tokens_on_the_device_are_not_waited_for_and_allocate_nothing():
     before the tokens still runs (the host never reads them), replays one CUDA graph,
     allocates no device memory and keeps every address; the rows and the host tensor then
     hold the tokens."""
-    from fuzz_batches import make_buffers as buffers
-    from fuzz_batches import make_config
+    from fuzz_configs import make_buffers as buffers
+    from fuzz_configs import make_config
 
     c = make_config("llama", max_beam_width=1)
     b = buffers("llama", device="cuda", max_beam_width=1)
@@ -185,7 +185,7 @@ def test_steady_device_steps_replay_graphs_and_equal_host_tokens(name):
     """A long steady run with the tokens on the device is replayed as CUDA graphs (one per
     half, after a key's first step and its capture), each step equal, tensor for tensor, to
     buffers given the same tokens on the host; a new batch size captures its own graphs."""
-    from fuzz_batches import make_buffers as buffers
+    from fuzz_configs import make_buffers as buffers
 
     b = buffers(name, device="cuda", device_tokens=True, max_beam_width=1)
     host = buffers(name, device="cuda", device_tokens=False, max_beam_width=1)

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import VARIANT, assert_matches_reference
-from fuzz_batches import HISTORY, Client, make_buffers, make_config
+from fuzz_client import Client
+from fuzz_configs import HISTORY, make_buffers, make_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import reference_step
@@ -29,7 +30,7 @@ from reference import reference_step
 from bufc.runtime import BatchError, Request
 
 # "llama:1": one beam per request, so steady steps take the shortest path (with block growth)
-FAMILIES = ("llama", "llama:1", "gpt", "glm", "medusa", "gpt_lora", "mamba")
+FAMILIES = ("llama", "llama:1", "llama_flash", "gpt", "glm", "medusa", "gpt_lora", "mamba")
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

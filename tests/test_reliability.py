@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from fuzz_batches import make_buffers
+from fuzz_configs import make_buffers
 
 from bufc.runtime import BatchError, Request
 

@@ -1,0 +1,147 @@
+"""The FlashAttention/vLLM input contract over a paged KV cache (``engine: flash``).
+
+A step's sequences are its context requests (one each, its chunk plus the drafts of a last
+chunk), then every generation beam (its last sampled token, plus the request's drafts: drafts
+imply one beam); their tokens are packed in that order (``core.token_ids``). A sequence's
+query tokens sit at KV positions ``seq_len - query_len .. seq_len - 1``, where ``seq_len`` is
+its KV length once the step has written them. Block ids are the allocator's own (0-based, no
+encoding): token position ``p`` of a sequence lives in slot
+``block_table[seq, p // tokens_per_block] * tokens_per_block + p % tokens_per_block``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import BatchError
+from ..requests.batch import Batch
+from .core import last_token_ids, position_ids
+from .kv_rows import BlockPlan
+
+
+def _query_lens(b: Batch) -> np.ndarray:
+    """Query tokens of each sequence: a context chunk (with a last chunk's drafts), or a
+    generation beam's token plus its request's drafts."""
+    return np.concatenate((b.ctx_input_len, b.per_sequence(1 + b.gen_drafts)))
+
+
+def _kv_lens(b: Batch) -> np.ndarray:
+    """KV tokens of each sequence once this step's tokens are written."""
+    return np.concatenate(
+        (b.ctx_begin + b.ctx_input_len, b.seq_num_tokens + b.per_sequence(b.gen_drafts))
+    )
+
+
+def query_lens(out: np.ndarray, b: Batch) -> int:
+    """Query tokens of each sequence this step."""
+    n = b.sizes.num_sequences
+    out[:n] = _query_lens(b)
+    return n
+
+
+def query_start_loc(out: np.ndarray, b: Batch) -> int:
+    """[num_sequences + 1]: 0, then the cumulative query tokens of each sequence (cu_seqlens_q);
+    sequence i's tokens are rows out[i] .. out[i + 1] - 1 of the packed batch."""
+    n = b.sizes.num_sequences
+    out[0] = 0
+    np.cumsum(_query_lens(b), out=out[1 : n + 1])
+    return n + 1
+
+
+def seq_lens(out: np.ndarray, b: Batch) -> int:
+    """KV tokens of each sequence once this step's tokens are written (seqused_k): a context
+    chunk's first position plus its tokens, a generation sequence's tokens plus its drafts."""
+    n = b.sizes.num_sequences
+    out[:n] = _kv_lens(b)
+    return n
+
+
+def token_positions(out: np.ndarray, b: Batch) -> int:
+    """The position of every token of the packed batch (core.position_ids, whose generation
+    part is one position per beam, with each draft token one further than the token before
+    it); explicit position ids where a request has them."""
+    n = position_ids(out, b)
+    if not b.has_generation_drafts:
+        return n
+    o = b.sizes.num_context_tokens
+    first = out[o:n].copy()  # each generation sequence's first position
+    counts = b.per_sequence(1 + b.gen_drafts)
+    total = int(counts.sum())
+    within = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    out[o : o + total] = np.repeat(first, counts) + within
+    return o + total
+
+
+def _token_kv_positions(b: Batch) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's sequence and its KV position in that sequence (its index there, whatever
+    explicit position ids say)."""
+    q = _query_lens(b)
+    seq = np.repeat(np.arange(len(q)), q)
+    starts = np.cumsum(q) - q
+    last = _kv_lens(b) - q  # each sequence's first query position
+    return seq, np.repeat(last - starts, q) + np.arange(len(seq))
+
+
+def _sequence_blocks(b: Batch, plan: BlockPlan, width: int) -> np.ndarray:
+    """[num_sequences, width] block ids of each sequence (0 past its blocks), from the request
+    table's block table in flight, else from the lists the KV check converted."""
+    if plan.slots is not None:  # in flight: the ids the table checked when it took them
+        return plan.slots.blocks.ids[plan.slots.index]
+    if plan.changed is not None:  # pragma: no cover - only the TensorRT-LLM rows keep lists
+        raise AssertionError("the block table needs every list converted")
+    n = b.sizes.num_sequences
+    rows = np.zeros((n, width), np.int64)
+    lengths = plan.lengths
+    seq = np.repeat(np.arange(n), lengths)
+    col = np.arange(len(seq)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    rows[seq, col] = plan.blocks
+    return rows
+
+
+def block_table(out: np.ndarray, b: Batch, plan: BlockPlan, *, max_blocks_per_seq: int) -> int:
+    """[num_sequences, max_blocks_per_seq]: each sequence's KV block ids in order (the
+    allocator's ids, no encoding); 0 past its blocks."""
+    n, width = b.sizes.num_sequences, max_blocks_per_seq
+    out[: n * width].reshape(n, width)[:] = _sequence_blocks(b, plan, width)
+    return n * width
+
+
+def kv_slot_mapping(
+    out: np.ndarray, b: Batch, plan: BlockPlan, *, max_blocks_per_seq: int, tokens_per_block: int
+) -> int:
+    """The KV-cache slot of each token: its block's id x tokens_per_block + its offset in the
+    block (the block of KV position p is column p // tokens_per_block of the block table)."""
+    rows = _sequence_blocks(b, plan, max_blocks_per_seq)
+    seq, pos = _token_kv_positions(b)
+    n = len(seq)
+    out[:n] = rows[seq, pos // tokens_per_block] * tokens_per_block + pos % tokens_per_block
+    return n
+
+
+def logits_indices(out: np.ndarray, b: Batch) -> int:
+    """0-based row in the packed tokens of each logit row's token: the last token of a context
+    chunk (and each draft of a last chunk), every generation token (drafts included)."""
+    n = last_token_ids(out, b)
+    out[:n] -= 1
+    return n
+
+
+def check_kv_within_blocks(b: Batch, *, max_blocks_per_seq: int, tokens_per_block: int) -> None:
+    """Every sequence's KV after the step fits its block table row (this contract has no
+    cyclic window: a sequence longer than max_blocks_per_seq blocks has nowhere to go)."""
+    most = max_blocks_per_seq * tokens_per_block
+    lens = _kv_lens(b)
+    over = np.flatnonzero(lens > most)
+    if over.size:
+        i = int(over[0])
+        n_ctx = b.sizes.num_context_requests
+        if i < n_ctx:
+            r, what = b.context[i], f"context request {i}"
+        else:
+            j = int(b.seq_request[i - n_ctx])
+            r, what = b.generation[j], f"generation request {j}"
+        raise BatchError(
+            f"{what} (seq_slot {r.seq_slot}): its {int(lens[i])} tokens after this step exceed "
+            f"max_blocks_per_seq x tokens_per_block = {most} (max_attention_window rounded up "
+            "to blocks); finish it, or raise max_attention_window"
+        )

@@ -1,0 +1,65 @@
+"""The FlashAttention/vLLM contract of one step (family llama_flash), request by request and token
+by token: what vLLM's gpu_model_runner and block_table.py compute, written as plain loops."""
+
+from __future__ import annotations
+
+
+def reference_flash(ctx: list, gen: list, *, tokens_per_block: int, width: int) -> dict:
+    """Every tensor of the step, by the engine names of llama_flash, plus its scalars."""
+    tpb = tokens_per_block
+    out: dict[str, list] = {
+        "input_ids": [],
+        "positions": [],
+        "query_start_loc": [0],
+        "seq_lens": [],
+        "block_table": [],
+        "slot_mapping": [],
+        "logits_indices": [],
+    }
+    query_lens = []
+
+    def sequence(tokens, kv_first, positions, blocks, logit_tokens):
+        """One sequence's query tokens at KV positions kv_first, kv_first + 1, ..."""
+        start = len(out["input_ids"])
+        for j, (token, position) in enumerate(zip(tokens, positions)):
+            kv = kv_first + j
+            out["input_ids"].append(token)
+            out["positions"].append(position)
+            out["slot_mapping"].append(blocks[kv // tpb] * tpb + kv % tpb)
+        for j in logit_tokens:
+            out["logits_indices"].append(start + j)
+        out["query_start_loc"].append(len(out["input_ids"]))
+        out["seq_lens"].append(kv_first + len(tokens))
+        out["block_table"].append(list(blocks) + [0] * (width - len(blocks)))
+        query_lens.append(len(tokens))
+
+    for r in ctx:
+        n, begin = len(r.prompt), r.context_position
+        chunk = n - begin if r.context_chunk_size is None else r.context_chunk_size
+        drafts = list(r.draft_tokens or ()) if begin + chunk == n else []
+        tokens = list(r.prompt[begin : begin + chunk]) + drafts
+        if r.position_ids is None:
+            positions = list(range(begin, begin + len(tokens)))
+        else:  # drafts continue after the last prompt position
+            positions = list(r.position_ids[begin : begin + chunk])
+            positions += [r.position_ids[-1] + 1 + d for d in range(len(drafts))]
+        # logit rows: the chunk's last token, then each draft
+        logits = [chunk - 1] + [chunk + d for d in range(len(drafts))]
+        sequence(tokens, begin, positions, r.kv_block_ids[0], logits)
+    for r in gen:
+        drafts = list(r.draft_tokens or ())
+        for k in range(r.beam_width):
+            generated = r.generated[k]
+            blocks = r.kv_block_ids[k if len(r.kv_block_ids) > 1 else 0]
+            tokens = [generated[-1]] + drafts
+            kv_first = len(r.prompt) + len(generated) - 1
+            # explicit positions continue from the prompt's last one
+            first = kv_first if r.position_ids is None else r.position_ids[-1] + len(generated)
+            positions = [first + j for j in range(len(tokens))]
+            sequence(tokens, kv_first, positions, blocks, range(len(tokens)))
+    out["scalars"] = {
+        "max_query_len": max(query_lens, default=0),
+        "max_seq_len": max(out["seq_lens"], default=0),
+        "num_actual_tokens": len(out["input_ids"]),
+    }
+    return out

@@ -1,0 +1,111 @@
+"""The FlashAttention/vLLM family (llama_flash) against its loop-by-loop reference, and what its
+contract promises: the bucket pads, the window check, the block ids checked on arrival."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from conftest import batch, cover_blocks, make_buffers
+from hypothesis import HealthCheck, given, settings
+from reference_flash import reference_flash
+
+from bufc.errors import BatchError
+from bufc.runtime import Request
+
+SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TPB = 4
+NAMES = {  # engine name -> the host mirror bound beside it, if any
+    "input_ids": None,
+    "positions": None,
+    "query_start_loc": "query_start_loc_cpu",
+    "seq_lens": "seq_lens_cpu",
+    "block_table": None,
+    "slot_mapping": None,
+    "logits_indices": None,
+}
+
+
+def buffers():
+    # a 4096-token window of 4-token blocks: no random sequence outgrows it
+    return make_buffers("llama_flash", tokens_per_block=TPB)
+
+
+def assert_flash_step(step, want: dict, where: object = None) -> None:
+    got = {name: view.tolist() for name, view in step.inputs.items()}
+    for name, mirror in NAMES.items():
+        assert got[name] == want[name], (name, where)
+        if mirror is not None:
+            assert got[mirror] == want[name], (mirror, where)
+    assert step.scalars == want["scalars"], where
+    assert list(step.outputs["logits"].shape)[0] == len(want["logits_indices"]), where
+
+
+@SETTINGS
+@given(batch("gpt"), batch("gpt"))
+def test_random_batches_match_the_reference(first, second) -> None:
+    """Context chunks (with drafts on a last chunk), generation beams (one list shared or one
+    per beam), drafts and explicit positions: every tensor and scalar equals the reference,
+    over two steps of the same buffers (no stale values)."""
+    b = buffers()
+    width = b.config.max_blocks_per_seq
+    for start, (ctx, gen) in ((0, first), (5000, second)):
+        cover_blocks(ctx, gen, TPB, start=start)
+        want = reference_flash(
+            copy.deepcopy(ctx), copy.deepcopy(gen), tokens_per_block=TPB, width=width
+        )
+        assert_flash_step(b.prepare_step(ctx, gen), want)
+
+
+def test_a_worked_step() -> None:
+    """One context chunk and two decode sequences, every value written out (docs/contract.md
+    shows the same step)."""
+    b = make_buffers("llama_flash", tokens_per_block=4, max_beam_width=1)
+    b.add(Request(seq_slot=0, prompt=[11, 12, 13, 14, 15, 16], kv_block_ids=[[7, 3]]))
+    b.add(Request(seq_slot=1, prompt=[21, 22, 23], kv_block_ids=[[5]]))
+    b.add(Request(seq_slot=2, prompt=[31, 32, 33, 34, 35], kv_block_ids=[[9, 2]]))
+    b.step(chunks={1: 3, 2: 5})  # slots 1 and 2 run their prompts; slot 0 waits
+    tokens = [0] * 8
+    tokens[1], tokens[2] = 24, 36
+    step = b.step(tokens, chunks={0: 4}, blocks={1: [6]})
+    got = {name: view.tolist() for name, view in step.inputs.items()}
+    assert got["input_ids"] == [11, 12, 13, 14, 24, 36]
+    assert got["positions"] == [0, 1, 2, 3, 3, 5]
+    assert got["query_start_loc"] == [0, 4, 5, 6]
+    assert got["seq_lens"] == [4, 4, 6]
+    assert [row[:2] for row in got["block_table"]] == [[7, 3], [5, 6], [9, 2]]
+    assert got["slot_mapping"] == [28, 29, 30, 31, 23, 9]
+    assert got["logits_indices"] == [3, 4, 5]
+    assert step.scalars == {"max_query_len": 4, "max_seq_len": 6, "num_actual_tokens": 6}
+
+
+def test_a_padded_bucket_holds_the_declared_pads() -> None:
+    """A CUDA-graph bucket past the step: query_start_loc repeats its last value (zero-length
+    queries, never negative), seq_lens 0, the null block 0, slot -1 (the write skips it), and
+    a logit row that reads a real token."""
+    b = make_buffers("llama_flash", tokens_per_block=4, max_beam_width=1)
+    b.add(Request(seq_slot=0, prompt=[1, 2, 3], kv_block_ids=[[4]]))
+    b.add(Request(seq_slot=1, prompt=[5, 6], kv_block_ids=[[8]]))
+    b.step()  # the prompts: a longer step first, so the bucket's rows held other values
+    step = b.step([7, 9] + [0] * 6)
+    inputs, _ = b.views(step.sizes.generation_bucket(4))
+    assert inputs["query_start_loc"].tolist() == [0, 1, 2, 2, 2]
+    assert inputs["seq_lens"].tolist() == [4, 3, 0, 0]
+    assert inputs["block_table"][:, 0].tolist() == [4, 8, 0, 0]
+    assert inputs["slot_mapping"].tolist() == [19, 34, -1, -1]
+    assert inputs["logits_indices"].tolist() == [0, 1, 0, 0]
+    assert inputs["input_ids"].tolist() == [7, 9, 0, 0]
+
+
+def test_a_sequence_past_its_block_table_row_is_refused() -> None:
+    """This contract has no cyclic window: a sequence whose KV would outgrow
+    max_blocks_per_seq blocks is refused before a byte is written."""
+    b = make_buffers("llama_flash", tokens_per_block=4, max_attention_window=8, max_beam_width=1)
+    b.add(Request(seq_slot=0, prompt=list(range(1, 9)), kv_block_ids=[[1, 2]]))
+    b.step()
+    with pytest.raises(
+        BatchError,
+        match=r"generation request 0 \(seq_slot 0\): its 9 tokens after this step exceed "
+        r"max_blocks_per_seq x tokens_per_block = 8",
+    ):
+        b.step([5] + [0] * 7)

@@ -1,0 +1,143 @@
+"""A real Llama fed by the FlashAttention/vLLM contract (llama_flash): tokens equal
+transformers.generate under in-flight batching with chunked prefill, mixed steps and slot
+reuse, each step's logits equal a teacher-forced forward, and one wrong entry of
+query_start_loc, slot_mapping, block_table, seq_lens or logits_indices breaks the run."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from bufc.examples.compare import (  # noqa: E402
+    Mismatch,
+    assert_same_tokens,
+    reference_tokens,
+    tiny_llama,
+    workload,
+)
+from bufc.examples.executor import Executor  # noqa: E402
+from bufc.examples.flash_llama import FlashKVCache, FlashLlama  # noqa: E402
+from bufc.generated import llama_flash  # noqa: E402
+from bufc.runtime import Request  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture(scope="module")
+def jobs():
+    return workload(32, seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(model, jobs):
+    return reference_tokens(model, jobs)
+
+
+STANDARD = dict(
+    max_batch_size=12, token_budget=100, chunk_size=24, tokens_per_block=16, max_sequence_length=512
+)
+CONFIGS = {
+    # chunks that end mid-block, a budget far below the longest prompt (400), one-token blocks
+    "tpb1-chunk7-budget64": dict(tokens_per_block=1, chunk_size=7, token_budget=64),
+    "tpb16-chunk24-budget100": {},
+    # 5 slots for 32 requests: every slot is reused several times
+    "tpb16-budget256-few-slots": dict(tokens_per_block=16, token_budget=256, max_batch_size=5),
+}
+
+
+@pytest.mark.parametrize("mode", ["stateless", "bucketed_decode", "in_flight", "overlap"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_flash_contract_equals_transformers_generate(model, jobs, reference, name, mode):
+    """prepare_step (its generation-only steps also through the fixed-shape decode over the
+    batch bucket's padded views), add/finish/step, and add/finish/step with the sampled tokens
+    left on the device (here the CPU): the same tokens as transformers.generate."""
+    kwargs = {**STANDARD, **CONFIGS[name], "contract": "flash"}
+    if mode != "stateless":
+        kwargs[mode] = True
+    ex = Executor(model, **kwargs)
+    result = ex.run(jobs)
+    assert_same_tokens(result, reference)
+    assert any(s.context_requests and s.generation_requests for s in result.steps), "no mixed step"
+    assert ex.allocator.free == ex.allocator.num_blocks
+
+
+def test_each_steps_logits_equal_a_teacher_forced_forward(model):
+    """Requests fed the tokens transformers chose (teacher forcing), in chunks and mixed steps:
+    every logit row, found through the step's own tensors (its token's position and its
+    request's slot), is within 1e-9 of the full forward's logits at that position (float64)."""
+    config = llama_flash.Config(
+        max_batch_size=4,
+        max_num_tokens=40,
+        vocab_size=512,
+        num_layers=2,
+        max_attention_window=256,
+        tokens_per_block=8,
+        logits_dtype=torch.float64,
+    )
+    buffers = llama_flash.RuntimeBuffers(config)
+    flash = FlashLlama(model)
+    cache = FlashKVCache(64, 2, 8, flash.kv_heads, flash.head_dim, torch.float64, "cpu")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (37, 5, 19, 1)]
+    full = {}  # slot -> prompt + the tokens fed after it
+    want = {}  # slot -> the full forward's logits at every position
+    for slot, prompt in enumerate(prompts):
+        sequence = prompt + torch.randint(0, 512, (6,), generator=g).tolist()
+        full[slot] = sequence
+        with torch.no_grad():
+            want[slot] = model(torch.tensor([sequence])).logits[0]
+        blocks = list(range(1 + 8 * slot, 1 + 8 * slot + 6))  # 48 tokens each, block 0 unused
+        buffers.add(Request(seq_slot=slot, prompt=prompt, kv_block_ids=[blocks]))
+    tokens = torch.zeros(4, dtype=torch.int64)
+    checked = 0
+    for i, chunks in enumerate(({0: 16, 1: 5}, {0: 16, 2: 10}, {0: 5, 2: 9, 3: 1}, {}, {}, {})):
+        step = buffers.step(tokens if i else None, chunks=chunks)
+        flash.forward(step, cache)
+        inp = step.inputs
+        logits = step.outputs["logits"]
+        positions = inp["positions"][inp["logits_indices"]].tolist()
+        slots = buffers.tensors["host_seq_slots"][: step.sizes.num_requests].tolist()
+        for row, (slot, position) in enumerate(zip(slots, positions)):
+            assert torch.allclose(logits[row], want[slot][position], rtol=0, atol=1e-9), slot
+            checked += 1
+        for slot, length in zip(slots, inp["seq_lens_cpu"].tolist()):
+            tokens[slot] = full[slot][length]  # what a producer "sampled": the teacher's token
+    assert checked >= 20
+
+
+def _mixed_step_mutation(tensor: str, change):
+    """Mutate `tensor` of the first mixed step (context and generation rows) of the run."""
+    done = []
+
+    def mutate(index, step):
+        s = step.sizes
+        if not done and s.num_context_requests and s.num_generation_requests:
+            done.append(index)
+            change(step.inputs[tensor])
+
+    return mutate
+
+
+MUTATIONS = {
+    "query_start_loc + 1": ("query_start_loc_cpu", lambda t: t[1].add_(1)),
+    "slot_mapping + 1": ("slot_mapping", lambda t: t[-1].add_(1)),
+    "block_table + 1": ("block_table", lambda t: t[0, 0].add_(1)),
+    "seq_lens - 1": ("seq_lens_cpu", lambda t: t[-1].sub_(1)),
+    "logits_indices - 1": ("logits_indices", lambda t: t[-1].sub_(1)),
+}
+
+
+@pytest.mark.parametrize("name", MUTATIONS)
+def test_one_wrong_entry_makes_the_comparison_fail(model, jobs, reference, name):
+    tensor, change = MUTATIONS[name]
+    ex = Executor(model, **STANDARD, contract="flash", in_flight=True)
+    with pytest.raises(Mismatch):
+        assert_same_tokens(ex.run(jobs, mutate=_mixed_step_mutation(tensor, change)), reference)
