@@ -62,16 +62,21 @@ class BlockTable:
         self._bump(base, base + self.lists)
 
     def clear(self, slot: int) -> None:
-        """The slot's request left: its lists are gone."""
+        """The slot's request left: its lists are gone (no step reads the slot until ``put``
+        gives it new ones, with a new version)."""
+        n = int(self.n_lists[slot])
         base = slot * self.lists
-        self.count[base : base + self.lists] = 0
+        if n == 1:  # the common case: scalar writes
+            self.count[base] = 0
+        elif n:
+            self.count[base : base + n] = 0
         self.n_lists[slot] = 0
-        self._bump(base, base + self.lists)
 
-    def append(self, slot: int, new: Any, w: str) -> list[tuple[int, int]]:
+    def append(self, slot: int, new: Any, w: str) -> list[tuple[int, int, list[int]]]:
         """Ids handed over for the slot's lists: one list of ids (every list of the request
         gets them) or one list per list it holds. Checked before any is written; returns
-        (row, count before) per list changed, for ``undo``."""
+        (row, count before, the ids appended) per list changed (``undo`` takes the first
+        two)."""
         n = int(self.n_lists[slot])
         base = slot * self.lists
         if n == 1 and type(new) is list and _ids_in(new, self.limit[0]):  # the common case
@@ -83,7 +88,7 @@ class BlockTable:
             self.count[base] = after
             self.clock += 1
             self.version[base] = self.clock
-            return [(base, before)]
+            return [(base, before, new)]
         if type(new) is not list:
             try:
                 new = list(new)
@@ -100,7 +105,7 @@ class BlockTable:
             row, before = base + k, int(self.count[base + k])
             self.ids[row, before : before + len(a)] = a
             self.count[row] = before + len(a)
-            done.append((row, before))
+            done.append((row, before, a.tolist()))
         self._bump(base, base + n)
         return done
 

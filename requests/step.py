@@ -304,9 +304,9 @@ def _grow(
         lists = entry.kv_block_ids
         assert lists is not None  # the table holds the lists it checked at add()
         before = []
-        for k, (row, n) in enumerate(done):
+        for k, (row, n, ids) in enumerate(done):
             undo.append((lists[k], n, row))
-            lists[k].extend(kv.ids[row, n : kv.count[row]].tolist())
+            lists[k].extend(ids)
             before.append(n)
         grew[int(slot)] = before
     return grew

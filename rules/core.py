@@ -547,30 +547,31 @@ def _entered_in_flight(
     d: Decode, starting: np.ndarray, before: np.ndarray, width: int, tpb: int, per_block: int
 ) -> list[tuple[int, int, int]]:
     """check_kv_entered for requests in flight: each entered block's id read from the block
-    table (its list must hold it), then every block appended to a list in this step."""
+    table (its list must hold it), then every block appended to a list in this step. A step's
+    few entering sequences are read one by one (cheaper than numpy's calls at that size)."""
     b = d.batch
     flight = b.flight
     assert flight is not None
     blocks, values = flight.blocks, []
+    ids, count, index = blocks.ids, blocks.count, flight.index
     if starting.size:
-        cols = before[starting] // tpb
-        inside = cols < width  # past the attention window the rows stay (cyclic cache)
-        seqs, cols = starting[inside], cols[inside]
-        rows = flight.index[seqs]
-        short = np.flatnonzero(cols >= blocks.count[rows])
-        if short.size:
-            seq, req = int(seqs[short[0]]), int(b.seq_request[seqs[short[0]]])
-            raise BatchError(
-                f"generation request {req} (seq_slot {b.generation[req].seq_slot}): its token "
-                f"{d.seq_tokens[seq]} needs KV block {int(cols[short[0]])}, which kv_block_ids "
-                "does not hold; allocate the block before this step"
-            )
-        index = blocks.ids[rows, cols] * per_block
-        values = list(zip(seqs.tolist(), cols.tolist(), index.tolist()))
+        cols = (before[starting] // tpb).tolist()
+        rows = index[starting].tolist()
+        for seq, row, col in zip(starting.tolist(), rows, cols):
+            if col >= width:
+                continue  # past the attention window the rows stay (cyclic cache)
+            if col >= count[row]:
+                req = int(b.seq_request[seq])
+                raise BatchError(
+                    f"generation request {req} (seq_slot {b.generation[req].seq_slot}): its "
+                    f"token {d.seq_tokens[seq]} needs KV block {col}, which kv_block_ids does "
+                    "not hold; allocate the block before this step"
+                )
+            values.append((seq, col, int(ids[row, col]) * per_block))
     for seq, length in d.grown:  # lists grown in flight: every new block, as a full step
-        row = int(flight.index[seq])
-        ids = blocks.ids[row, length : blocks.count[row]] * per_block
-        values += [(seq, col, index) for col, index in enumerate(ids.tolist(), length)]
+        row = int(index[seq])
+        new = ids[row, length : count[row]].tolist()
+        values += [(seq, col, block * per_block) for col, block in enumerate(new, length)]
     return values
 
 

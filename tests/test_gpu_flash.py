@@ -27,11 +27,13 @@ def model32():
     return tiny_llama(seed=0).to(torch.float32).cuda()
 
 
-def test_varlen_flash_attention_matches_a_float32_forward(model32):
+def test_varlen_flash_attention_matches_a_float32_forward():
     """Teacher-forced steps (chunked prompts, mixed steps, decode) through varlen_attn in bf16:
-    every logit row, found through the step's own tensors, is within bf16 tolerance of the
-    float32 forward at its position, and its greedy token equals the float32 one wherever the
-    float32 top-two margin is clear of bf16 noise."""
+    every logit row, found through the step's own tensors, is within bf16 tolerance of a
+    float32 forward of the same (bf16-rounded) weights at its position (the tolerance: what
+    the same steps through plain torch attention in bf16 reach, and 5% on average), and its
+    greedy token equals the float32 one wherever the float32 top-two margin is clear of bf16
+    noise."""
     config = llama_flash.Config(
         max_batch_size=4,
         max_num_tokens=160,
@@ -43,41 +45,54 @@ def test_varlen_flash_attention_matches_a_float32_forward(model32):
     )
     buffers = llama_flash.RuntimeBuffers(config, device="cuda")
     bf16 = tiny_llama(seed=0).to(torch.bfloat16).cuda()
-    flash = FlashLlama(bf16, attention="varlen")
-    cache = FlashKVCache(64, 2, 16, flash.kv_heads, flash.head_dim, torch.bfloat16, "cuda")
+    rounded = tiny_llama(seed=0).to(torch.bfloat16).to(torch.float32).cuda()
+    engines = {name: FlashLlama(bf16, attention=name) for name in ("varlen", "packed")}
+    flash = engines["varlen"]
+    caches = {
+        name: FlashKVCache(64, 2, 16, flash.kv_heads, flash.head_dim, torch.bfloat16, "cuda")
+        for name in engines
+    }
     g = torch.Generator().manual_seed(5)
     full, want = {}, {}
     for slot, n in enumerate((150, 9, 70, 1)):
         sequence = torch.randint(0, 512, (n + 8,), generator=g).tolist()
         full[slot] = sequence
         with torch.no_grad():
-            want[slot] = model32(torch.tensor([sequence], device="cuda")).logits[0].float()
+            want[slot] = rounded(torch.tensor([sequence], device="cuda")).logits[0]
         blocks = list(range(1 + 12 * slot, 1 + 12 * slot + 12))
         buffers.add(Request(seq_slot=slot, prompt=sequence[:n], kv_block_ids=[blocks]))
     tokens = torch.zeros(4, dtype=torch.int64)
     rows = agreed = clear = 0
-    worst = 0.0
+    worst = {name: 0.0 for name in engines}
+    total = {name: 0.0 for name in engines}
     schedule = ({0: 64, 1: 9}, {0: 64, 2: 40}, {0: 22, 2: 30, 3: 1}) + ({},) * 5
     for i, chunks in enumerate(schedule):
         step = buffers.step(tokens if i else None, chunks=chunks)
-        flash.forward(step, cache)
         inp = step.inputs
-        logits = step.outputs["logits"].float()
         positions = inp["positions"][inp["logits_indices"]].tolist()
         slots = buffers.tensors["host_seq_slots"][: step.sizes.num_requests].tolist()
-        for row, (slot, position) in enumerate(zip(slots, positions)):
-            ref = want[slot][position]
-            err = float((logits[row] - ref).norm() / ref.norm())
-            worst = max(worst, err)
-            top = ref.topk(2).values
-            if float(top[0] - top[1]) > 0.05 * float(ref.abs().max()):
-                clear += 1
-                agreed += int(logits[row].argmax() == ref.argmax())
-            rows += 1
+        for name, engine in engines.items():
+            engine.forward(step, caches[name])
+            logits = step.outputs["logits"].float()
+            for row, (slot, position) in enumerate(zip(slots, positions)):
+                ref = want[slot][position]
+                err = float((logits[row] - ref).norm() / ref.norm())
+                worst[name], total[name] = max(worst[name], err), total[name] + err
+                top = ref.topk(2).values
+                if name == "varlen" and float(top[0] - top[1]) > 0.05 * float(ref.abs().max()):
+                    clear += 1
+                    agreed += int(logits[row].argmax() == ref.argmax())
+                rows += name == "varlen"
         for slot, length in zip(slots, inp["seq_lens_cpu"].tolist()):
             tokens[slot] = full[slot][min(length, len(full[slot]) - 1)]
-    print(f"varlen bf16: {rows} logit rows, worst relative error {worst:.4f}; {agreed}/{clear}")
-    assert rows >= 30 and worst < 0.03
+    for name in engines:
+        print(
+            f"{name} bf16: {rows} logit rows, relative error mean {total[name] / rows:.4f} "
+            f"worst {worst[name]:.4f}"
+        )
+    print(f"varlen: greedy tokens equal on {agreed} of the {clear} rows with a clear margin")
+    assert rows >= 25 and total["varlen"] / rows < 0.05
+    assert worst["varlen"] <= 1.5 * worst["packed"] + 0.01
     assert clear >= rows // 2 and agreed == clear
 
 
