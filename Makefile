@@ -8,9 +8,9 @@ STAMP := $(VENV)/.dev-$(shell cat requirements-gen.txt requirements-dev.txt pypr
 
 .PHONY: generate check check-generated lint test demo bench venv clean
 
-generate: $(GEN_STAMP) ; $(PY) -m bufc.codegen generate
+generate: $(GEN_STAMP) ; $(PY) -m bufc.codegen generate && $(PY) -m bufc.codegen contract --out docs/contract.md
 check: check-generated lint
-check-generated: $(GEN_STAMP) ; $(PY) -m bufc.codegen check
+check-generated: $(GEN_STAMP) ; $(PY) -m bufc.codegen check && $(PY) -m bufc.codegen contract --check docs/contract.md
 lint: $(STAMP) ; $(VENV)/bin/ruff check codegen runtime rules requests tests bufc schema bench examples && $(VENV)/bin/ruff format --check codegen runtime rules requests tests bufc schema bench examples && $(VENV)/bin/mypy --ignore-missing-imports codegen runtime rules requests
 test: $(STAMP) ; $(PY) -m pytest
 demo: $(STAMP) ; $(PY) -m bufc.codegen demo --device $(or $(DEVICE),cpu) --pp $(or $(PP),1) --tp $(or $(TP),1) --backend $(or $(BACKEND),gloo)

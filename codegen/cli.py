@@ -15,6 +15,7 @@ from pathlib import Path
 from bufc import __version__
 
 from . import emit, files
+from .contract_doc import PAGE_FAMILIES, family_tables, render_page
 from .errors import SpecError
 from .pipeline import Compiled, compile_file
 from .report import PLOT_FORMATS, Report, ReportError, plot, report
@@ -56,6 +57,41 @@ def _check(args: argparse.Namespace) -> int:
         print(f"{args.out}/ is out of date with {args.spec}; run '{command}'", file=sys.stderr)
         return 1
     print(f"{args.spec} is valid and {args.out}/ is up to date")
+    return 0
+
+
+def _contract(args: argparse.Namespace) -> int:
+    spec = _spec(args.spec)
+    known = [p.family.name for p in spec.plans]
+    for family in args.families:
+        if family not in known:
+            raise UsageError(f"no family {family!r} in {args.spec} ({', '.join(known)})")
+    if args.families:
+        print("\n\n".join(f"## {f}\n\n{family_tables(spec, f)}" for f in args.families))
+        return 0
+    missing = [f for f in PAGE_FAMILIES if f not in known]
+    if missing:
+        raise UsageError(
+            f"the contract page documents {', '.join(PAGE_FAMILIES)}; {args.spec} lacks "
+            f"{', '.join(missing)}: name the families to print"
+        )
+    page = render_page(spec)
+    if args.check is not None:
+        path = Path(args.check)
+        if not path.exists() or path.read_text("utf-8") != page:
+            print(
+                f"{args.check} is out of date with {args.spec}; run 'bufc contract --spec "
+                f"{args.spec} --out {args.check}'",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"{args.check} is up to date")
+        return 0
+    if args.out is not None:
+        Path(args.out).write_text(page, "utf-8")
+        print(f"{args.out}: written")
+        return 0
+    sys.stdout.write(page)
     return 0
 
 
@@ -283,6 +319,20 @@ def parser() -> argparse.ArgumentParser:
         ".pdf; needs matplotlib, bufc's [plot] extra)",
     )
     r.set_defaults(run=_report)
+    k = sub.add_parser(
+        "contract",
+        help="the engine contract: each family's bound tensors, pads and step scalars",
+        description="Print the tensors each named family binds (engine name, direction, dtype, "
+        "memory, step shape, pad policy, meaning) and its step scalars, as markdown tables. "
+        "Without families, bufc's own contract page (docs/contract.md): --out writes it, "
+        "--check exits 1 when the file differs.",
+    )
+    k.add_argument("families", nargs="*", metavar="FAMILY")
+    k.add_argument("--spec", default="buffers.yaml", help="the spec file (default: buffers.yaml)")
+    where = k.add_mutually_exclusive_group()
+    where.add_argument("--out", metavar="FILE", help="write the contract page to FILE")
+    where.add_argument("--check", metavar="FILE", help="exit 1 if FILE is not the page")
+    k.set_defaults(run=_contract)
     s = sub.add_parser(
         "schema",
         help="the JSON Schema of buffers.yaml (for editors)",

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from bufc.generated import gpt_pp, llama, llama_flash
+from bufc.generated import gpt_pp, llama, llama_flash, llama_flashinfer
 from bufc.runtime import Request
 
 from .flash_llama import FlashKVCache, FlashLlama
@@ -114,7 +114,8 @@ class Executor:
         docstring); generation-only steps then run the fixed-shape decode. `contract`:
         "trtllm" feeds the packed model from the llama family (TensorRT-LLM's inputs), "flash"
         feeds FlashLlama from the llama_flash family (the FlashAttention/vLLM inputs), with
-        its `attention` ("packed", or "varlen": torch's FlashAttention on CUDA)."""
+        its `attention` ("packed", or "varlen": torch's FlashAttention on CUDA), and
+        "flashinfer" from the llama_flashinfer family (FlashInfer's paged-KV arrays)."""
         cfg = hf_model.config
         dtype = next(hf_model.parameters()).dtype
         par = self.parallel = parallel or Parallel()
@@ -127,14 +128,18 @@ class Executor:
             tokens_per_block=tokens_per_block,
             logits_dtype=dtype,
         )
-        if contract not in ("trtllm", "flash"):
-            raise ValueError(f"contract is 'trtllm' or 'flash', got {contract!r}")
-        self.flash = contract == "flash"
+        families = {"flash": llama_flash, "flashinfer": llama_flashinfer}
+        if contract not in ("trtllm", *families):
+            raise ValueError(f"contract is 'trtllm', 'flash' or 'flashinfer', got {contract!r}")
+        self.flash = contract in families
         if self.flash and par.distributed:
-            raise ValueError("the flash contract runs in one process")
+            raise ValueError("the flash contracts run in one process")
+        if contract == "flashinfer" and (bucketed_decode or cuda_graphs):
+            raise ValueError("the fixed-shape decode reads llama_flash's block_table")
         if self.flash:
-            self.config = llama_flash.Config(**common)
-            self.buffers = llama_flash.RuntimeBuffers(
+            family = families[contract]
+            self.config = family.Config(**common)
+            self.buffers = family.RuntimeBuffers(
                 self.config, device=device, device_tokens=overlap or None
             )
         elif par.distributed:

@@ -1,8 +1,11 @@
-"""A packed-input Llama forward written against the FlashAttention/vLLM contract (``llama_flash``).
+"""A packed-input Llama forward written against the FlashAttention/vLLM contract (``llama_flash``)
+or FlashInfer's (``llama_flashinfer``).
 
 It reads only that family's engine inputs: ``input_ids``, ``positions``, ``query_start_loc_cpu``
 and ``seq_lens_cpu`` (host mirrors: the per-sequence loop needs them on the host, as vLLM's
-metadata builders do), ``block_table``, ``slot_mapping`` and ``logits_indices``, and writes
+metadata builders do), ``block_table``, ``slot_mapping`` and ``logits_indices``; or, for
+FlashInfer, ``qo_indptr_cpu``, ``paged_kv_indptr_cpu``, ``paged_kv_indices`` and
+``paged_kv_last_page_len_cpu`` in place of the query starts, lengths and block table. It writes
 ``step.outputs["logits"]``. K/V are written into a paged pool, one per layer laid out as vLLM's
 ``[2, num_blocks, block_size, kv_heads, head_dim]``, through ``slot_mapping`` (a negative slot
 is skipped), and each sequence attends over its first ``seq_lens`` KV positions, gathered
@@ -129,10 +132,25 @@ class FlashLlama:
         step.outputs["logits"].copy_(self.lm_head(x))
 
     def _context(self, step, cache: FlashKVCache) -> dict:
-        """What the attention of every layer reads, once per step."""
+        """What the attention of every layer reads, once per step: each sequence's query rows
+        (`starts`), KV length (`lens`) and block ids (`rows`), from llama_flash's
+        query_start_loc, seq_lens and block_table, or from llama_flashinfer's qo_indptr and
+        paged KV arrays."""
         inp = step.inputs
+        if "paged_kv_indptr" in inp:  # FlashInfer: lengths from the pages and the last one
+            if self.varlen is not None:
+                raise ValueError("varlen attention reads llama_flash's block_table and seq_lens")
+            indptr = inp["paged_kv_indptr_cpu"].tolist()
+            last = inp["paged_kv_last_page_len_cpu"].tolist()
+            indices, bs = inp["paged_kv_indices"], cache.block_size
+            spans = list(zip(indptr, indptr[1:]))
+            return {
+                "starts": inp["qo_indptr_cpu"].tolist(),
+                "lens": [(b - a - 1) * bs + n for (a, b), n in zip(spans, last)],
+                "rows": [indices[a:b] for a, b in spans],
+            }
         starts, lens = inp["query_start_loc_cpu"].tolist(), inp["seq_lens_cpu"].tolist()
-        ctx = {"starts": starts, "lens": lens, "block_table": inp["block_table"]}
+        ctx = {"starts": starts, "lens": lens, "rows": inp["block_table"]}
         if self.varlen is not None:  # the packed K/V's slots: sequence after sequence
             seq_lens = inp["seq_lens"].long()
             cu_k = torch.zeros(len(lens) + 1, dtype=torch.int32, device=seq_lens.device)
@@ -155,7 +173,7 @@ class FlashLlama:
             if a == b:
                 continue
             length = ctx["lens"][i]
-            keys, values = cache.read(layer_idx, ctx["block_table"][i], length)
+            keys, values = cache.read(layer_idx, ctx["rows"][i], length)
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q[a:b], keys) * self.head_dim**-0.5

@@ -2,4 +2,4 @@
 # Regenerate with: bufc generate --spec SPEC --out FOLDER (bufc check prints the exact command)
 """Pregenerated buffer modules, one per model family of buffers.yaml."""
 
-FAMILIES = ('gpt', 'chatglm', 'glm', 'llama', 'gpt_pp', 'gpt_outputs', 'gpt_lora', 'gpt_prompt_tuning', 'gpt_language_adapter', 'qwen2_vl', 'mamba', 'recurrentgemma', 'enc_dec', 'encoder', 'medusa', 'lookahead', 'redrafter', 'eagle', 'llama_flash')
+FAMILIES = ('gpt', 'chatglm', 'glm', 'llama', 'gpt_pp', 'gpt_outputs', 'gpt_lora', 'gpt_prompt_tuning', 'gpt_language_adapter', 'qwen2_vl', 'mamba', 'recurrentgemma', 'enc_dec', 'encoder', 'medusa', 'lookahead', 'redrafter', 'eagle', 'llama_flash', 'llama_flashinfer')

@@ -1,4 +1,5 @@
-"""The FlashAttention/vLLM input contract over a paged KV cache (``engine: flash``).
+"""The FlashAttention/vLLM (``engine: flash``) and FlashInfer (``engine: flashinfer``) input
+contracts over a paged KV cache.
 
 A step's sequences are its context requests (one each, its chunk plus the drafts of a last
 chunk), then every generation beam (its last sampled token, plus the request's drafts: drafts
@@ -115,6 +116,43 @@ def kv_slot_mapping(
     seq, pos = _token_kv_positions(b)
     n = len(seq)
     out[:n] = rows[seq, pos // tokens_per_block] * tokens_per_block + pos % tokens_per_block
+    return n
+
+
+def _pages(b: Batch, tokens_per_block: int) -> np.ndarray:
+    """KV pages each sequence's KV after the step fills (its first blocks)."""
+    return -(-_kv_lens(b) // tokens_per_block)
+
+
+def paged_kv_indptr(out: np.ndarray, b: Batch, *, tokens_per_block: int) -> int:
+    """[num_sequences + 1]: 0, then the cumulative KV pages of each sequence (FlashInfer's
+    paged_kv_indptr): sequence i's pages are paged_kv_indices[out[i] .. out[i + 1] - 1]."""
+    n = b.sizes.num_sequences
+    out[0] = 0
+    np.cumsum(_pages(b, tokens_per_block), out=out[1 : n + 1])
+    return n + 1
+
+
+def paged_kv_indices(
+    out: np.ndarray, b: Batch, plan: BlockPlan, *, max_blocks_per_seq: int, tokens_per_block: int
+) -> int:
+    """The page ids of every sequence in turn: the first ceil(KV length / page size) blocks of
+    its block list (the ids as allocated). Returns the pages written (the rows past them keep
+    the pad)."""
+    rows = _sequence_blocks(b, plan, max_blocks_per_seq)
+    pages = _pages(b, tokens_per_block)
+    used = np.arange(max_blocks_per_seq) < pages[:, None]
+    n = int(pages.sum())
+    out[:n] = rows[used]  # row by row, each row's first pages
+    return n
+
+
+def paged_kv_last_page_len(out: np.ndarray, b: Batch, *, tokens_per_block: int) -> int:
+    """KV tokens in each sequence's last page, 1 .. tokens_per_block (FlashInfer's
+    paged_kv_last_page_len): KV length - (pages - 1) x page size."""
+    n = b.sizes.num_sequences
+    lens = _kv_lens(b)
+    out[:n] = lens - (_pages(b, tokens_per_block) - 1) * tokens_per_block
     return n
 
 

@@ -28,6 +28,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(COMMON, max_attention_window=64, tokens_per_block=4, num_kv_blocks=64),
     # the FlashAttention/vLLM contract has no cyclic window: one long enough for the traffic
     "llama_flash": dict(COMMON, max_attention_window=256, tokens_per_block=4, num_kv_blocks=256),
+    "llama_flashinfer": dict(
+        COMMON, max_attention_window=256, tokens_per_block=4, num_kv_blocks=256
+    ),
     "gpt_lora": dict(
         COMMON, max_attention_window=128, tokens_per_block=8, lora_modules=LORA_MODULES
     ),

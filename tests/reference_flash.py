@@ -63,3 +63,22 @@ def reference_flash(ctx: list, gen: list, *, tokens_per_block: int, width: int) 
         "num_actual_tokens": len(out["input_ids"]),
     }
     return out
+
+
+def reference_flashinfer(ctx: list, gen: list, *, tokens_per_block: int, width: int) -> dict:
+    """FlashInfer's paged-KV arrays of the same step (family llama_flashinfer), page by page,
+    with the tensors it shares with llama_flash."""
+    flash = reference_flash(ctx, gen, tokens_per_block=tokens_per_block, width=width)
+    indptr, indices, last = [0], [], []
+    for length, row in zip(flash["seq_lens"], flash["block_table"]):
+        pages = -(-length // tokens_per_block)
+        indices += row[:pages]
+        indptr.append(indptr[-1] + pages)
+        last.append(length - (pages - 1) * tokens_per_block)
+    out = {name: flash[name] for name in ("input_ids", "positions", "slot_mapping")}
+    out["logits_indices"] = flash["logits_indices"]
+    out["qo_indptr"] = flash["query_start_loc"]
+    out["paged_kv_indptr"], out["paged_kv_indices"] = indptr, indices
+    out["paged_kv_last_page_len"] = last
+    out["scalars"] = {k: flash["scalars"][k] for k in ("max_query_len", "num_actual_tokens")}
+    return out

@@ -8,7 +8,7 @@ import copy
 import pytest
 from conftest import batch, cover_blocks, make_buffers
 from hypothesis import HealthCheck, given, settings
-from reference_flash import reference_flash
+from reference_flash import reference_flash, reference_flashinfer
 
 from bufc.errors import BatchError
 from bufc.runtime import Request
@@ -55,6 +55,41 @@ def test_random_batches_match_the_reference(first, second) -> None:
             copy.deepcopy(ctx), copy.deepcopy(gen), tokens_per_block=TPB, width=width
         )
         assert_flash_step(b.prepare_step(ctx, gen), want)
+
+
+FLASHINFER = {  # engine name -> the host mirror bound beside it, if any
+    "input_ids": None,
+    "positions": None,
+    "slot_mapping": None,
+    "logits_indices": None,
+    "qo_indptr": "qo_indptr_cpu",
+    "paged_kv_indptr": "paged_kv_indptr_cpu",
+    "paged_kv_last_page_len": "paged_kv_last_page_len_cpu",
+}
+
+
+@SETTINGS
+@given(batch("gpt"), batch("gpt"))
+def test_random_batches_match_flashinfers_reference(first, second) -> None:
+    """llama_flashinfer's arrays, page by page: qo_indptr, paged_kv_indptr, the first pages of
+    each sequence in paged_kv_indices (the rest the null page) and the last-page lengths."""
+    b = make_buffers("llama_flashinfer", tokens_per_block=TPB)
+    width = b.config.max_blocks_per_seq
+    for start, (ctx, gen) in ((0, first), (5000, second)):
+        cover_blocks(ctx, gen, TPB, start=start)
+        want = reference_flashinfer(
+            copy.deepcopy(ctx), copy.deepcopy(gen), tokens_per_block=TPB, width=width
+        )
+        step = b.prepare_step(ctx, gen)
+        got = {name: view.tolist() for name, view in step.inputs.items()}
+        for name, mirror in FLASHINFER.items():
+            assert got[name] == want[name], name
+            if mirror is not None:
+                assert got[mirror] == want[name], mirror
+        indices, n = got["paged_kv_indices"], len(want["paged_kv_indices"])
+        assert indices[:n] == want["paged_kv_indices"]
+        assert not any(indices[n:])  # the null page past the step's pages
+        assert step.scalars == want["scalars"]
 
 
 def test_a_worked_step() -> None:

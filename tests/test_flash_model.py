@@ -1,7 +1,8 @@
-"""A real Llama fed by the FlashAttention/vLLM contract (llama_flash): tokens equal
-transformers.generate under in-flight batching with chunked prefill, mixed steps and slot
-reuse, each step's logits equal a teacher-forced forward, and one wrong entry of
-query_start_loc, slot_mapping, block_table, seq_lens or logits_indices breaks the run."""
+"""A real Llama fed by the FlashAttention/vLLM contract (llama_flash) or FlashInfer's
+(llama_flashinfer): tokens equal transformers.generate under in-flight batching with chunked
+prefill, mixed steps and slot reuse, each step's logits equal a teacher-forced forward, and one
+wrong entry of query_start_loc, slot_mapping, block_table, seq_lens or logits_indices (or of
+FlashInfer's indptr, indices and last-page lengths) breaks the run."""
 
 from __future__ import annotations
 
@@ -67,6 +68,16 @@ def test_flash_contract_equals_transformers_generate(model, jobs, reference, nam
     assert_same_tokens(result, reference)
     assert any(s.context_requests and s.generation_requests for s in result.steps), "no mixed step"
     assert ex.allocator.free == ex.allocator.num_blocks
+
+
+@pytest.mark.parametrize("mode", ["stateless", "in_flight"])
+def test_flashinfer_arrays_give_the_same_tokens(model, jobs, reference, mode):
+    """The same engine reading llama_flashinfer's qo_indptr and paged KV arrays instead of
+    llama_flash's query starts, lengths and block table: the same tokens."""
+    kwargs = {**STANDARD, **CONFIGS["tpb1-chunk7-budget64"], "contract": "flashinfer"}
+    if mode != "stateless":
+        kwargs[mode] = True
+    assert_same_tokens(Executor(model, **kwargs).run(jobs), reference)
 
 
 def test_each_steps_logits_equal_a_teacher_forced_forward(model):
@@ -135,9 +146,21 @@ MUTATIONS = {
 }
 
 
-@pytest.mark.parametrize("name", MUTATIONS)
-def test_one_wrong_entry_makes_the_comparison_fail(model, jobs, reference, name):
-    tensor, change = MUTATIONS[name]
-    ex = Executor(model, **STANDARD, contract="flash", in_flight=True)
-    with pytest.raises(Mismatch):
+FLASHINFER_MUTATIONS = {
+    "qo_indptr + 1": ("qo_indptr_cpu", lambda t: t[1].add_(1)),
+    "paged_kv_indptr + 1": ("paged_kv_indptr_cpu", lambda t: t[1].add_(1)),
+    "paged_kv_indices + 1": ("paged_kv_indices", lambda t: t[0].add_(1)),
+    "paged_kv_last_page_len - 1": ("paged_kv_last_page_len_cpu", lambda t: t[-1].sub_(1)),
+}
+
+
+@pytest.mark.parametrize(
+    "contract, name",
+    [("flash", n) for n in MUTATIONS] + [("flashinfer", n) for n in FLASHINFER_MUTATIONS],
+)
+def test_one_wrong_entry_makes_the_comparison_fail(model, jobs, reference, contract, name):
+    tensor, change = {**MUTATIONS, **FLASHINFER_MUTATIONS}[name]
+    ex = Executor(model, **STANDARD, contract=contract, in_flight=True)
+    # a wrong token, or an engine that cannot even run on the wrong index
+    with pytest.raises((Mismatch, RuntimeError, IndexError)):
         assert_same_tokens(ex.run(jobs, mutate=_mixed_step_mutation(tensor, change)), reference)

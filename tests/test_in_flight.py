@@ -30,7 +30,17 @@ from reference import reference_step
 from bufc.runtime import BatchError, Request
 
 # "llama:1": one beam per request, so steady steps take the shortest path (with block growth)
-FAMILIES = ("llama", "llama:1", "llama_flash", "gpt", "glm", "medusa", "gpt_lora", "mamba")
+FAMILIES = (
+    "llama",
+    "llama:1",
+    "llama_flash",
+    "llama_flashinfer",
+    "gpt",
+    "glm",
+    "medusa",
+    "gpt_lora",
+    "mamba",
+)
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
