@@ -230,6 +230,7 @@ class Rule:
     device_advance: Impl | None
     loc: Location
     field_locs: tuple[tuple[str, Location], ...] = ()
+    pads: tuple[str, ...] = ()  # what its tensors' padded rows may hold (vocab.PAD_KINDS)
 
     def field_loc(self, key: str) -> Location:
         return dict(self.field_locs).get(key, self.loc)
@@ -480,6 +481,7 @@ class _Builder:
                     else None,
                     kl(path),
                     tuple((k, kl((*path, k))) for k in r),
+                    tuple(r.get("pads", ())),
                 )
             )
         return tuple(rules), checks

@@ -51,6 +51,33 @@ def _pad(scope: Scope, t: Tensor) -> None:
             break
 
 
+def _pad_kind_holds(kind: str, pad: int | str) -> bool:
+    if kind == "repeat_last":
+        return pad == vocab.REPEAT_LAST
+    if isinstance(pad, str):
+        return False
+    return pad < 0 if kind == "negative" else pad == 0 if kind == "zero" else pad >= 0
+
+
+def _pad_fits_rule(scope: Scope, t: Tensor) -> None:
+    """A rule tensor's pad (0 when none is given) is one its rule allows: a padded row of a
+    CUDA-graph bucket must not turn into a negative length, an index before the first row or
+    a slot that aliases a live one."""
+    rule = scope.spec.rule(t.fill.target or "") if t.fill.kind == "rule" else None
+    if rule is None or not rule.pads:
+        return
+    pad = t.pad if t.pad is not None else 0
+    if any(_pad_kind_holds(kind, pad) for kind in rule.pads):
+        return
+    need = " or ".join(vocab.PAD_KINDS[k] for k in rule.pads)
+    fix = {"repeat_last": "repeat_last", "negative": "-1", "zero": "0", "nonnegative": "0"}
+    scope.errors.error(
+        t.field_loc("pad") if t.pad is not None else t.field_loc("fill"),
+        f"tensor '{t.name}': pad {pad} does not fit its rule '{rule.name}', whose padded rows "
+        f"must {need}; set pad: {fix[rule.pads[0]]}",
+    )
+
+
 def tensors(scope: Scope) -> None:
     """Each tensor once (a name declared twice is reported, not checked again)."""
     by_name: dict[str, Tensor] = {}
@@ -102,6 +129,7 @@ def _tensor(scope: Scope, t: Tensor, by_name: dict[str, Tensor]) -> None:
             _capacity_fits(scope, t)
     if t.pad is not None:
         _pad(scope, t)
+    _pad_fits_rule(scope, t)
     if t.capture is not None:
         if t.fill.kind != "rule" or t.memory == "device":
             scope.errors.error(

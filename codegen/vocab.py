@@ -35,6 +35,14 @@ DTYPE_BYTES: dict[str, int] = {
 # The pad policy that repeats a tensor's last written element past the step (cumulative
 # tensors: query_start_loc, 1-based last_token_ids), instead of a constant.
 REPEAT_LAST = "repeat_last"
+# What a rule may require of its tensors' padded rows (the rule's `pads`), and why each matters.
+PAD_KINDS: dict[str, str] = {
+    "repeat_last": "repeat the last value (a cumulative or 1-based index: a constant would make "
+    "a padded row's count negative or point before the first row)",
+    "negative": "hold a negative value (a skip: any other would alias a live slot)",
+    "zero": "hold 0 (a padded sequence has nothing to read)",
+    "nonnegative": "hold a valid index, 0 or more",
+}
 
 # Integer parameters must stay below this (the generated Config checks it): sane sizes, and
 # formulas over them stay far from overflowing what the generator evaluates.

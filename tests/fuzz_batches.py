@@ -36,6 +36,7 @@ import pytest
 import torch
 from fuzz_client import Client
 from fuzz_compare import (
+    bucket_index_problems,
     bucket_pad_problems,
     diff_step,
     diff_tensors,
@@ -297,6 +298,8 @@ class Fuzzer:
             problems = diff_views(got_in, want_in, "bucket inputs")
             problems += diff_views(got_out, want_out, "bucket outputs")
             problems += bucket_pad_problems(self.buffers, self.ref_step, bucket)
+            if s.num_tokens:  # a bucket of an empty step has no real row to point at
+                problems += bucket_index_problems(self.buffers, bucket, s.num_tokens)
         except Exception as exc:  # noqa: BLE001
             problems = [f"{type(exc).__name__}: {exc}"]
         if problems:  # (no reset: a layout problem of views() is not a damaged state)

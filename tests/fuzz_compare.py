@@ -115,3 +115,57 @@ def bucket_pad_problems(buffers, ref_step, bucket) -> list[str]:
                 f"bucket view {engine_name}: a row past the batch holds {bad}, not its pad {pad}"
             )
     return out
+
+
+def _non_decreasing_from_0(v: torch.Tensor, top: int | None) -> str | None:
+    if v.numel() and (v[0] != 0 or bool((v[1:] < v[:-1]).any())):
+        return f"not non-decreasing from 0: {v.tolist()}"
+    if top is not None and v.numel() and int(v[-1]) > top:
+        return f"ends at {int(v[-1])}, past the bucket's {top} tokens"
+    return None
+
+
+def bucket_index_problems(buffers, bucket, step_tokens: int) -> list[str]:
+    """Every index tensor of a bucket's views in its valid range, padded rows included: the
+    cumulative starts non-decreasing from 0 (never a negative length) and within the bucket's
+    tokens, TensorRT-LLM's 1-based last_token_ids in 1 .. tokens, logits_indices in
+    0 .. tokens - 1, KV slots a slot for the step's `step_tokens` tokens and -1 (skipped) for
+    the padded ones, lengths and block ids in range."""
+    inputs, _ = buffers.views(bucket)
+    c, tokens = buffers.config, bucket.num_tokens
+    got = {name: view.cpu().long().flatten() for name, view in inputs.items()}
+    names = {
+        name: d.name for d in buffers.decls.values() for b in d.inputs for name, _ in b.expand(c)
+    }
+    out = []
+
+    def bad(name: str, why: str | None) -> None:
+        if why:
+            out.append(f"bucket view {name}: {why}")
+
+    for name in ("query_start_loc", "query_start_loc_cpu", "qo_indptr", "qo_indptr_cpu"):
+        if name in got:
+            bad(name, _non_decreasing_from_0(got[name], tokens))
+    for name in ("paged_kv_indptr", "paged_kv_indptr_cpu"):
+        if name in got:
+            bad(name, _non_decreasing_from_0(got[name], None))
+    ranges = {
+        "last_token_ids": (1, tokens + 1),  # 1-based
+        "logits_indices": (0, tokens),
+        "seq_lens": (0, 2**31),
+        "seq_lens_cpu": (0, 2**31),
+        "paged_kv_last_page_len": (0, getattr(c, "tokens_per_block", 0) + 1),
+    }
+    pool = getattr(c, "num_kv_blocks", 0) or 2**31
+    ranges.update(block_table=(0, pool), paged_kv_indices=(0, pool))
+    if names.get("slot_mapping") == "kv_slot_mapping":  # the KV slot of each token, or -1
+        ranges["slot_mapping"] = (-1, pool * getattr(c, "tokens_per_block", 1))
+    slots = got.get("slot_mapping")
+    if "slot_mapping" in ranges and slots is not None and bool((slots[step_tokens:] >= 0).any()):
+        bad("slot_mapping", "a padded token writes to a live slot (its pad must be negative)")
+    for name, (low, high) in ranges.items():
+        v = got.get(name)
+        if v is not None and v.numel() and not bool(((v >= low) & (v < high)).all()):
+            outside = v[(v < low) | (v >= high)][0].item()
+            bad(name, f"holds {outside}, outside {low} .. {high - 1}")
+    return out

@@ -25,6 +25,8 @@ from bufc.runtime import BatchError, Request
 FUZZ = [
     ("gpt", 1500),
     ("llama", 1500),
+    ("llama_flash", 800),
+    ("llama_flashinfer", 500),
     ("gpt_lora", 1000),
     ("enc_dec", 1000),
     ("medusa", 1000),

@@ -169,6 +169,44 @@ LATER_CASES = [
         id="repeat_last_2d",
     ),
     pytest.param(
+        _with(
+            "  - name: host_last\n    doc: T.\n    dtype: int32\n    memory: pinned\n"
+            '    capacity: ["max_num_tokens"]\n    shape: ["num_logits"]\n'
+            "    fill: {rule: last_token_ids}\n    pad: 0\n",
+        ).replace(
+            "  num_requests:",
+            '  num_context_requests: {doc: C., max: "max_batch_size"}\n'
+            '  num_logits: {doc: L., max: "max_num_tokens"}\n  num_requests:',
+        ),
+        [
+            "buffers.yaml:36:5: tensor 'host_last': pad 0 does not fit its rule "
+            "'last_token_ids', whose padded rows must repeat the last value (a cumulative or "
+            "1-based index: a constant would make a padded row's count negative or point before "
+            "the first row); set pad: repeat_last"
+        ],
+        id="pad_unfit_for_a_cumulative_rule",
+    ),
+    pytest.param(
+        _with(
+            "  - name: host_slots\n    doc: T.\n    dtype: int64\n    memory: pinned\n"
+            '    capacity: ["max_num_tokens"]\n    shape: ["num_tokens"]\n'
+            "    fill: {rule: kv_slot_mapping}\n",
+            params="  max_blocks_per_seq: {doc: W., min: 1}\n"
+            "  tokens_per_block: {doc: B., min: 1}\n  num_local_layers: {doc: L., min: 1}\n"
+            "  num_kv_blocks: {doc: K., min: 0, default: 0}\n",
+        ).replace(
+            "  num_requests:",
+            '  num_sequences: {doc: S., max: "max_batch_size"}\n'
+            '  num_context_requests: {doc: C., max: "max_batch_size"}\n  num_requests:',
+        ),
+        [
+            "buffers.yaml:39:5: tensor 'host_slots': pad 0 does not fit its rule "
+            "'kv_slot_mapping', whose padded rows must hold a negative value (a skip: any other "
+            "would alias a live slot); set pad: -1"
+        ],
+        id="pad_unfit_for_a_skip_rule",
+    ),
+    pytest.param(
         BASE.replace("fill: {rule: token_ids}\n", "fill: {rule: token_ids}\n    pad: repeat\n"),
         [
             "buffers.yaml:21:10: tensors[0].pad must be an integer in the int32 range (a "

@@ -4,9 +4,11 @@ contract promises: the bucket pads, the window check, the block ids checked on a
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 from conftest import batch, cover_blocks, make_buffers
+from fuzz_compare import bucket_index_problems
 from hypothesis import HealthCheck, given, settings
 from reference_flash import reference_flash, reference_flashinfer
 
@@ -144,3 +146,36 @@ def test_a_sequence_past_its_block_table_row_is_refused() -> None:
         r"max_blocks_per_seq x tokens_per_block = 8",
     ):
         b.step([5] + [0] * 7)
+
+
+@pytest.mark.parametrize(
+    "tensor, pad, problem",
+    [
+        ("query_start_loc", 0, "bucket view query_start_loc: not non-decreasing from 0"),
+        ("kv_slot_mapping", 0, "bucket view slot_mapping: a padded token writes to a live slot"),
+        ("logits_indices", -1, "bucket view logits_indices: holds -1, outside 0 .. 3"),
+    ],
+)
+def test_the_bucket_range_check_fails_on_a_wrong_pad_policy(tensor, pad, problem) -> None:
+    """The fuzzer's range check of every index tensor in a bucket (fuzz_compare), run on
+    llama_flash with its declared pads (no problem) and with one pad policy swapped for a wrong
+    one (the generator refuses such a spec; here the runtime declarations are edited): the
+    check names the tensor."""
+    from bufc.generated import llama_flash
+
+    good = make_buffers("llama_flash", tokens_per_block=4, max_beam_width=1)
+    decls = [
+        dataclasses.replace(d, pad=pad) if d.name in (tensor, f"host_{tensor}") else d
+        for d in llama_flash.RuntimeBuffers.tensor_decls
+    ]
+    wrong = type("Wrong", (llama_flash.RuntimeBuffers,), {"tensor_decls": tuple(decls)})
+    bad = wrong(good.config)
+    for b in (good, bad):
+        b.add(Request(seq_slot=0, prompt=[1, 2, 3], kv_block_ids=[[4]]))
+        b.add(Request(seq_slot=1, prompt=[5, 6], kv_block_ids=[[8]]))
+        b.step()
+        step = b.step([7, 9] + [0] * 6)
+    bucket = step.sizes.generation_bucket(4)
+    assert bucket_index_problems(good, bucket, step.sizes.num_tokens) == []
+    problems = bucket_index_problems(bad, bucket, step.sizes.num_tokens)
+    assert problems and problems[0].startswith(problem), problems
