@@ -3,8 +3,9 @@ indirection, checked against ``transformers.generate(num_beams=W)``.
 
 Engine contract (docs/spec.md, "Engine contract: beam search"):
 
-* ``cache_indirection`` is bound at its capacity shape [max_batch_size, max_beam_width,
-  max_attention_window]. Generation request i of the step (i counts generation requests only,
+* ``cache_indirection`` is bound as TensorRT-LLM's runtime binds it, [max_batch_size, step
+  beam width, max_attention_window], the step's width being its widest generation request's
+  (the attention plugin reads the width from this dimension). Generation request i of the step (i counts generation requests only,
   in scheduled order) has its beams at rows [i, 0..beam_width-1, :];
   ``cache_indirection[i, k, t]`` is the beam whose KV beam k reads at past position t. Here the
   entry of the step's own token (t = sequence_length - 1) is k itself, and every prompt position
@@ -27,11 +28,11 @@ Engine contract (docs/spec.md, "Engine contract: beam search"):
   and generation requests in the same steps, prompts in chunks. A context request is one
   sequence and one logit row; its last chunk's row starts the request's beam search.
 
-Which generation sequence is beam k of request i: cache_indirection is bound at its capacity,
-so its beam dimension is max_beam_width whatever the step's widths (the reference's plugin
-reads one width per step from that dimension, which would misplace a width-2 request ahead of
-another). The step's ``host_beam_widths`` input gives the width of each generation request;
-its sequences are consecutive rows.
+Which generation sequence is beam k of request i: requests of different widths in one step are
+bufc's mixed-width extension (TensorRT-LLM's runtime refuses them): the step's
+``host_beam_widths`` input gives the width of each generation request, its sequences are
+consecutive rows, and its beams sit at rows [i, 0..width-1] of the step-width
+cache_indirection.
 
 The decoder (``BeamSearch``) is transformers' ``GenerationMixin._beam_search`` (5.x) for one
 request: float32 log-softmax of the logits, the top 2W continuations, the W best unfinished ones
@@ -82,7 +83,7 @@ class BeamLlama(PackedLlama):
         lengths = inp["host_context_lengths"].tolist()
         seq_len = inp["sequence_length"].cpu().tolist()
         offsets = inp["kv_cache_block_offsets"][0]  # [sequences, K/V, max_blocks_per_seq]
-        indirection = inp["cache_indirection"]  # [max_batch_size, max_beam_width, window]
+        indirection = inp["cache_indirection"]  # [max_batch_size, step beam width, window]
         tokens, n_ctx = step.sizes.num_tokens, step.sizes.num_context_requests
         new = [n if t == 0 else 1 for t, n in zip(types, lengths)]
         if sum(new) != tokens:

@@ -244,6 +244,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         rt.check_size('num_encoder_tokens', s.num_encoder_tokens, c.max_batch_size * c.max_encoder_length)
         rt.check_size('num_encoder_input_tokens', s.num_encoder_input_tokens, c.max_batch_size * c.max_input_length)
         rt.check_size('max_encoder_input_length', s.max_encoder_input_length, c.max_input_length)
+        rt.check_size('beam_width', s.beam_width, c.max_beam_width)
         # the step shapes the generator could not prove within their capacities
         self.check_shape('encoder_engine_output', (s.num_encoder_tokens, c.encoder_hidden_size))
         # The encoder engine runs context requests only, each with its encoder_input_ids.

@@ -362,13 +362,13 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_mapping'),),
     ),
-    # Beam of each past token of each beam, written by the decoder ([batch, beam, window]).
+    # Beam of each past token of each beam, written by the decoder ([batch, step beam width, window]).
     rt.TensorDecl(
         'cache_indirection',
         dtype=torch.int32,
         memory=rt.DEVICE,
         capacity=lambda c: (c.max_batch_size, c.max_beam_width, c.max_attention_window),
-        shape=lambda c, s: (c.max_batch_size, c.max_beam_width, c.max_attention_window),
+        shape=lambda c, s: (c.max_batch_size, s.beam_width, c.max_attention_window),
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('cache_indirection'),),
     ),
@@ -593,6 +593,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         rt.check_size('num_sequences', s.num_sequences, c.max_num_sequences)
         rt.check_size('num_tokens', s.num_tokens, c.max_num_tokens)
         rt.check_size('num_requests', s.num_requests, c.max_batch_size)
+        rt.check_size('beam_width', s.beam_width, c.max_beam_width)
         # the step shapes the generator could not prove within their capacities
         self.check_shape('host_position_ids', (s.num_context_tokens + s.num_generation_sequences,))
         return Checked(

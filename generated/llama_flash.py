@@ -383,6 +383,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         rt.check_size('num_sequences', s.num_sequences, c.max_num_sequences)
         rt.check_size('num_tokens', s.num_tokens, c.max_num_tokens)
         rt.check_size('num_requests', s.num_requests, c.max_batch_size)
+        rt.check_size('beam_width', s.beam_width, c.max_beam_width)
         # Every sequence's KV after the step fits its block table row (the FlashAttention contract
         # has no cyclic window).
         paged_attention.check_kv_within_blocks(

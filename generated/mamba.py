@@ -421,6 +421,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         rt.check_size('num_sequences', s.num_sequences, c.max_num_sequences)
         rt.check_size('num_tokens', s.num_tokens, c.max_num_tokens)
         rt.check_size('num_requests', s.num_requests, c.max_batch_size)
+        rt.check_size('beam_width', s.beam_width, c.max_beam_width)
         # the step shapes the generator could not prove within their capacities
         self.check_shape('host_slot_mapping', (s.num_sequences,))
         # A recurrent model runs whole prompts, and context and generation in separate steps.

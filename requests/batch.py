@@ -170,6 +170,7 @@ def step_sizes(
     num_generation_requests: int,
     num_generation_sequences: int,
     generation_drafts: int,
+    beam_width: int = 1,
 ) -> StepSizes:
     """The reference's setBufferSizes from the step's counts (every builder's one formula):
     the context chunks' input tokens (drafts included) and the drafts on last chunks, the
@@ -185,6 +186,7 @@ def step_sizes(
         num_logits=n_ctx + context_drafts + gen_tokens,
         num_sequences=n_ctx + num_generation_sequences,
         num_tokens=context_tokens + gen_tokens,
+        beam_width=beam_width,
         num_requests=n_ctx + num_generation_requests,
         max_context_length=max_context_length,
     )
@@ -225,6 +227,7 @@ def view(
         len(generation),
         len(last),
         int(g_ndraft.sum()),
+        int(g_bw.max()) if wide else 1,
     )
     if encoder:
         sizes = dataclasses.replace(sizes, **encoder_sizes(context, generation, limits))

@@ -46,18 +46,17 @@ def cache_indirection_copies(
     out: np.ndarray, b: Batch, *, max_beam_width: int, max_attention_window: int
 ) -> int:
     """[src, dst, size] of each generation request's copy from the decoder's cache indirection
-    ([slots, max_beam_width, window]) into the engine's input, bound at its capacity shape
-    [max_batch_size, max_beam_width, window]: generation request i's beams land in row i, so
-    the engine reads beam k of request i at [i, k, :] whatever the step's beam widths.
+    ([slots, max_beam_width, window]) into the engine's input, bound as TensorRT-LLM's runtime
+    binds it, [max_batch_size, step beam width, window] (the attention plugin reads the beam
+    width from that dimension): generation request i's beams land in row i, at the step's
+    stride, so the engine reads beam k of request i at [i, k, :].
 
-    The reference strides the destination by the step's widest beam (the layout of the
-    [batch, step beam width, window] view its runtime binds) and the source by the first
-    request's beam width; both are fixed here at max_beam_width, the stride of the bound
-    tensor and of the decoder's buffer."""
+    The source is strided by max_beam_width, the decoder buffer's own stride; the reference
+    strides it by the first request's beam width (a bug: a later request of another width is
+    read from the wrong slot; fixed)."""
     n = len(b.generation)
-    stride = max_beam_width * max_attention_window
-    out[:n] = b.seq_slot[len(b.context) :] * stride
-    out[n : 2 * n] = np.arange(n) * stride
+    out[:n] = b.seq_slot[len(b.context) :] * (max_beam_width * max_attention_window)
+    out[n : 2 * n] = np.arange(n) * (b.sizes.beam_width * max_attention_window)
     out[2 * n : 3 * n] = b.gen_beam_width * max_attention_window
     return 3 * n
 

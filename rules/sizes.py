@@ -27,6 +27,9 @@ class StepSizes:
     num_encoder_tokens: int = 0
     num_encoder_input_tokens: int = 0
     max_encoder_input_length: int = 0
+    # the widest beam of the step's generation requests (1 without any): the beam dimension
+    # TensorRT-LLM's runtime binds cache_indirection at
+    beam_width: int = 1
 
     def generation_bucket(self, rows: int) -> StepSizes:
         """The sizes of a generation-only step (one token per sequence) padded to `rows`

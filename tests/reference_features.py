@@ -56,9 +56,10 @@ def enc_out(r) -> int:
 # ----------------------------------------------------------------------- cache indirection
 def cache_indirection_copies(ctx, gen, max_beam_width, window) -> list:
     src, dst, size = [], [], []
+    step_width = max((r.beam_width for r in gen), default=1)
     for i, r in enumerate(gen):
         src.append(r.seq_slot * max_beam_width * window)  # the decoder's slot stride (fixed)
-        dst.append(i * max_beam_width * window)  # row i of the [B, max_beam_width, window] input
+        dst.append(i * step_width * window)  # row i of the [B, step beam width, window] input
         size.append(r.beam_width * window)
     return [src, dst, size]
 

@@ -265,8 +265,8 @@ def test_bound_names_equal_the_references(name, overrides, inputs, outputs, stat
     b = mod.RuntimeBuffers(config_for(name, overrides))
     got_in, got_out = b.views(one_of_each())
     if "cache_indirection" in inputs and getattr(b.config, "max_beam_width", 1) > 1:
-        # bufc's one addition: cache_indirection is bound at capacity, so the engine reads the
-        # beam width of each generation request from host_beam_widths
+        # bufc's mixed-width extension: requests of different beam widths in one step, each
+        # request's width in host_beam_widths (cache_indirection is bound at the widest)
         inputs = inputs | {"host_beam_widths"}
     assert set(got_in) == inputs
     assert set(got_out) == outputs

@@ -259,6 +259,36 @@ def test_beam_search_cache_indirection_copies(batches):
         )
 
 
+def test_cache_indirection_is_bound_at_the_steps_beam_width():
+    """TensorRT-LLM's attention plugin reads the beam width from cache_indirection's second
+    dimension: a step of width-2 requests under max_beam_width 3 binds [B, 2, window] (with the
+    copies at that stride), a step with a width-3 request [B, 3, window], and a step without
+    generation requests width 1."""
+    b = make_buffers("llama")  # BASE: max_beam_width 3
+    c = b.config
+
+    def gen(slot, width):
+        return Request(
+            seq_slot=slot,
+            prompt=[1, 2],
+            beam_width=width,
+            generated=[[3]] * width,
+            kv_block_ids=[[slot]],
+        )
+
+    for widths, want in (((2, 2), 2), ((2, 3), 3), ((), 1)):
+        ctx = [] if widths else [Request(seq_slot=7, prompt=[1, 2], kv_block_ids=[[9]])]
+        step = b.prepare_step(ctx, [gen(i, w) for i, w in enumerate(widths)])
+        assert tuple(step.inputs["cache_indirection"].shape) == (
+            c.max_batch_size,
+            want,
+            c.max_attention_window,
+        )
+        n = len(widths)
+        dst = b.tensors["cache_indirection_copies"].flatten()[n : 2 * n].tolist()
+        assert dst == [i * want * c.max_attention_window for i in range(n)]
+
+
 def test_encoder_engine_fills():
     b = make_buffers("encoder", max_input_length=16, max_encoder_length=16, encoder_hidden_size=8)
     reqs = [
