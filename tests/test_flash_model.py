@@ -21,7 +21,7 @@ from bufc.examples.compare import (  # noqa: E402
 )
 from bufc.examples.executor import Executor  # noqa: E402
 from bufc.examples.flash_llama import FlashKVCache, FlashLlama  # noqa: E402
-from bufc.generated import llama_flash  # noqa: E402
+from bufc.generated import llama_flash, llama_flashinfer  # noqa: E402
 from bufc.runtime import Request  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -164,3 +164,90 @@ def test_one_wrong_entry_makes_the_comparison_fail(model, jobs, reference, contr
     # a wrong token, or an engine that cannot even run on the wrong index
     with pytest.raises((Mismatch, RuntimeError, IndexError)):
         assert_same_tokens(ex.run(jobs, mutate=_mixed_step_mutation(tensor, change)), reference)
+
+
+def _speculative_run(model, jobs, reference, contract: str, k: int = 3, noise: float = 0.35):
+    """Every request in flight with k draft tokens per generation step, the drafts the greedy
+    continuation (known from `reference`) corrupted at random: verified in one step (a logit row
+    per query token), accepted greedily (the longest prefix equal to the argmax at each row,
+    plus the argmax after it). Returns each request's tokens and the drafts accepted/proposed."""
+    import random
+
+    family = llama_flash if contract == "flash" else llama_flashinfer
+    config = family.Config(
+        max_batch_size=len(jobs),
+        max_num_tokens=4096,
+        max_draft_tokens=k,
+        vocab_size=512,
+        num_layers=2,
+        max_attention_window=512,
+        tokens_per_block=16,
+        logits_dtype=torch.float64,
+    )
+    buffers = family.RuntimeBuffers(config)
+    flash = FlashLlama(model)
+    per = config.max_blocks_per_seq
+    cache = FlashKVCache(
+        1 + per * len(jobs), 2, 16, flash.kv_heads, flash.head_dim, torch.float64, "cpu"
+    )
+    rng = random.Random(7)
+    out: dict[int, list[int]] = {}
+    for slot, job in enumerate(jobs):
+        blocks = list(range(1 + per * slot, 1 + per * (slot + 1)))  # block 0 stays null
+        buffers.add(Request(seq_slot=slot, prompt=list(job.prompt), kv_block_ids=[blocks]))
+        out[slot] = []
+    tokens = torch.zeros(len(jobs), dtype=torch.int64)
+    accepted: dict[int, int] = {}
+    drafts: dict[int, list[int]] = {}
+    proposed = taken = 0
+    first = True
+    while any(len(out[s]) < j.max_new_tokens for s, j in enumerate(jobs)):
+        step = buffers.step(None if first else tokens, accepted=accepted, drafts=drafts)
+        first = False
+        flash.forward(step, cache)
+        inp = step.inputs
+        starts = inp["query_start_loc_cpu" if contract == "flash" else "qo_indptr_cpu"].tolist()
+        rows = inp["logits_indices"].tolist()
+        best = step.outputs["logits"].argmax(dim=-1).tolist()
+        slots = buffers.tensors["host_seq_slots"][: step.sizes.num_requests].tolist()
+        by_seq: dict[int, list[int]] = {}
+        for row, token_row in enumerate(rows):  # each logit row's sequence, by its token
+            seq = max(i for i, a in enumerate(starts[:-1]) if a <= token_row)
+            by_seq.setdefault(seq, []).append(best[row])
+        accepted, given = {}, drafts
+        drafts = {}
+        for seq, argmax in by_seq.items():
+            slot = slots[seq]
+            job, proposal = jobs[slot], given.get(slot, [])
+            n = 0
+            while n < len(proposal) and proposal[n] == argmax[n]:
+                n += 1
+            proposed, taken = proposed + len(proposal), taken + n
+            out[slot] += proposal[:n] + [argmax[n]]
+            if n:
+                accepted[slot] = n
+            tokens[slot] = argmax[n]
+            want = reference[job.rid]
+            done = len(out[slot])
+            if done >= job.max_new_tokens:
+                out[slot] = out[slot][: job.max_new_tokens]
+                buffers.finish(slot)
+                accepted.pop(slot, None)
+                continue
+            guess = want[done : done + k] + [0] * k
+            drafts[slot] = [t if rng.random() > noise else (t + 1) % 512 for t in guess[:k]]
+    return {jobs[s].rid: v for s, v in out.items()}, taken, proposed
+
+
+@pytest.mark.parametrize("contract", ["flash", "flashinfer"])
+def test_drafts_accepted_greedily_give_the_base_models_greedy_tokens(
+    model, jobs, reference, contract
+):
+    """Draft tokens are query tokens with one logit row each (logits_indices): verified in one
+    step and accepted greedily, they give exactly transformers' greedy tokens, with some drafts
+    rejected and some accepted."""
+    short = [j for j in jobs if len(j.prompt) < 200][:12]
+    got, taken, proposed = _speculative_run(model, short, reference, contract)
+    for job in short:
+        assert got[job.rid] == reference[job.rid], job.rid
+    assert 0 < taken < proposed, (taken, proposed)
