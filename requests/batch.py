@@ -6,7 +6,7 @@ columns): the step sizes of the reference's setBufferSizes, the per-request and 
 columns the fill rules vectorise over, and what they derive once (drafts ride on a last chunk,
 each generation request's first input token).
 
-Row layout (reference, buffer-inventory §0): context requests one row each in scheduled order,
+Row layout (docs/contract.md): context requests one row each in scheduled order,
 then the beams of each generation request in order.
 """
 

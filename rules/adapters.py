@@ -1,4 +1,4 @@
-"""LoRA's fill rules (buffer-inventory.md §1.6): each request's adapter rows parsed once when it
+"""LoRA's fill rules (docs/contract.md): each request's adapter rows parsed once when it
 arrives (``admit_lora``) and per step for the stateless path (``check_lora``, memoised per
 request), then the per-sequence weight pointers and ranks the engine reads, laid out
 [modules, local layers, sequences]. Same contract as ``core``."""

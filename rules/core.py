@@ -1,4 +1,4 @@
-"""The core fill rules: the reference's setFromInputs (buffer-inventory.md §2.3) for token ids,
+"""The core fill rules: the reference's setFromInputs (docs/contract.md, TensorRT-LLM) for token ids,
 positions, lengths, request types, logit rows, slots and paged KV rows, with their advance forms
 and the checks they rely on.
 
@@ -101,7 +101,7 @@ def position_ids(out: np.ndarray, b: Batch) -> int:
                 )
                 start = ctx_starts[i]
                 out[start : start + chunk] = r.position_ids[begin : begin + chunk]
-                # Reference bug (§3.9): it appends no positions for the drafts of a last chunk,
+                # Reference bug (docs/contract.md): no positions for the drafts of a last chunk,
                 # leaving the list short. Drafts continue after the last prompt position, as
                 # generation continues explicit positions.
                 out[start + chunk : start + chunk + drafts] = (
@@ -243,7 +243,7 @@ def sequence_lengths(out: np.ndarray, b: Batch) -> int:
 
 
 def past_key_value_lengths(out: np.ndarray, b: Batch) -> int:
-    """Past KV length of each sequence as the reference sets it (§2.3.7): a context chunk's
+    """Past KV length of each sequence as the reference sets it (docs/contract.md): a context chunk's
     tokens through this step, a generation sequence's before it (prompt + generated - 1)."""
     n = b.sizes.num_sequences
     gen = b.per_sequence(b.gen_prompt_len + b.gen_max_generated - 1)

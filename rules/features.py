@@ -1,6 +1,6 @@
 """Fill rules of the optional feature groups: beam-search copies, encoder-decoder, LoRA, prompt
-tuning, recurrent state, M-RoPE, language adapters and Eagle (buffer-inventory.md §1.1-1.11,
-§2.3.8-2.3.12).
+tuning, recurrent state, M-RoPE, language adapters and Eagle (docs/contract.md
+has the contract and where bufc departs from the reference).
 
 Same contract as ``core``: a rule writes one step into `out` (a flat numpy view of the
 staging storage; a flat torch tensor for the rules that copy request tensors on the device),
