@@ -48,7 +48,7 @@ class BlockTable:
         """An arriving request's lists (one, or one per beam), checked: the request's own
         copy of them (its record of what it was given) and their ids as arrays for ``put``."""
         copied = request_lists(w, lists, beams, self.field)
-        return copied, [self._checked(x, w) for x in copied]
+        return copied, [self._checked(x, 0, w) for x in copied]
 
     def put(self, slot: int, arrays: list[np.ndarray]) -> None:
         """The checked lists of the request arriving in `slot`."""
@@ -99,7 +99,10 @@ class BlockTable:
             raise BatchError(
                 f"{w}: {len(new)} lists of block ids for a request with {n} block lists"
             )
-        added = [self._added(new[k] if per_list else new, base + k, w) for k in range(n)]
+        added = [
+            self._checked(new[k] if per_list else new, int(self.count[base + k]), w)
+            for k in range(n)
+        ]
         done = []
         for k, a in enumerate(added):
             row, before = base + k, int(self.count[base + k])
@@ -116,25 +119,17 @@ class BlockTable:
             self.count[row] = before
             self._bump(row, row + 1)
 
-    def _added(self, values: Any, row: int, w: str) -> np.ndarray:
+    def _checked(self, values: Any, have: int, w: str) -> np.ndarray:
+        """`values` as the ids of a list that holds `have` already: at most `width` ids in
+        all, each an integer in the pool; a BatchError naming the first bad one otherwise."""
+        if have + len(values) > self.width:
+            raise BatchError(
+                f"{w}: {have + len(values)} KV blocks exceed max_blocks_per_seq={self.width}"
+            )
         a = int_array(values)
         if a is None or not in_range(a, 0, self.limit[0]):
             name_bad_id(list(values), 0, self.field, w, self.limit, "KV")
-            raise BatchError(f"{w} must be a list of block ids, got {show(values)}")
-        if int(self.count[row]) + len(a) > self.width:
-            raise BatchError(
-                f"{w}: {int(self.count[row]) + len(a)} KV blocks exceed "
-                f"max_blocks_per_seq={self.width}"
-            )
-        return a
-
-    def _checked(self, blocks: Any, w: str) -> np.ndarray:
-        if len(blocks) > self.width:
-            raise BatchError(f"{w}: {len(blocks)} KV blocks exceed max_blocks_per_seq={self.width}")
-        a = int_array(blocks)
-        if a is None or not in_range(a, 0, self.limit[0]):
-            name_bad_id(blocks, 0, self.field, w, self.limit, "KV")
-            raise BatchError(f"{w}: {self.field} must be lists of block ids, got {show(blocks)}")
+            raise BatchError(f"{w}: {self.field} needs lists of block ids, got {show(values)}")
         return a
 
     def _bump(self, start: int, stop: int) -> None:
