@@ -556,6 +556,7 @@ TENSORS = (
         capacity=lambda c: (c.max_batch_size * c.max_encoder_length, c.encoder_hidden_size),
         shape=lambda c, s: (s.num_encoder_tokens, c.encoder_hidden_size),
         fill=rt.Rule(features.encoder_output),
+        pad=0,
         inputs=(rt.Bind('encoder_output'),),
     ),
     # Bound for the engine's interface; the engine does not read it yet (always false).
@@ -652,6 +653,7 @@ TENSORS = (
         capacity=lambda c: (1,),
         shape=lambda c, s: (1,),
         fill=rt.Rule(features.skip_cross_attn_blocks),
+        pad=0,
         inputs=(rt.Bind('skip_cross_attn_blocks'),),
     ),
 )

@@ -516,6 +516,7 @@ TENSORS = (
         capacity=lambda c: (c.max_prompt_embedding_table_size, c.hidden_size),
         shape=lambda c, s: (c.max_prompt_embedding_table_size, c.hidden_size),
         fill=rt.Rule(features.prompt_embedding_table),
+        pad=0,
         inputs=(rt.Bind('prompt_embedding_table'),),
     ),
     # Prompt table (task) of every input token, staged on the host.

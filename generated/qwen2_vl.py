@@ -522,6 +522,7 @@ TENSORS = (
         capacity=lambda c: (c.max_prompt_embedding_table_size, c.hidden_size),
         shape=lambda c, s: (c.max_prompt_embedding_table_size, c.hidden_size),
         fill=rt.Rule(features.prompt_embedding_table),
+        pad=0,
         inputs=(rt.Bind('prompt_embedding_table'),),
     ),
     # Prompt table (task) of every input token, staged on the host.
@@ -563,6 +564,7 @@ TENSORS = (
         capacity=lambda c: (c.max_num_sequences, c.max_position_embeddings * c.rotary_embedding_dim),
         shape=lambda c, s: (s.num_sequences, c.max_position_embeddings * c.rotary_embedding_dim),
         fill=rt.Rule(features.mrope_rotary_cos_sin),
+        pad=0,
         inputs=(rt.Bind('mrope_rotary_cos_sin'),),
     ),
     # M-RoPE position delta of each generation sequence (context rows 0), staged on the host.
