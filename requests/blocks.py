@@ -5,7 +5,8 @@ arrives (``put``), and grow by the ids a step hands over (``append``); both chec
 then: an integer in the pool, at most ``width`` per list. A step reads no request's list: the
 KV rules take the ids from ``ids`` and the coverage from ``count``, and keep their own encoded
 rows per (slot, list), rewriting those whose ``version`` moved (a list arrived, grew or was
-taken back by a failed step).
+taken back by a failed step): only the new columns of a list that grew since (the same ``born``,
+a longer ``count``).
 
 The ids of a list sit at ``ids[slot * lists + k, :count]``; the columns past its count hold 0.
 One pool today (the ``kv_block_ids`` of every family with a paged KV cache); a second pool is
@@ -41,6 +42,7 @@ class BlockTable:
         self.ids = np.zeros((slots * lists, width), np.int64)
         self.count = np.zeros(slots * lists, np.int64)
         self.version = np.zeros(slots * lists, np.int64)  # bumped whenever a list changes
+        self.born = np.zeros(slots * lists, np.int64)  # the version a list arrived with
         self.n_lists = np.zeros(slots, np.int64)  # 1 (shared by the beams) or the beam width
         self.clock = 0
 
@@ -60,6 +62,7 @@ class BlockTable:
             self.count[base + k] = len(a)
         self.n_lists[slot] = len(arrays)
         self._bump(base, base + self.lists)
+        self.born[base : base + self.lists] = self.clock
 
     def clear(self, slot: int) -> None:
         """The slot's request left: its lists are gone (no step reads the slot until ``put``

@@ -28,6 +28,7 @@ from ..requests.values import in_range, int_array
 _FIRST = itemgetter(0)
 _EMPTY = np.zeros(0, np.int64)
 _EMPTY.flags.writeable = False
+FEW = 8  # stale rows past which from_slots rewrites whole rows in a few numpy calls
 
 
 def required_blocks(tokens: np.ndarray, tokens_per_block: int, width: int) -> np.ndarray:
@@ -66,6 +67,8 @@ class SlotRows:
         self.blocks = blocks  # the block table these rows are of (held: its versions count)
         self.rows: np.ndarray | None = None  # [block table rows, K/V, width], the fill's dtype
         self.version = np.full(len(blocks.count), -1, np.int64)
+        self.born = np.full(len(blocks.count), -1, np.int64)  # of the list each row is from
+        self.length = np.zeros(len(blocks.count), np.int64)  # the ids each row holds
 
 
 def sequence_keys(b: Batch) -> list:
@@ -214,13 +217,33 @@ def from_slots(kept: KeptRows, flight: FlightLists, rows: np.ndarray, layers: in
     if slots.rows is None:
         slots.rows = np.zeros((len(blocks.count), 2, rows.shape[-1]), rows.dtype)
     stale = index[slots.version[index] != blocks.version[index]]
-    if len(stale):
+    if len(stale) > FEW:  # many: whole rows, vectorised
         k = blocks.ids[stale] * (2 * layers)  # past a list's count its ids are 0
         slots.rows[stale, 0] = k
         k += np.arange(k.shape[1]) < blocks.count[stale, None]  # V: one further, where held
         slots.rows[stale, 1] = k
         slots.version[stale] = blocks.version[stale]
+        slots.born[stale] = blocks.born[stale]
+        slots.length[stale] = blocks.count[stale]
+    elif len(stale):
+        _rewrite_few(slots, stale.tolist(), 2 * layers)
     np.take(slots.rows, index, axis=0, out=rows, mode="clip")
+
+
+def _rewrite_few(slots: SlotRows, stale: list[int], per_block: int) -> None:
+    """from_slots' rewrite of a few rows: a list that only grew since its row was written
+    (the same arrival, more ids) gets its new columns; any other its whole row."""
+    blocks, table = slots.blocks, slots.rows
+    assert table is not None
+    for r in stale:
+        n, had = int(blocks.count[r]), int(slots.length[r])
+        start = had if slots.born[r] == blocks.born[r] and had <= n else 0
+        if not start:
+            table[r] = 0
+        k = blocks.ids[r, start:n] * per_block
+        table[r, 0, start:n] = k
+        table[r, 1, start:n] = k + 1
+        slots.version[r], slots.born[r], slots.length[r] = blocks.version[r], blocks.born[r], n
 
 
 def _diagnose(

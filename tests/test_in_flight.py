@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import reference_step
 
+from bufc.rules import kv_rows
 from bufc.runtime import BatchError, Request
 
 # "llama:1": one beam per request, so steady steps take the shortest path (with block growth)
@@ -340,6 +341,19 @@ def test_tokens_gathered_on_the_device_equal_host_tokens(name: str, seed: int) -
     the device writes the generation rows and the host tensors and state catch up one step
     later; every tensor still equals the stateless step's."""
     run_traffic(name, seed, device_tokens=True)
+
+
+@pytest.mark.parametrize("few", (0, 1000))
+def test_kv_rows_rewritten_whole_or_by_new_columns_equal_the_stateless_step(monkeypatch, few):
+    """The KV rows of lists that changed since they were written: past FEW of them whole rows
+    in a few numpy calls, else one by one, a list that only grew getting its new columns.
+    With FEW at 0 and at 1000 every step takes one path, and equals the stateless step's
+    tensors (beams sharing one list, and lists taken back by refused steps, included)."""
+    monkeypatch.setattr(kv_rows, "FEW", few)
+    seen = Counter()
+    for seed in range(4):
+        seen += run_traffic("llama", seed)
+    assert seen["grown"] and seen["moved"] and seen["beams"]
 
 
 def test_traffic_exercises_every_change() -> None:
