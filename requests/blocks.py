@@ -87,7 +87,10 @@ class BlockTable:
             after = before + len(new)
             if after > self.width:
                 raise BatchError(f"{w}: {after} KV blocks exceed max_blocks_per_seq={self.width}")
-            self.ids[base, before:after] = new
+            if after - before == 1:  # a step's usual append: one block, one scalar write
+                self.ids[base, before] = new[0]
+            else:
+                self.ids[base, before:after] = new
             self.count[base] = after
             self.clock += 1
             self.version[base] = self.clock
