@@ -46,13 +46,15 @@ class BlockTable:
         self.n_lists = np.zeros(slots, np.int64)  # 1 (shared by the beams) or the beam width
         self.clock = 0
 
-    def check(self, lists: Any, beams: int, w: str) -> tuple[list[list[Any]], list[np.ndarray]]:
+    def check(
+        self, lists: Any, beams: int, w: str
+    ) -> tuple[list[list[Any]], list[np.ndarray | list[int]]]:
         """An arriving request's lists (one, or one per beam), checked: the request's own
         copy of them (its record of what it was given) and their ids as arrays for ``put``."""
         copied = request_lists(w, lists, beams, self.field)
         return copied, [self._checked(x, 0, w) for x in copied]
 
-    def put(self, slot: int, arrays: list[np.ndarray]) -> None:
+    def put(self, slot: int, arrays: list[np.ndarray | list[int]]) -> None:
         """The checked lists of the request arriving in `slot`."""
         base = slot * self.lists
         self.ids[base : base + self.lists] = 0
@@ -114,7 +116,7 @@ class BlockTable:
             row, before = base + k, int(self.count[base + k])
             self.ids[row, before : before + len(a)] = a
             self.count[row] = before + len(a)
-            done.append((row, before, a.tolist()))
+            done.append((row, before, a if isinstance(a, list) else a.tolist()))
         self._bump(base, base + n)
         return done
 
@@ -125,13 +127,17 @@ class BlockTable:
             self.count[row] = before
             self._bump(row, row + 1)
 
-    def _checked(self, values: Any, have: int, w: str) -> np.ndarray:
+    def _checked(self, values: Any, have: int, w: str) -> np.ndarray | list[int]:
         """`values` as the ids of a list that holds `have` already: at most `width` ids in
-        all, each an integer in the pool; a BatchError naming the first bad one otherwise."""
+        all, each an integer in the pool; a BatchError naming the first bad one otherwise.
+        A list of Python ints in range comes back as it is (a request's few ids: cheaper
+        checked one by one than converted)."""
         if have + len(values) > self.width:
             raise BatchError(
                 f"{w}: {have + len(values)} KV blocks exceed max_blocks_per_seq={self.width}"
             )
+        if type(values) is list and _ids_in(values, self.limit[0]):
+            return values
         a = int_array(values)
         if a is None or not in_range(a, 0, self.limit[0]):
             name_bad_id(list(values), 0, self.field, w, self.limit, "KV")
