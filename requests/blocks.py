@@ -15,6 +15,8 @@ a second table with its own width and id range.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -119,6 +121,40 @@ class BlockTable:
             done.append((row, before, a if isinstance(a, list) else a.tolist()))
         self._bump(base, base + n)
         return done
+
+    def append_many(self, blocks: Mapping[Any, Any]) -> list[tuple[int, int, int, list]] | None:
+        """``append`` for many slots at once, each with one list and a list of Python ints
+        handed over (a large batch's decode step: a few numpy calls instead of a call per
+        slot); returns (slot, row, count before, the ids) per slot. None when anything is
+        unusual (a slot that holds no single list, ids that are not ints in the pool, a list
+        past the width): the caller then appends slot by slot, which names the culprit."""
+        slots, values = list(blocks), list(blocks.values())
+        n_slots = len(self.n_lists)
+        if not all(type(x) is int and 0 <= x < n_slots for x in slots):
+            return None
+        if not all(type(v) is list for v in values):
+            return None
+        at = np.fromiter(slots, np.int64, len(slots))
+        if not bool((self.n_lists[at] == 1).all()):
+            return None
+        flat = list(itertools.chain.from_iterable(values))
+        if not _ids_in(flat, self.limit[0]):
+            return None
+        counts = np.fromiter(map(len, values), np.int64, len(values))
+        rows = at * self.lists
+        before = self.count[rows]
+        after = before + counts
+        if bool((after > self.width).any()):
+            return None
+        if len(flat) == len(values):  # one block each: one scatter
+            self.ids[rows, before] = flat
+        else:
+            for row, b, v in zip(rows.tolist(), before.tolist(), values):
+                self.ids[row, b : b + len(v)] = v
+        self.count[rows] = after
+        self.clock += 1
+        self.version[rows] = self.clock
+        return list(zip(slots, rows.tolist(), before.tolist(), values))
 
     def undo(self, done: list[tuple[int, int]]) -> None:
         """Take back what ``append`` wrote (a failed step)."""

@@ -28,6 +28,8 @@ from .rows import (
 from .table import _EMPTY, Entry, RequestTable, _beam_index
 from .values import BOOLS, INT32_MAX, check_token_dtype, in_range, int_array, is_int, show
 
+FEW_BLOCKS = 8  # block appends to more slots than this are checked and written at once
+
 
 @dataclasses.dataclass(frozen=True)
 class OnDevice:
@@ -298,6 +300,15 @@ def _grow(
     kv = t.kv
     if kv is None:
         raise BatchError("step(): blocks given, but this family has no paged KV cache")
+    many = kv.append_many(blocks) if len(blocks) > FEW_BLOCKS else None
+    if many is not None:  # checked and written at once: the entries' lists follow
+        for slot, row, n, ids in many:
+            lists = t.held(slot).kv_block_ids
+            assert lists is not None
+            undo.append((lists[0], n, row))
+            lists[0].extend(ids)
+            grew[slot] = [n]
+        return grew
     for slot, new in blocks.items():
         entry = t.entry(slot, "blocks")
         done = kv.append(int(slot), new, f"step(): blocks[{slot}]")

@@ -554,6 +554,7 @@ def _entered_in_flight(
     assert flight is not None
     blocks, values = flight.blocks, []
     ids, count, index = blocks.ids, blocks.count, flight.index
+    grown = dict(d.grown)  # sequence -> its list's length before: its new columns come below
     if starting.size:
         cols = (before[starting] // tpb).tolist()
         rows = index[starting].tolist()
@@ -567,8 +568,9 @@ def _entered_in_flight(
                     f"token {d.seq_tokens[seq]} needs KV block {col}, which kv_block_ids does "
                     "not hold; allocate the block before this step"
                 )
-            values.append((seq, col, int(ids[row, col]) * per_block))
-    for seq, length in d.grown:  # lists grown in flight: every new block, as a full step
+            if col < grown.get(seq, width):  # a grown list's new columns come below
+                values.append((seq, col, int(ids[row, col]) * per_block))
+    for seq, length in grown.items():  # lists grown in flight: every new block
         row = int(index[seq])
         new = ids[row, length : count[row]].tolist()
         values += [(seq, col, block * per_block) for col, block in enumerate(new, length)]

@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import reference_step
 
+from bufc.requests import step as request_step
 from bufc.rules import kv_rows
 from bufc.runtime import BatchError, Request
 
@@ -346,10 +347,12 @@ def test_tokens_gathered_on_the_device_equal_host_tokens(name: str, seed: int) -
 @pytest.mark.parametrize("few", (0, 1000))
 def test_kv_rows_rewritten_whole_or_by_new_columns_equal_the_stateless_step(monkeypatch, few):
     """The KV rows of lists that changed since they were written: past FEW of them whole rows
-    in a few numpy calls, else one by one, a list that only grew getting its new columns.
-    With FEW at 0 and at 1000 every step takes one path, and equals the stateless step's
-    tensors (beams sharing one list, and lists taken back by refused steps, included)."""
+    in a few numpy calls, else one by one, a list that only grew getting its new columns; and
+    the blocks a step appends, past FEW_BLOCKS slots checked and written at once. With both
+    at 0 and at 1000 every step takes one path, and equals the stateless step's tensors
+    (beams sharing one list, and lists taken back by refused steps, included)."""
     monkeypatch.setattr(kv_rows, "FEW", few)
+    monkeypatch.setattr(request_step, "FEW_BLOCKS", few)  # appends one by one or at once
     seen = Counter()
     for seed in range(4):
         seen += run_traffic("llama", seed)
@@ -557,11 +560,16 @@ REFUSED = {  # case: (setup on both buffers, the refused call, its message, the 
 }
 
 
+@pytest.mark.parametrize("few_blocks", (8, 0))
 @pytest.mark.parametrize("case", REFUSED)
-def test_a_refused_call_names_the_culprit_and_changes_nothing(case: str) -> None:
+def test_a_refused_call_names_the_culprit_and_changes_nothing(
+    monkeypatch, case: str, few_blocks: int
+) -> None:
     """Each refusal of add, finish and step, with its message; the state is as it was (blocks
     a refused step appended are taken back), so the next good step equals that of buffers that
-    never saw the refused call."""
+    never saw the refused call. With FEW_BLOCKS at 0 the appends try the all-at-once path
+    first, which leaves a bad one to the slot-by-slot path that names it."""
+    monkeypatch.setattr(request_step, "FEW_BLOCKS", few_blocks)
     setup, refused, message, good = REFUSED[case]
     b, twin = make_buffers("llama", max_beam_width=1), make_buffers("llama", max_beam_width=1)
     for x in (b, twin):
