@@ -139,6 +139,21 @@ class Batch:  # not slotted: cached_property needs __dict__
         return self.sizes.num_context_tokens + np.cumsum(width) - width
 
     @functools.cached_property
+    def seq_query_tokens(self) -> np.ndarray:
+        """Input tokens of each sequence this step: a context chunk (with a last chunk's
+        drafts), or a generation beam's token plus its request's drafts."""
+        return np.concatenate((self.ctx_input_len, self.per_sequence(1 + self.gen_drafts)))
+
+    @functools.cached_property
+    def seq_kv_tokens(self) -> np.ndarray:
+        """KV tokens of each sequence once this step's tokens are written (what its block
+        list must cover), computed once for the KV check and the rules that read it."""
+        gen = self.seq_num_tokens
+        if self.has_generation_drafts:
+            gen = gen + self.per_sequence(self.gen_drafts)
+        return np.concatenate((self.ctx_begin + self.ctx_input_len, gen))
+
+    @functools.cached_property
     def seq_first(self) -> np.ndarray:
         """The first generation sequence of each generation request."""
         return np.add.accumulate(self.gen_beam_width) - self.gen_beam_width

@@ -162,6 +162,8 @@ class BlockTable:
             self.ids[row, before:] = 0
             self.count[row] = before
             self._bump(row, row + 1)
+            # a list taken back is rewritten whole wherever it was written (not as grown)
+            self.born[row] = self.clock
 
     def _checked(self, values: Any, have: int, w: str) -> np.ndarray | list[int]:
         """`values` as the ids of a list that holds `have` already: at most `width` ids in

@@ -308,14 +308,10 @@ def check_kv_blocks(
     """Every sequence's kv_block_ids cover its tokens after the step, within
     max_blocks_per_seq, with ids in the pool; returns the converted lists for the fill (only
     those that differ from the rows kept from the last step)."""
-    gen = b.seq_num_tokens
-    if b.has_generation_drafts:
-        gen = gen + b.per_sequence(b.gen_drafts)
-    tokens = np.concatenate((b.ctx_begin + b.ctx_input_len, gen))
     return check_block_lists(
         b,
         "kv_block_ids",
-        tokens=tokens,
+        tokens=b.seq_kv_tokens,
         tokens_per_block=tokens_per_block,
         width=max_blocks_per_seq,
         width_name="max_blocks_per_seq",

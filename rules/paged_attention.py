@@ -20,23 +20,10 @@ from .core import last_token_ids, position_ids
 from .kv_rows import BlockPlan
 
 
-def _query_lens(b: Batch) -> np.ndarray:
-    """Query tokens of each sequence: a context chunk (with a last chunk's drafts), or a
-    generation beam's token plus its request's drafts."""
-    return np.concatenate((b.ctx_input_len, b.per_sequence(1 + b.gen_drafts)))
-
-
-def _kv_lens(b: Batch) -> np.ndarray:
-    """KV tokens of each sequence once this step's tokens are written."""
-    return np.concatenate(
-        (b.ctx_begin + b.ctx_input_len, b.seq_num_tokens + b.per_sequence(b.gen_drafts))
-    )
-
-
 def query_lens(out: np.ndarray, b: Batch) -> int:
     """Query tokens of each sequence this step."""
     n = b.sizes.num_sequences
-    out[:n] = _query_lens(b)
+    out[:n] = b.seq_query_tokens
     return n
 
 
@@ -45,7 +32,7 @@ def query_start_loc(out: np.ndarray, b: Batch) -> int:
     sequence i's tokens are rows out[i] .. out[i + 1] - 1 of the packed batch."""
     n = b.sizes.num_sequences
     out[0] = 0
-    np.cumsum(_query_lens(b), out=out[1 : n + 1])
+    np.cumsum(b.seq_query_tokens, out=out[1 : n + 1])
     return n + 1
 
 
@@ -53,7 +40,7 @@ def seq_lens(out: np.ndarray, b: Batch) -> int:
     """KV tokens of each sequence once this step's tokens are written (seqused_k): a context
     chunk's first position plus its tokens, a generation sequence's tokens plus its drafts."""
     n = b.sizes.num_sequences
-    out[:n] = _kv_lens(b)
+    out[:n] = b.seq_kv_tokens
     return n
 
 
@@ -76,10 +63,10 @@ def token_positions(out: np.ndarray, b: Batch) -> int:
 def _token_kv_positions(b: Batch) -> tuple[np.ndarray, np.ndarray]:
     """Each token's sequence and its KV position in that sequence (its index there, whatever
     explicit position ids say)."""
-    q = _query_lens(b)
+    q = b.seq_query_tokens
     seq = np.repeat(np.arange(len(q)), q)
     starts = np.cumsum(q) - q
-    last = _kv_lens(b) - q  # each sequence's first query position
+    last = b.seq_kv_tokens - q  # each sequence's first query position
     return seq, np.repeat(last - starts, q) + np.arange(len(seq))
 
 
@@ -121,7 +108,7 @@ def kv_slot_mapping(
 
 def _pages(b: Batch, tokens_per_block: int) -> np.ndarray:
     """KV pages each sequence's KV after the step fills (its first blocks)."""
-    return -(-_kv_lens(b) // tokens_per_block)
+    return -(-b.seq_kv_tokens // tokens_per_block)
 
 
 def paged_kv_indptr(out: np.ndarray, b: Batch, *, tokens_per_block: int) -> int:
@@ -151,7 +138,7 @@ def paged_kv_last_page_len(out: np.ndarray, b: Batch, *, tokens_per_block: int) 
     """KV tokens in each sequence's last page, 1 .. tokens_per_block (FlashInfer's
     paged_kv_last_page_len): KV length - (pages - 1) x page size."""
     n = b.sizes.num_sequences
-    lens = _kv_lens(b)
+    lens = b.seq_kv_tokens
     out[:n] = lens - (_pages(b, tokens_per_block) - 1) * tokens_per_block
     return n
 
@@ -168,7 +155,7 @@ def check_kv_within_blocks(b: Batch, *, max_blocks_per_seq: int, tokens_per_bloc
     """Every sequence's KV after the step fits its block table row (this contract has no
     cyclic window: a sequence longer than max_blocks_per_seq blocks has nowhere to go)."""
     most = max_blocks_per_seq * tokens_per_block
-    lens = _kv_lens(b)
+    lens = b.seq_kv_tokens
     over = np.flatnonzero(lens > most)
     if over.size:
         i = int(over[0])
