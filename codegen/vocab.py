@@ -155,7 +155,6 @@ LOCAL_NAMES: frozenset[str] = frozenset(
         "last",
         "tokens",
         "holds_run",
-        "grown",
         "state",
         "scalars",
         "max_sequence_length",

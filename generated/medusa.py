@@ -634,11 +634,11 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         return decode.start(b)
 
     def _advance_check(
-        self, last: decode.Decode, tokens: typing.Any, holds_run: bool, grown: tuple = ()
+        self, last: decode.Decode, tokens: typing.Any, holds_run: bool
     ) -> Advancing:
         """The checks of the decode step after `last` with the sampled `tokens`."""
         c, state = self.config, self.state
-        d = decode.next_step(last, tokens, self.limits, holds_run, grown)
+        d = decode.next_step(last, tokens, self.limits, holds_run)
         core.check_next_positions(d)
         return Advancing(
             d,

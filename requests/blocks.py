@@ -68,6 +68,14 @@ class BlockTable:
         self._bump(base, base + self.lists)
         self.born[base : base + self.lists] = self.clock
 
+    def lists_of(self, slot: int) -> list[list[int]]:
+        """The slot's lists, as lists of ids (copies)."""
+        base = slot * self.lists
+        return [
+            self.ids[row, : self.count[row]].tolist()
+            for row in range(base, base + int(self.n_lists[slot]))
+        ]
+
     def clear(self, slot: int) -> None:
         """The slot's request left: its lists are gone (no step reads the slot until ``put``
         gives it new ones, with a new version)."""
@@ -79,11 +87,10 @@ class BlockTable:
             self.count[base : base + n] = 0
         self.n_lists[slot] = 0
 
-    def append(self, slot: int, new: Any, w: str) -> list[tuple[int, int, list[int]]]:
+    def append(self, slot: int, new: Any, w: str) -> list[tuple[int, int]]:
         """Ids handed over for the slot's lists: one list of ids (every list of the request
         gets them) or one list per list it holds. Checked before any is written; returns
-        (row, count before, the ids appended) per list changed (``undo`` takes the first
-        two)."""
+        (row, count before) per list changed (what ``undo`` takes)."""
         n = int(self.n_lists[slot])
         base = slot * self.lists
         if n == 1 and type(new) is list and _ids_in(new, self.limit[0]):  # the common case
@@ -98,7 +105,7 @@ class BlockTable:
             self.count[base] = after
             self.clock += 1
             self.version[base] = self.clock
-            return [(base, before, new)]
+            return [(base, before)]
         if type(new) is not list:
             try:
                 new = list(new)
@@ -118,34 +125,35 @@ class BlockTable:
             row, before = base + k, int(self.count[base + k])
             self.ids[row, before : before + len(a)] = a
             self.count[row] = before + len(a)
-            done.append((row, before, a if isinstance(a, list) else a.tolist()))
+            done.append((row, before))
         self._bump(base, base + n)
         return done
 
-    def append_many(self, blocks: Mapping[Any, Any]) -> list[tuple[int, int, int, list]] | None:
+    def append_many(self, blocks: Mapping[Any, Any], undo: list[tuple[int, int]]) -> bool:
         """``append`` for many slots at once, each with one list and a list of Python ints
         handed over (a large batch's decode step: a few numpy calls instead of a call per
-        slot); returns (slot, row, count before, the ids) per slot. None when anything is
-        unusual (a slot that holds no single list, ids that are not ints in the pool, a list
-        past the width): the caller then appends slot by slot, which names the culprit."""
+        slot), each (row, count before) added to `undo`. False, with nothing written, when
+        anything is unusual (a slot that holds no single list, ids that are not ints in the
+        pool, a list past the width): the caller then appends slot by slot, which names the
+        culprit."""
         slots, values = list(blocks), list(blocks.values())
         n_slots = len(self.n_lists)
         if not all(type(x) is int and 0 <= x < n_slots for x in slots):
-            return None
+            return False
         if not all(type(v) is list for v in values):
-            return None
+            return False
         at = np.fromiter(slots, np.int64, len(slots))
         if not bool((self.n_lists[at] == 1).all()):
-            return None
+            return False
         flat = list(itertools.chain.from_iterable(values))
         if not _ids_in(flat, self.limit[0]):
-            return None
+            return False
         counts = np.fromiter(map(len, values), np.int64, len(values))
         rows = at * self.lists
         before = self.count[rows]
         after = before + counts
         if bool((after > self.width).any()):
-            return None
+            return False
         if len(flat) == len(values):  # one block each: one scatter
             self.ids[rows, before] = flat
         else:
@@ -154,7 +162,8 @@ class BlockTable:
         self.count[rows] = after
         self.clock += 1
         self.version[rows] = self.clock
-        return list(zip(slots, rows.tolist(), before.tolist(), values))
+        undo += zip(rows.tolist(), before.tolist())
+        return True
 
     def undo(self, done: list[tuple[int, int]]) -> None:
         """Take back what ``append`` wrote (a failed step)."""

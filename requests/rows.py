@@ -1,7 +1,6 @@
 """A step's rows from the request table: its ``Batch`` (``step_view``, through the one
 builder ``batch.view``), where each sequence's KV block list is in the table
-(``flight_lists``), the gather of tokens that stay on the device (``device_gather``), and
-the sequences whose block lists grew in a decode step (``grown_lists``).
+(``flight_lists``) and the gather of tokens that stay on the device (``device_gather``).
 """
 
 from __future__ import annotations
@@ -130,21 +129,6 @@ def device_gather(
         seq_slots, beams = np.concatenate((seq_slots, s)), np.concatenate((beams, bm))
     gather = TokenGather(seq_slots * k + beams, dst)
     return gather, (seq_slots, beams)
-
-
-def grown_lists(t: RequestTable, grew: dict[int, list[int]], rows: np.ndarray) -> tuple:
-    """(sequence, length before) for each sequence of a slot whose lists grew."""
-    if not t.n_wide:  # one sequence per row
-        return tuple((int(t.row_of[slot]), before[0]) for slot, before in grew.items())
-    widths = t.beam_width[rows]
-    first = np.cumsum(widths) - widths if t.n_wide else None
-    out = []
-    for slot, before in grew.items():
-        row = int(t.row_of[slot])
-        seq = row if first is None else int(first[row])
-        for k in range(int(t.beam_width[slot])):
-            out.append((seq + k, before[k if len(before) > 1 else 0]))
-    return tuple(out)
 
 
 def _beam_values(tok: np.ndarray, slots: np.ndarray, widths: np.ndarray) -> np.ndarray:

@@ -22,7 +22,6 @@ from .rows import (
     _beam_values,
     _sequence_values,
     device_gather,
-    grown_lists,
     step_view,
 )
 from .table import _EMPTY, Entry, RequestTable, _beam_index
@@ -47,7 +46,6 @@ class Plan:
 
     batch: Batch | None
     tokens: Sampled | None  # steady: each sequence's new input token, in row order (checked)
-    grown: tuple[tuple[int, int], ...]  # steady: (sequence, list length before) of grown lists
     generated: np.ndarray | None  # None: a steady step, applied to the rows at commit
     last: np.ndarray | None
     ndraft: np.ndarray
@@ -55,7 +53,7 @@ class Plan:
     positions: list[tuple[int, int]]  # context slots and their prompt position after the step
     promoted: list[int]  # last step's finished prompts, generation rows from this step
     completing: list[int]  # context slots whose last chunk this step runs
-    undo_blocks: list[tuple[list, int, int]]  # (the entry's list, its length before, table row)
+    undo_blocks: list[tuple[int, int]]  # (block table row, its list's length before)
     undo_drafts: list[tuple[Entry, Any]]
     generation: bool = True  # the generation rows ran (and produce tokens)
     # tokens that stay on the device: the gather the step runs there, and the (slot, beam) of
@@ -70,14 +68,12 @@ class Plan:
 
 
 def _undo(
-    blocks: list[tuple[list, int, int]],
+    blocks: list[tuple[int, int]],
     drafts: list[tuple[Entry, Any]],
     t: RequestTable | None = None,
 ) -> None:
-    for ids, n, row in blocks:
-        del ids[n:]
-        if t is not None and t.kv is not None:
-            t.kv.undo([(row, n)])
+    if blocks and t is not None and t.kv is not None:
+        t.kv.undo(blocks)
     for entry, values in drafts:
         entry.draft_tokens = values
 
@@ -113,7 +109,7 @@ def plan(
         and t.n_rows
     ):
         return _steady(t, tokens, blocks, on_device)
-    undo_blocks: list[tuple[list, int, int]] = []
+    undo_blocks: list[tuple[int, int]] = []
     undo_drafts: list[tuple[Entry, Any]] = []
     try:
         # the tokens the last step produced: its generation rows still in flight and the
@@ -146,7 +142,6 @@ def plan(
         return Plan(
             batch=batch,
             tokens=None,
-            grown=(),
             generated=generated,
             last=last,
             ndraft=ndraft,
@@ -288,39 +283,20 @@ def _step_drafts(
     return ndraft, drafted
 
 
-def _grow(
-    t: RequestTable, blocks: Mapping[int, Any] | None, undo: list[tuple[list, int, int]]
-) -> dict[int, list[int]]:
-    """Append the step's KV block ids to their slots' lists in the table, each checked there
-    (integers in the pool, within the width), and to the entries' own lists; returns each
-    slot's list lengths before, every append recorded in `undo`."""
-    grew: dict[int, list[int]] = {}
+def _grow(t: RequestTable, blocks: Mapping[int, Any] | None, undo: list[tuple[int, int]]) -> None:
+    """Append the step's KV block ids to their slots' lists in the block table, each checked
+    there (integers in the pool, within the width), every append recorded in `undo` (the
+    entries read their lists from the table)."""
     if not blocks:
-        return grew
+        return
     kv = t.kv
     if kv is None:
         raise BatchError("step(): blocks given, but this family has no paged KV cache")
-    many = kv.append_many(blocks) if len(blocks) > FEW_BLOCKS else None
-    if many is not None:  # checked and written at once: the entries' lists follow
-        for slot, row, n, ids in many:
-            lists = t.held(slot).kv_block_ids
-            assert lists is not None
-            undo.append((lists[0], n, row))
-            lists[0].extend(ids)
-            grew[slot] = [n]
-        return grew
+    if len(blocks) > FEW_BLOCKS and kv.append_many(blocks, undo):
+        return  # checked and written at once
     for slot, new in blocks.items():
-        entry = t.entry(slot, "blocks")
-        done = kv.append(int(slot), new, f"step(): blocks[{slot}]")
-        lists = entry.kv_block_ids
-        assert lists is not None  # the table holds the lists it checked at add()
-        before = []
-        for k, (row, n, ids) in enumerate(done):
-            undo.append((lists[k], n, row))
-            lists[k].extend(ids)
-            before.append(n)
-        grew[int(slot)] = before
-    return grew
+        t.entry(slot, "blocks")
+        undo += kv.append(int(slot), new, f"step(): blocks[{slot}]")
 
 
 def _steady(
@@ -362,16 +338,15 @@ def _steady(
             )
         gather = TokenGather(held[1], held[2])
         gathered = (held[3], held[4])
-    undo: list[tuple[list, int, int]] = []
+    undo: list[tuple[int, int]] = []
     try:
-        grew = _grow(t, blocks, undo)
+        _grow(t, blocks, undo)
     except BaseException:
         _undo(undo, [], t)
         raise
     return Plan(
         batch=None,
         tokens=Sampled(values),
-        grown=grown_lists(t, grew, rows) if grew else (),
         generated=None,
         last=None,
         ndraft=t.ndraft,

@@ -52,7 +52,8 @@ class Entry:
         "prompt",
         "beam_width",
         "position_ids",
-        "kv_block_ids",
+        "_blocks",
+        "_table",
         "draft_tokens",
         "context_position",
         "context_chunk_size",
@@ -69,11 +70,27 @@ class Entry:
         self.prompt = arrival.prompt
         self.beam_width = int(request.beam_width)
         self.position_ids = arrival.positions
-        self.kv_block_ids = blocks
+        # the checked copies of its KV block lists until the block table holds them (``held``)
+        self._blocks = blocks
+        self._table: BlockTable | None = None
         self.context_drafts = arrival.drafts  # ride on the last chunk
         self.draft_tokens: Any = self.context_drafts  # this step's (an array in generation)
         self.context_position = request.context_position
         self.context_chunk_size: int | None = None
+
+    @property
+    def kv_block_ids(self) -> list[list[int]] | None:
+        """The KV block lists as the block table holds them (they grow in flight): copies."""
+        if self._table is None:
+            return self._blocks
+        return self._table.lists_of(self.seq_slot)
+
+    def held(self, table: BlockTable | None) -> None:
+        """The block table holds the lists from now on (None: no longer, they are kept as
+        they are: the request left)."""
+        if table is None and self._table is not None:
+            self._blocks = self._table.lists_of(self.seq_slot)
+        self._table = table
 
     def __getattr__(self, name: str) -> Any:  # a field no step changes: the request's own
         return getattr(self.request, name)
@@ -181,6 +198,7 @@ class RequestTable:
         self.entries[slot] = entry
         if self.kv is not None:
             self.kv.put(slot, arrays)
+            entry.held(self.kv)
         self._serials_pending()
         self.serial[slot] += 1
         self.prompt_len[slot] = len(prompt)
@@ -220,6 +238,7 @@ class RequestTable:
         self._serials_pending()
         self.serial[slot] += 1
         if self.kv is not None:
+            entry.held(None)
             self.kv.clear(slot)
         if slot in self.drafted:
             self.drafted.remove(slot)

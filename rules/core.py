@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import BatchError
-from ..requests.batch import Batch
-from ..requests.values import INT32_MAX, check_int, is_int, show
+from ..requests.batch import Batch, FlightLists
+from ..requests.values import INT32_MAX, check_int, is_int
 from .decode import Decode
 
 if TYPE_CHECKING:
@@ -27,6 +27,7 @@ from .kv_rows import (
     BlockPlan,
     KeptRows,
     check_block_lists,
+    forget_halves,
     from_slots,
     id_limit,
     sequence_keys,
@@ -342,18 +343,19 @@ def kv_cache_block_offsets(
     they were built from: a list equal to its copy (compared by value, so a list changed in
     place is seen) keeps its row, so steady decoding converts only the lists that changed; when
     requests finish or arrive, a kept row moves with its sequence, and only the rows of new
-    sequences and of changed lists are built. Requests in flight take every row from the
-    slots' rows (``SlotRows``), where only new or grown lists were rewritten.
+    sequences and of changed lists are built. Requests in flight take each row from the
+    slots' rows (``SlotRows``, where only new or grown lists were rewritten), and only where
+    the buffer half held another row or an older version of it (``from_slots``).
     """
     width, layers = max_blocks_per_seq, num_local_layers
-    rows = out[: b.sizes.num_sequences * 2 * width].reshape(b.sizes.num_sequences, 2, width)
-    n_ctx = b.sizes.num_context_requests
     kept = plan.kept
     assert kept is not None  # check_kv_blocks hands its state on
     kept.entered = []  # advance() continues from these rows
     if plan.slots is not None:  # in flight: each sequence's row from its slot's
-        from_slots(kept, plan.slots, rows, layers)
-        return rows.size
+        return from_slots(kept, plan.slots, out, width, 2 * layers)
+    forget_halves(kept)
+    rows = out[: b.sizes.num_sequences * 2 * width].reshape(b.sizes.num_sequences, 2, width)
+    n_ctx = b.sizes.num_context_requests
     k = int(plan.lengths[:n_ctx].sum())
     write_kv_rows(rows[:n_ctx], plan.blocks[:k], plan.lengths[:n_ctx], layers)
     gen = plan.lists[n_ctx:]
@@ -475,111 +477,84 @@ def check_kv_entered(
 ) -> KvEntered:
     """Find the sequences whose new token starts a KV block and read that block's id from
     their request (the only requests read in a decode step); raise before anything is
-    written."""
+    written. In flight every sequence's list, as the block table counts it, must cover its
+    new token: the advance form then copies the rows that changed from the table."""
     width, tpb = max_blocks_per_seq, tokens_per_block
+    b = d.batch
+    per_block = num_local_layers * 2
+    if b.flight is not None:  # in flight: the ids from the block table, checked when appended
+        _check_flight_cover(d, b.flight, width, tpb)
+        return KvEntered(kept, [], b.flight, per_block)
     # the sequences whose new token is the first of a block (a mask for the usual power of two)
     before = d.seq_tokens - 1
     offset = before & (tpb - 1) if not tpb & (tpb - 1) else before % tpb
     starting = (offset == 0).nonzero()[0]
     values: list[tuple[int, int, int]] = []
-    if not starting.size and not d.grown:
+    if not starting.size:
         return KvEntered(kept, values)
-    b = d.batch
-    per_block = num_local_layers * 2
-    if b.flight is not None:  # in flight: the ids from the block table, checked when appended
-        return KvEntered(kept, _entered_in_flight(d, starting, before, width, tpb, per_block))
     limit, limit_text = id_limit(num_local_layers, num_kv_blocks)
 
     def where(req: int) -> str:  # formatted only for a message
         return f"generation request {req} (seq_slot {b.generation[req].seq_slot})"
 
-    if starting.size:
-        requests = b.seq_request[starting].tolist()
-        one_beam = b.sizes.num_generation_sequences == len(b.generation)
-        beams = (
-            [0] * len(requests)
-            if one_beam
-            else (starting - b.seq_first[b.seq_request[starting]]).tolist()
-        )
-        cols = (before[starting] // tpb).tolist()
-        for seq, req, beam, col in zip(starting.tolist(), requests, beams, cols):
-            ids = b.generation[req].kv_block_ids
-            blocks = ids[beam if len(ids) > 1 else 0]
-            if col >= width:
-                continue  # past the attention window the rows stay as they are (cyclic cache)
-            if col >= len(blocks):
-                raise BatchError(
-                    f"{where(req)}: its token {d.seq_tokens[seq]} needs KV block {col}, which "
-                    f"kv_block_ids does not hold; allocate the block before this step"
-                )
-            block = blocks[col]
-            if not is_int(block) or not 0 <= block < limit:
-                raise BatchError(
-                    f"{where(req)}: KV block {col} is {block!r}, not an id in 0 .. {limit - 1} "
-                    f"({limit_text})"
-                )
-            values.append((seq, col, int(block) * per_block))
-    # lists grown in flight: every new block, as a full step writes them
-    for seq, length in d.grown:
-        req = int(b.seq_request[seq])
+    requests = b.seq_request[starting].tolist()
+    one_beam = b.sizes.num_generation_sequences == len(b.generation)
+    beams = (
+        [0] * len(requests)
+        if one_beam
+        else (starting - b.seq_first[b.seq_request[starting]]).tolist()
+    )
+    cols = (before[starting] // tpb).tolist()
+    for seq, req, beam, col in zip(starting.tolist(), requests, beams, cols):
         ids = b.generation[req].kv_block_ids
-        blocks = ids[seq - int(b.seq_first[req]) if len(ids) > 1 else 0]
-        if len(blocks) > width:
+        blocks = ids[beam if len(ids) > 1 else 0]
+        if col >= width:
+            continue  # past the attention window the rows stay as they are (cyclic cache)
+        if col >= len(blocks):
             raise BatchError(
-                f"{where(req)}: {len(blocks)} KV blocks exceed max_blocks_per_seq={width}"
+                f"{where(req)}: its token {d.seq_tokens[seq]} needs KV block {col}, which "
+                f"kv_block_ids does not hold; allocate the block before this step"
             )
-        for col in range(length, len(blocks)):
-            block = blocks[col]
-            if not is_int(block) or not 0 <= block < limit:
-                raise BatchError(
-                    f"{where(req)}: KV block {col} is {show(block)}, not an id in 0 .. "
-                    f"{limit - 1} ({limit_text})"
-                )
-            values.append((seq, col, int(block) * per_block))
+        block = blocks[col]
+        if not is_int(block) or not 0 <= block < limit:
+            raise BatchError(
+                f"{where(req)}: KV block {col} is {block!r}, not an id in 0 .. {limit - 1} "
+                f"({limit_text})"
+            )
+        values.append((seq, col, int(block) * per_block))
     return KvEntered(kept, values)
 
 
-def _entered_in_flight(
-    d: Decode, starting: np.ndarray, before: np.ndarray, width: int, tpb: int, per_block: int
-) -> list[tuple[int, int, int]]:
-    """check_kv_entered for requests in flight: each entered block's id read from the block
-    table (its list must hold it), then every block appended to a list in this step. A step's
-    few entering sequences are read one by one (cheaper than numpy's calls at that size)."""
-    b = d.batch
-    flight = b.flight
-    assert flight is not None
-    blocks, values = flight.blocks, []
-    ids, count, index = blocks.ids, blocks.count, flight.index
-    grown = dict(d.grown)  # sequence -> its list's length before: its new columns come below
-    if starting.size:
-        cols = (before[starting] // tpb).tolist()
-        rows = index[starting].tolist()
-        for seq, row, col in zip(starting.tolist(), rows, cols):
-            if col >= width:
-                continue  # past the attention window the rows stay (cyclic cache)
-            if col >= count[row]:
-                req = int(b.seq_request[seq])
-                raise BatchError(
-                    f"generation request {req} (seq_slot {b.generation[req].seq_slot}): its "
-                    f"token {d.seq_tokens[seq]} needs KV block {col}, which kv_block_ids does "
-                    "not hold; allocate the block before this step"
-                )
-            if col < grown.get(seq, width):  # a grown list's new columns come below
-                values.append((seq, col, int(ids[row, col]) * per_block))
-    for seq, length in grown.items():  # lists grown in flight: every new block
-        row = int(index[seq])
-        new = ids[row, length : count[row]].tolist()
-        values += [(seq, col, block * per_block) for col, block in enumerate(new, length)]
-    return values
+def _check_flight_cover(d: Decode, flight: FlightLists, width: int, tpb: int) -> None:
+    """check_kv_entered for requests in flight: every sequence's list, as the block table
+    counts it, holds the block of its new token (or fills the window); the ids were checked
+    when the table took them."""
+    lengths = flight.blocks.count[flight.index]
+    short = np.flatnonzero((lengths * tpb < d.seq_tokens) & (lengths < width))
+    if short.size:
+        b, seq = d.batch, int(short[0])
+        req = int(b.seq_request[seq])
+        raise BatchError(
+            f"generation request {req} (seq_slot {b.generation[req].seq_slot}): its token "
+            f"{d.seq_tokens[seq]} needs KV block {(int(d.seq_tokens[seq]) - 1) // tpb}, which "
+            "kv_block_ids does not hold; allocate the block before this step"
+        )
 
 
 class KvEntered:
     """The KV blocks sequences enter in a decode step, as (sequence, column, index)."""
 
-    __slots__ = ("kept", "new")
+    __slots__ = ("kept", "new", "flight", "per_block")
 
-    def __init__(self, kept: KeptRows, new: list[tuple[int, int, int]]) -> None:
-        self.kept, self.new = kept, new
+    def __init__(
+        self,
+        kept: KeptRows,
+        new: list[tuple[int, int, int]],
+        flight: FlightLists | None = None,
+        per_block: int = 0,
+    ) -> None:
+        # in flight (`flight` set) the rows come from the block table, as a full step's do
+        self.kept, self.new, self.flight, self.per_block = kept, new, flight, per_block
 
 
 def advance_kv(
@@ -588,6 +563,9 @@ def advance_kv(
     """The last step's rows with the blocks entered this step (and, in a half that holds the
     rows of two steps back, those entered in the step between)."""
     width = max_blocks_per_seq
+    if entered.flight is not None:  # in flight: only the rows this half lacks
+        return from_slots(entered.kept, entered.flight, out, width, entered.per_block)
+    forget_halves(entered.kept)
     n = len(d.tokens) * 2 * width
     if d.holds_run:
         written = entered.kept.entered + entered.new  # `out` has the rows of two steps back

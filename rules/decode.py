@@ -25,9 +25,6 @@ class Decode:
     tokens: np.ndarray
     seq_tokens: np.ndarray
     holds_run: bool = False
-    # requests in flight: sequences whose KV block lists grew since the last step, with their
-    # length before (the blocks past it are written now, as a full step writes every block)
-    grown: tuple[tuple[int, int], ...] = ()
 
 
 class Sampled:
@@ -49,14 +46,13 @@ def start(b: Batch) -> Decode | None:
     return Decode(b, b.seq_last_token, b.seq_num_tokens)
 
 
-def next_step(d: Decode, tokens: Any, limits: Limits, holds_run: bool, grown: tuple = ()) -> Decode:
+def next_step(d: Decode, tokens: Any, limits: Limits, holds_run: bool) -> Decode:
     """The decode step after `d` with the sampled `tokens`, one per sequence: integers in the
-    vocabulary (BatchError otherwise). `grown`: (sequence, list length before) of each sequence
-    whose KV block list the caller grew for this step (requests in flight)."""
+    vocabulary (BatchError otherwise)."""
     count = len(d.tokens)
     if type(tokens) is Sampled:
         assert len(tokens.values) == count  # the in-flight state lays out both
-        return Decode(d.batch, tokens.values, d.seq_tokens + 1, holds_run, grown)
+        return Decode(d.batch, tokens.values, d.seq_tokens + 1, holds_run)
     L = limits  # (a torch tensor of tokens reaches here as numpy: runtime.tokens.tokens_on_host)
     if isinstance(tokens, np.ndarray) and tokens.dtype.kind in "iu":
         check_token_dtype(tokens.dtype, L.token_limit, L.token_limit_text, "advance()", False)
@@ -71,4 +67,4 @@ def next_step(d: Decode, tokens: Any, limits: Limits, holds_run: bool, grown: tu
             f"advance(): token {a[i]} of sequence {i} is outside 0 .. "
             f"{limits.token_limit - 1} ({limits.token_limit_text})"
         )
-    return Decode(d.batch, a, d.seq_tokens + 1, holds_run, grown)
+    return Decode(d.batch, a, d.seq_tokens + 1, holds_run)

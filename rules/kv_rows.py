@@ -69,6 +69,10 @@ class SlotRows:
         self.version = np.full(len(blocks.count), -1, np.int64)
         self.born = np.full(len(blocks.count), -1, np.int64)  # of the list each row is from
         self.length = np.zeros(len(blocks.count), np.int64)  # the ids each row holds
+        # per buffer half (its rows' array, by identity): the block-table row and the list
+        # version each of its first sequence rows was copied from, so a step copies only the
+        # rows that differ from what that half holds (written two steps back)
+        self.halves: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
 
 def sequence_keys(b: Batch) -> list:
@@ -207,18 +211,23 @@ def _check_flight(
     return BlockPlan([], _EMPTY, _EMPTY, None, kept, slots=flight)
 
 
-def from_slots(kept: KeptRows, flight: FlightLists, rows: np.ndarray, layers: int) -> None:
-    """`rows` [sequences, K/V, width]: each sequence's row from ``SlotRows``, once the rows
-    whose list changed since they were written are rewritten from the block table."""
+def from_slots(
+    kept: KeptRows, flight: FlightLists, out: np.ndarray, width: int, per_block: int
+) -> int:
+    """Each sequence's row [K/V, width] into `out` (a buffer half's rows, flat) from
+    ``SlotRows``, once the slot rows whose list changed since they were written are rewritten
+    from the block table; the half is written only where its rows differ from what it held
+    (another sequence, or an older version of its list). Returns the elements written."""
     blocks, index = flight.blocks, flight.index
     slots = kept.slots
     if slots is None or slots.blocks is not blocks:  # the first step of this table
         slots = kept.slots = SlotRows(blocks)
     if slots.rows is None:
-        slots.rows = np.zeros((len(blocks.count), 2, rows.shape[-1]), rows.dtype)
-    stale = index[slots.version[index] != blocks.version[index]]
+        slots.rows = np.zeros((len(blocks.count), 2, width), out.dtype)
+    version = blocks.version[index]
+    stale = index[slots.version[index] != version]
     if len(stale) > FEW:  # many: whole rows, vectorised
-        k = blocks.ids[stale] * (2 * layers)  # past a list's count its ids are 0
+        k = blocks.ids[stale] * per_block  # past a list's count its ids are 0
         slots.rows[stale, 0] = k
         k += np.arange(k.shape[1]) < blocks.count[stale, None]  # V: one further, where held
         slots.rows[stale, 1] = k
@@ -226,8 +235,36 @@ def from_slots(kept: KeptRows, flight: FlightLists, rows: np.ndarray, layers: in
         slots.born[stale] = blocks.born[stale]
         slots.length[stale] = blocks.count[stale]
     elif len(stale):
-        _rewrite_few(slots, stale.tolist(), 2 * layers)
-    np.take(slots.rows, index, axis=0, out=rows, mode="clip")
+        _rewrite_few(slots, stale.tolist(), per_block)
+    n = len(index)
+    rows = out[: n * 2 * width].reshape(n, 2, width)
+    half = slots.halves.get(id(out))
+    if half is None or half[0] is not out:  # this half holds no row known here
+        np.take(slots.rows, index, axis=0, out=rows, mode="clip")
+    else:
+        _, held, held_version = half
+        if held is index:  # the same rows (a decode step): those whose list changed
+            at = np.flatnonzero(held_version != version)
+        else:
+            m = min(n, len(held))
+            differs = (held[:m] != index[:m]) | (held_version[:m] != version[:m])
+            at = np.flatnonzero(differs)
+            if n > m:  # rows the half did not hold
+                at = np.concatenate((at, np.arange(m, n)))
+        if len(at) == n:
+            np.take(slots.rows, index, axis=0, out=rows, mode="clip")
+        elif len(at):
+            rows[at] = slots.rows[index[at]]
+    # what the half holds now (the rows past the step: padded, or stale)
+    slots.halves[id(out)] = (out, index, version)
+    return rows.size
+
+
+def forget_halves(kept: KeptRows) -> None:
+    """A step written without ``from_slots`` (a stateless one): no half is known to hold
+    any slot's row."""
+    if kept.slots is not None:
+        kept.slots.halves.clear()
 
 
 def _rewrite_few(slots: SlotRows, stale: list[int], per_block: int) -> None:

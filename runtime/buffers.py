@@ -169,7 +169,7 @@ class RuntimeBuffers:
     def _fill(self, targets: Targets, checked: Any) -> Any:
         raise NotImplementedError
 
-    def _advance_check(self, last: Any, tokens: Any, holds_run: bool, grown: tuple = ()) -> Any:
+    def _advance_check(self, last: Any, tokens: Any, holds_run: bool) -> Any:
         raise NotImplementedError
 
     def _advance(self, targets: Targets, prev: Targets, advancing: Any) -> None:
@@ -371,7 +371,7 @@ class RuntimeBuffers:
             )
         return self._advance_step(tokens_on_host(tokens, self.limits, "advance()"))
 
-    def _advance_step(self, tokens: Any, grown: tuple = (), gather: Gather | None = None) -> Step:
+    def _advance_step(self, tokens: Any, gather: Gather | None = None) -> Step:
         if self.no_advance:
             raise BatchError(
                 f"advance() is not available for this family: its fill rule(s) "
@@ -384,9 +384,7 @@ class RuntimeBuffers:
         prev = self._half
         h = prev ^ 1
         try:
-            advancing = self._advance_check(
-                self._decode, tokens, self._half_run[h] == self._run, grown
-            )
+            advancing = self._advance_check(self._decode, tokens, self._half_run[h] == self._run)
         except BatchError:
             raise
         except Exception as exc:  # e.g. a request's block list replaced by something odd
@@ -538,7 +536,7 @@ class RuntimeBuffers:
             if plan.batch is not None:
                 step = self._prepare(lambda: plan.batch, gather)
             else:
-                step = self._advance_step(plan.tokens, plan.grown, gather)
+                step = self._advance_step(plan.tokens, gather)
         except BaseException:
             plan.undo()
             raise
