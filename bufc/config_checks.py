@@ -39,6 +39,30 @@ def check_int(config: Any, name: str, *, minimum: int = 0, errors: list[str]) ->
         errors.append(f"{name} must be below 2**62, got {value}")
 
 
+def check_ints(config: Any, name: str, *, minimum: int = 0, errors: list[str]) -> None:
+    """A sequence of integers (numpy integers too; not bools), each in [minimum, INT_LIMIT),
+    stored as a tuple of ints (an iterator is read once, before it is checked)."""
+    value = getattr(config, name)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        errors.append(f"{name} must be a sequence of ints, got {short(value)}")
+        return
+    try:
+        value = tuple(value)
+    except Exception as exc:  # noqa: BLE001 - any failure to read it is the caller's value
+        errors.append(f"{name} could not be read as a sequence of ints: {exc}")
+        return
+    if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in value):
+        errors.append(f"{name} must be a sequence of ints, got {short(value)}")
+        return
+    value = tuple(int(v) for v in value)
+    object.__setattr__(config, name, value)
+    bad = [v for v in value if not minimum <= v < INT_LIMIT]
+    if bad:
+        errors.append(
+            f"{name}: every value must be at least {minimum} and below 2**62, got {bad[0]}"
+        )
+
+
 def check_bool(config: Any, name: str, errors: list[str]) -> None:
     value = getattr(config, name)
     if type(value) is not bool:

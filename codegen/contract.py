@@ -40,6 +40,7 @@ ROLES: dict[str, tuple[str, str]] = {
     "advance_check": ("_advance_check", "the advance check of rule '{}'"),
     "advance": ("_advance", "the advance form of rule '{}'"),
     "device_advance": ("_advance_on_device", "the device advance form of rule '{}'"),
+    "derive": ("Config", "the function of derived value '{}'"),
 }
 
 

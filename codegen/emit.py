@@ -12,6 +12,7 @@ import ast
 import functools
 import shlex
 import textwrap
+from collections.abc import Sequence
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ import jinja2
 from . import expr as E
 from . import vocab
 from .contract import ROLES, describe
-from .model import Check, Impl, Parameter
+from .model import Check, Derived, Impl, Parameter
 from .plan import FamilyPlan, PlannedFill, PlannedIndexSet, PlannedTensor, StepProgram
 
 if TYPE_CHECKING:
@@ -175,6 +176,8 @@ def _tensor_context(pt: PlannedTensor, sizes: set[str], rules: dict[str, str]) -
     elif pt.fill_kind == "constant":
         assert pt.constant is not None
         fill = f"rt.Constant(lambda c: {_construct(pt.constant)})"
+    elif pt.fill_kind == "static" and pt.constant is not None:
+        fill = f"rt.Static(lambda c: {_construct(pt.constant)})"
     else:
         fill = {"engine": "rt.ENGINE", "external": "rt.EXTERNAL", "static": "rt.STATIC"}[
             pt.fill_kind
@@ -235,14 +238,43 @@ def _parameter(p: Parameter, dtype_values: dict[str, tuple[str, ...]]) -> dict[s
             "doc": doc,
             "check": f"rt.check_names(self, {p.name!r}, {tuple(str(v) for v in p.values)!r}, errors)",
         }
-    default = str(int(p.default)) if p.default is not None else None  # type: ignore[arg-type]
     minimum = int(p.minimum) if p.minimum is not None else 0
+    if p.kind == "ints":
+        default = repr(tuple(int(v) for v in p.default)) if isinstance(p.default, tuple) else None
+        return {
+            "name": p.name,
+            "type": "tuple[int, ...]",
+            "default": default,
+            "doc": doc,
+            "check": f"rt.check_ints(self, {p.name!r}, minimum={minimum}, errors=errors)",
+        }
+    default = str(int(p.default)) if p.default is not None else None  # type: ignore[arg-type]
     return {
         "name": p.name,
         "type": "int",
         "default": default,
         "doc": doc,
         "check": f"rt.check_int(self, {p.name!r}, minimum={minimum}, errors=errors)",
+    }
+
+
+def _derived(d: Derived, alias: _Aliases) -> dict[str, str]:
+    """A derived value of the Config: its field type and the expression that computes it (a
+    formula, or its function's call with the values it reads, the result's type checked)."""
+    if d.value is not None:
+        value = E.to_source(
+            d.value.expr,
+            name=lambda n: f"self.{n}",
+            call=lambda f: f"rt.{f}" if f == "cdiv" else f,
+        )
+        return {"name": d.name, "doc": _comment(d.doc), "type": "int", "value": value}
+    assert d.derive is not None
+    call = _call(alias(d.derive), [f"{n}=self.{n}" for n in d.reads])
+    return {
+        "name": d.name,
+        "doc": _comment(d.doc),
+        "type": "int" if d.kind == "int" else "tuple[int, ...]",
+        "value": f"rt.derived(self, {d.name!r}, {call}, {d.kind!r})",
     }
 
 
@@ -299,10 +331,10 @@ def _own_rule_module(module: str) -> bool:
     return package == "bufc.rules" and last in vocab.RULE_MODULES
 
 
-def _roles(program: StepProgram) -> list[tuple[str, str, Impl]]:
-    """(role, the rule or check, implementation) of every implementation the program names
-    (roles as ``contract.ROLES``)."""
-    out: list[tuple[str, str, Impl]] = []
+def _roles(program: StepProgram, derived: Sequence[Derived]) -> list[tuple[str, str, Impl]]:
+    """(role, the rule, check or derived value, implementation) of every implementation the
+    family's module names (roles as ``contract.ROLES``)."""
+    out: list[tuple[str, str, Impl]] = [("derive", d.name, d.derive) for d in derived if d.derive]
     for chk in program.checks:
         out.append(("check", chk.name, chk.impl))
         if chk.state is not None:
@@ -320,16 +352,22 @@ def _roles(program: StepProgram) -> list[tuple[str, str, Impl]]:
     return out
 
 
-def _impls(program: StepProgram) -> list[Impl]:
-    return [impl for _, _, impl in _roles(program)]
+def _impls(plan: FamilyPlan) -> list[Impl]:
+    assert plan.program is not None
+    return [impl for _, _, impl in _roles(plan.program, plan.derived)]
 
 
-def _project(program: StepProgram, alias: _Aliases, file: str) -> tuple[list[str], list[str]]:
+def _project(plan: FamilyPlan, alias: _Aliases, file: str) -> tuple[list[str], list[str]]:
     """The spec's own implementation modules (not bufc's): the lines importing each through
     ``rt.rule_module``, each name it must have with the spec's line that names it (the first
     one); and the entries of ``project_impls``, each implementation the step calls, so that an
     exception it raises names it."""
-    roles = [(r, o, i) for r, o, i in _roles(program) if not _own_rule_module(i.module)]
+    assert plan.program is not None
+    roles = [
+        (r, o, i)
+        for r, o, i in _roles(plan.program, plan.derived)
+        if not _own_rule_module(i.module)
+    ]
     names: dict[str, dict[str, str]] = {}
     for role, owner, impl in sorted(roles, key=lambda x: x[2].loc):
         kind = "class" if role == "state" else "function"
@@ -590,8 +628,8 @@ def render_family(plan: FamilyPlan, file: str) -> str:
     params = [_parameter(p, dict(plan.dtype_values)) for p in plan.parameters]
     assert plan.program is not None
     fields = {chk.name for chk in plan.program.checks} | {f.tensor for f in plan.program.fills}
-    alias = _Aliases(_impls(plan.program), fields)
-    project_modules, project_impls = _project(plan.program, alias, file)
+    alias = _Aliases(_impls(plan), fields)
+    project_modules, project_impls = _project(plan, alias, file)
     context = {
         "imports": [
             "import typing",
@@ -614,18 +652,7 @@ def render_family(plan: FamilyPlan, file: str) -> str:
         "flags_dict": "{" + ", ".join(f"{k!r}: {v!r}" for k, v in plan.flags) + "}",
         "format_version": FORMAT_VERSION,
         "params": params,
-        "derived": [
-            {
-                "name": d.name,
-                "doc": _comment(d.doc),
-                "value": E.to_source(
-                    d.value.expr,
-                    name=lambda n: f"self.{n}",
-                    call=lambda f: f"rt.{f}" if f == "cdiv" else f,
-                ),
-            }
-            for d in plan.derived
-        ],
+        "derived": [_derived(d, alias) for d in plan.derived],
         "checks": [
             {
                 "cond": E.to_source(

@@ -48,8 +48,8 @@ class Flag:
 class Parameter:
     name: str
     doc: str
-    kind: Literal["int", "dtype", "bool", "names"]
-    default: int | str | bool | tuple[str, ...] | None
+    kind: Literal["int", "dtype", "bool", "names", "ints"]
+    default: int | str | bool | tuple[str, ...] | tuple[int, ...] | None
     minimum: int | None
     loc: Location
     values: tuple[str, ...] = ()  # the names a names parameter may hold
@@ -57,10 +57,23 @@ class Parameter:
 
 @dataclasses.dataclass(frozen=True)
 class Derived:
+    """A construct-time value: a formula over parameters and earlier derived values, or a
+    function (`derive`) called with the Config values in `reads`, returning an int or a
+    list of ints (`kind`)."""
+
     name: str
     doc: str
-    value: Formula
+    value: Formula | None
     loc: Location
+    derive: Impl | None = None
+    reads: tuple[str, ...] = ()
+    kind: Literal["int", "ints"] = "int"
+
+    def names_read(self) -> list[str]:
+        """The names the value reads: its formula's, or the function's `reads`."""
+        if self.value is None:
+            return list(self.reads)
+        return [n.id for n in E.names(self.value.expr)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,7 +342,13 @@ class _Builder:
         )
         derived = tuple(
             Derived(
-                n, r["doc"], self.formula(r["value"], ("derived", n, "value")), kl(("derived", n))
+                n,
+                r["doc"],
+                self.formula(r["value"], ("derived", n, "value")) if "value" in r else None,
+                kl(("derived", n)),
+                self.impl(r["derive"], ("derived", n, "derive")) if "derive" in r else None,
+                tuple(r.get("reads", ())),
+                r.get("type", "int"),
             )
             for n, r in d.get("derived", {}).items()
         )
@@ -500,6 +519,9 @@ class _Builder:
             fill = Fill("rule", fill_raw["rule"], None, self.doc.loc((*path, "fill", "rule")))
         elif "mirror" in fill_raw:
             fill = Fill("mirror", fill_raw["mirror"], None, self.doc.loc((*path, "fill", "mirror")))
+        elif "static" in fill_raw:  # static, holding a construct-time value until set
+            value = self.formula(fill_raw["static"], (*path, "fill", "static"))
+            fill = Fill("static", None, value, value.loc)
         else:
             value = self.formula(fill_raw["constant"], (*path, "fill", "constant"))
             fill = Fill("constant", None, value, value.loc)

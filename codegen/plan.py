@@ -423,10 +423,10 @@ def _closure(names: set[str], derived_by_name: Mapping[str, Derived]) -> set[str
     while todo:
         d = derived_by_name.get(todo.pop())
         if d:
-            for n in E.names(d.value.expr):
-                if n.id not in out:
-                    out.add(n.id)
-                    todo.append(n.id)
+            for n in d.names_read():
+                if n not in out:
+                    out.add(n)
+                    todo.append(n)
     return out
 
 
@@ -638,7 +638,7 @@ def _topo(items: object) -> list[Derived]:
     placed: set[str] = set()
     while pending:
         for d in pending:
-            deps = {n.id for n in E.names(d.value.expr)} & names
+            deps = set(d.names_read()) & names
             if deps <= placed:
                 done.append(d)
                 placed.add(d.name)

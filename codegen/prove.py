@@ -44,7 +44,9 @@ class Prover(P.PolyBuilder):
         super().__init__()
         self.spec = spec
         self.params = {p.name: p for p in spec.parameters}
-        self.derived = {d.name: d.value.expr for d in spec.derived}
+        self.derived = {d.name: d.value.expr for d in spec.derived if d.value is not None}
+        # integers a function derives: free variables, as parameters are (at least 0)
+        self.opaque = {d.name for d in spec.derived if d.value is None and d.kind == "int"}
         self.sizes = {z.name: (z.bound.expr if z.bound else None) for z in spec.sizes}
         self.mode = VAR
         self._dpoly: dict[tuple[str, str], P.Poly | Exception] = {}
@@ -55,6 +57,8 @@ class Prover(P.PolyBuilder):
 
     # ------------------------------------------------------------ names, specialised
     def _int_param(self, name: str) -> int | None:
+        if name in self.opaque:
+            return 0
         p = self.params.get(name)
         if p is None or p.kind != "int":
             return None
@@ -211,7 +215,11 @@ class Prover(P.PolyBuilder):
     def points(self, names: list[str]) -> Iterator[Point]:
         """Points of the declared ranges to try: every parameter at its minimum, then each of
         `names` alone, then all of them together, a little and a lot above it."""
-        base = {n: low for n in self.params if (low := self._int_param(n)) is not None}
+        base = {
+            n: low
+            for n in (*self.params, *sorted(self.opaque))
+            if (low := self._int_param(n)) is not None
+        }
         yield base
         for k in _OFFSETS:
             for n in names:
@@ -230,19 +238,20 @@ class Prover(P.PolyBuilder):
         for p in self.spec.parameters:
             if p.kind == "bool":
                 env[p.name] = bool(p.default)
-            elif p.kind == "names":
+            elif p.kind in ("names", "ints"):
                 env[p.name] = tuple(p.default) if isinstance(p.default, tuple) else ()  # type: ignore[assignment]
-        pending = list(self.spec.derived)
+        pending = [d for d in self.spec.derived if d.value is not None]
         while pending:  # in dependency order; values that cannot be computed stay out
             progress = False
             for d in list(pending):
+                assert d.value is not None
                 deps = {n.id for n in E.names(d.value.expr)}
                 if deps & {x.name for x in pending}:
                     continue
                 pending.remove(d)
                 progress = True
                 with contextlib.suppress(ArithmeticError, KeyError, TypeError):
-                    env[d.name] = E.evaluate(d.value.expr, env, limit=_EVAL_LIMIT)
+                    env[d.name] = E.evaluate(d.value.expr, env, limit=_EVAL_LIMIT)  # type: ignore[union-attr]
             if not progress:
                 break
         self._envs[key] = env

@@ -9,6 +9,7 @@ with its messages.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import types
 from pathlib import PurePath
@@ -230,6 +231,8 @@ def report(compiled: Compiled, family_name: str, settings: dict[str, str]) -> Re
             values[key] = raw.lower() == "true"
         elif kind == "names":
             values[key] = tuple(n for n in raw.split(",") if n)
+        elif kind == "ints":
+            values[key] = tuple(parse_int(key, n) for n in raw.split(",") if n)
         else:
             values[key] = parse_int(key, raw)
     missing = [
@@ -255,11 +258,19 @@ def report(compiled: Compiled, family_name: str, settings: dict[str, str]) -> Re
             config_checks.check_bool(config, p.name, errors)
         elif p.kind == "names":
             config_checks.check_names(config, p.name, tuple(str(v) for v in p.values), errors)
+        elif p.kind == "ints":
+            minimum = int(p.minimum) if p.minimum is not None else 0
+            config_checks.check_ints(config, p.name, minimum=minimum, errors=errors)
     if errors:
         raise ReportError(config_checks.failure(where, errors))
     env: dict[str, int | bool | str] = dict(vars(config))
     for d in plan.derived:
-        env[d.name] = _evaluate(d.value.expr, env, f"derived value '{d.name}'")
+        if d.value is not None:
+            env[d.name] = _evaluate(d.value.expr, env, f"derived value '{d.name}'")
+        else:  # its function, as the generated Config calls it
+            assert d.derive is not None
+            fn = getattr(importlib.import_module(d.derive.module), d.derive.name)
+            env[d.name] = fn(**{n: env[n] for n in d.reads})
     # then its checks over them, with its messages
     for c in plan.checks:
         message = emit.check_message(c, PurePath(c.loc.file).name)

@@ -96,6 +96,8 @@ def report_module(family: str, settings: dict[str, str], package: str = "bufc.ge
             fill = "mirror"
         elif isinstance(d.fill, rt.Constant):
             fill = "constant"
+        elif isinstance(d.fill, rt.Static):
+            fill = "static"
         else:
             fill = repr(d.fill).removeprefix("rt.").lower()
         binds = tuple(

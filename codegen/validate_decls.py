@@ -4,16 +4,16 @@ cycles of derived values, and each family's flag settings and additional outputs
 
 from __future__ import annotations
 
-from . import expr as E
 from . import vocab
 from .errors import did_you_mean
-from .model import Parameter
+from .model import Derived, Parameter
 from .plan import dtype_values
 from .validate_names import (
     CAPACITY,
     CHECK,
     CHECK_WHEN,
     DERIVED,
+    KIND_TEXT,
     REQUESTS,
     SCALAR,
     SET_BOUND,
@@ -22,6 +22,7 @@ from .validate_names import (
     WHEN,
     Scope,
 )
+from .validate_rules import check_impl
 
 
 def declarations(scope: Scope) -> None:
@@ -41,7 +42,10 @@ def declarations(scope: Scope) -> None:
                 f"{did_you_mean(str(f.default), f.values)}",
             )
     for d in s.derived:
-        scope.formula(d.value, DERIVED)
+        if d.value is not None:
+            scope.formula(d.value, DERIVED)
+        else:
+            _derive(scope, d)
     for c in s.checks:
         scope.formula(c.require, CHECK)
         scope.formula(c.when, CHECK_WHEN)
@@ -76,7 +80,7 @@ def _parameter(scope: Scope, p: Parameter) -> None:
                 p.loc,
                 f"'{v}' in the values of '{p.name}' is not a dtype{did_you_mean(v, vocab.DTYPES)}",
             )
-    if p.kind != "int" and p.minimum is not None:
+    if p.kind not in ("int", "ints") and p.minimum is not None:
         scope.errors.error(p.loc, f"'{p.name}' is a {p.kind} parameter and cannot have 'min'")
     if p.kind == "dtype":
         if p.default is not None and p.values and p.default not in p.values:
@@ -111,17 +115,41 @@ def _parameter(scope: Scope, p: Parameter) -> None:
             if not isinstance(p.default, tuple):
                 scope.errors.error(p.loc, f"default of '{p.name}' must be a list of names")
             else:
-                for v in p.default:
+                for v in map(str, p.default):
                     if v not in p.values:
                         scope.errors.error(
                             p.loc,
                             f"default of '{p.name}' holds '{v}', which is not one of its "
                             f"values{did_you_mean(v, p.values)}",
                         )
+    elif p.kind == "ints":
+        ints = [v for v in p.default if type(v) is int] if isinstance(p.default, tuple) else None
+        if p.default is not None and (ints is None or len(ints) != len(p.default)):  # type: ignore[arg-type]
+            scope.errors.error(p.loc, f"default of '{p.name}' must be a list of integers")
+        elif ints and p.minimum is not None and min(ints) < p.minimum:
+            scope.errors.error(
+                p.loc, f"default of '{p.name}' holds a value below its min {p.minimum}"
+            )
     elif p.default is not None and type(p.default) is not int:
         scope.errors.error(p.loc, f"default of '{p.name}' must be an integer")
     elif p.default is not None and p.minimum is not None and p.default < p.minimum:
         scope.errors.error(p.loc, f"default {p.default} of '{p.name}' is below its min {p.minimum}")
+
+
+def _derive(scope: Scope, d: Derived) -> None:
+    """A derived value computed by a function: an importable path, and reads that are
+    parameters or derived values (the cycle check orders them)."""
+    assert d.derive is not None
+    check_impl(scope, d.derive)
+    for need in d.reads:
+        kind = scope.kinds.get(need)
+        if kind not in ("parameter", "derived", "names", "list", "dtype"):
+            got = f", a {KIND_TEXT[kind]}" if kind in KIND_TEXT else ""
+            scope.errors.error(
+                d.loc,
+                f"derived value '{d.name}' reads '{need}'{got}; its function reads parameters "
+                f"and derived values{did_you_mean(need, scope.construct_names())}",
+            )
 
 
 def _index_sets(scope: Scope) -> None:
@@ -132,7 +160,8 @@ def _index_sets(scope: Scope) -> None:
                 scope.errors.error(
                     x.loc, f"index set '{x.name}': 'where' filters numbered sets only"
                 )
-            if scope.kinds.get(x.names) != "names":
+            named = scope.params.get(x.names)
+            if named is None or named.kind != "names":
                 scope.errors.error(
                     x.loc,
                     f"index set '{x.name}': '{x.names}' is not a names parameter"
@@ -150,7 +179,7 @@ def _derived_cycles(scope: Scope) -> None:
     read the one before twice is not a reason to enumerate 2 ** n paths)."""
     deps = {
         d.name: sorted(
-            {n.id for n in E.names(d.value.expr) if scope.kinds.get(n.id) == "derived"},
+            {n for n in d.names_read() if scope.kinds.get(n) in ("derived", "list")},
             key=list(scope.kinds).index,
         )
         for d in scope.spec.derived

@@ -45,6 +45,7 @@ KIND_TEXT = {
     "parameter": "construct-time parameter",
     "dtype": "dtype parameter",
     "names": "list parameter",
+    "list": "derived list",
     "derived": "derived value",
     "size": "step size",
     "index": "member label of an index set",
@@ -64,6 +65,8 @@ class Context:
 
 
 CONSTRUCT = frozenset({"parameter", "derived"})
+# the namespace kind of each parameter type (a list of names or of ints: formulas take its len())
+PARAMETER_KINDS = {"dtype": "dtype", "names": "names", "ints": "names"}
 DERIVED = Context("a derived value", CONSTRUCT, "int")
 CHECK = Context("a check", CONSTRUCT, "bool")
 SIZE_BOUND = Context("a size bound", CONSTRUCT, "int")
@@ -91,6 +94,10 @@ class Scope:
         self.params = {p.name: p for p in spec.parameters}
         self.prover = prove.prover(spec)
 
+    def construct_names(self) -> list[str]:
+        """The parameters and derived values, for a did-you-mean."""
+        return [n for n, k in self.kinds.items() if k in ("parameter", "derived", "names", "list")]
+
     # ------------------------------------------------------------------ names and symbols
     def check_name(self, name: str, loc: Location, what: str) -> None:
         if keyword.iskeyword(name) or keyword.issoftkeyword(name) or name in RESERVED:
@@ -108,11 +115,8 @@ class Scope:
         s = self.spec
         entries: Iterable[tuple[str, str, Location]] = itertools.chain(
             ((f.name, "flag", f.loc) for f in s.flags),
-            (
-                (p.name, {"dtype": "dtype", "names": "names"}.get(p.kind, "parameter"), p.loc)
-                for p in s.parameters
-            ),
-            ((d.name, "derived", d.loc) for d in s.derived),
+            ((p.name, PARAMETER_KINDS.get(p.kind, "parameter"), p.loc) for p in s.parameters),
+            ((d.name, "list" if d.kind == "ints" else "derived", d.loc) for d in s.derived),
             ((z.name, "size", z.loc) for z in s.sizes),
             ((x.name, "scalar", x.loc) for x in s.scalars),
         )
@@ -155,19 +159,20 @@ class Scope:
                     f.at(n.col), f"'{n.id}' is a dtype parameter; it can only be a tensor's dtype"
                 )
                 ok = False
-            elif kind == "names":
+            elif kind in ("names", "list"):
+                what = KIND_TEXT[kind]
                 if not any(
                     isinstance(c, E.Call) and c.fn == "len" and c.args[0] == n
                     for c in E.walk(f.expr)
                 ):
                     self.errors.error(
                         f.at(n.col),
-                        f"'{n.id}' is a list parameter; formulas can only take its len()",
+                        f"'{n.id}' is a {what}; formulas can only take its len()",
                     )
                     ok = False
-                elif "parameter" not in ctx.kinds:
+                elif ("parameter" if kind == "names" else "derived") not in ctx.kinds:
                     self.errors.error(
-                        f.at(n.col), f"'{n.id}' is a list parameter; {ctx.what} cannot use it"
+                        f.at(n.col), f"'{n.id}' is a {what}; {ctx.what} cannot use it"
                     )
                     ok = False
             elif kind not in ctx.kinds:
@@ -283,8 +288,10 @@ class Scope:
             return "int"
         if isinstance(e, E.Call) and e.fn == "len":
             arg = e.args[0]
-            if not (isinstance(arg, E.Name) and self.kinds.get(arg.id) == "names"):
-                self.errors.error(f.at(col), "len() takes the name of a list parameter")
+            if not (isinstance(arg, E.Name) and self.kinds.get(arg.id) in ("names", "list")):
+                self.errors.error(
+                    f.at(col), "len() takes the name of a list parameter or derived list"
+                )
                 return None
             return "int"
         if isinstance(e, (E.Neg, E.BinOp, E.Call)):

@@ -24,11 +24,11 @@ def contracts(scope: Scope) -> None:
     for c in s.request_checks:
         scope.check_name(c.name, c.loc, "request check")  # a field of the generated Checked
         _contract_name(scope, c.name, c.loc, "request check", seen)
-        _impl(scope, c.impl)
+        check_impl(scope, c.impl)
         if c.state is not None:
-            _impl(scope, c.state)
+            check_impl(scope, c.state)
         if c.admit is not None:
-            _impl(scope, c.admit.impl)
+            check_impl(scope, c.admit.impl)
         _step_sizes(scope, c.sizes, c.loc, f"request check '{c.name}'")
     seen = {}
     checks = {c.name for c in s.request_checks}
@@ -41,7 +41,7 @@ def contracts(scope: Scope) -> None:
             r.device_advance,
         ):
             if isinstance(impl, Impl):
-                _impl(scope, impl)
+                check_impl(scope, impl)
         if r.check is not None and r.check not in checks:
             scope.errors.error(
                 r.field_loc("check"),
@@ -79,7 +79,7 @@ def _contract_name(
     seen[name] = loc
 
 
-def _impl(scope: Scope, impl: Impl) -> None:
+def check_impl(scope: Scope, impl: Impl) -> None:
     """An import path whose parts are identifiers Python can import (the schema checked
     their characters; keywords are refused here)."""
     parts = [*impl.module.split("."), impl.name]
@@ -130,7 +130,7 @@ def rule_tensor(scope: Scope, t: Tensor) -> None:
     check = scope.spec.request_check(rule.check) if rule.check else None
     admit = check.admit.reads if check and check.admit else ()
     for need in (*rule.all_reads, *(check.reads if check else ()), *admit):
-        if scope.kinds.get(need) not in ("parameter", "derived", "names", "dtype"):
+        if scope.kinds.get(need) not in ("parameter", "derived", "names", "list", "dtype"):
             scope.errors.error(
                 t.fill.loc,
                 f"fill rule '{name}' reads '{need}' from the Config; declare it as a "

@@ -141,8 +141,25 @@ def _tensor(scope: Scope, t: Tensor, by_name: dict[str, Tensor]) -> None:
             scope.formula(t.capture, CAPTURE)
     if t.fill.kind == "rule":
         rule_tensor(scope, t)
-    elif t.fill.kind == "constant":
-        scope.formula(t.fill.value, CONSTANT)
+    elif t.fill.kind == "constant" or (t.fill.kind == "static" and t.fill.value is not None):
+        _constant(scope, t)
+
+
+def _constant(scope: Scope, t: Tensor) -> None:
+    """A constant fill: an integer formula, or the name of a list of ints (a parameter or a
+    derived list), written element by element (its length is checked at construction)."""
+    value = t.fill.value
+    assert value is not None
+    name = value.expr.id if isinstance(value.expr, E.Name) else None
+    kind = scope.kinds.get(name or "")
+    if name is not None and kind in ("names", "list"):
+        param = scope.params.get(name)
+        if param is not None and param.kind == "names":
+            scope.errors.error(
+                value.at(0), f"'{name}' is a list of names; a constant fill writes numbers"
+            )
+        return
+    scope.formula(value, CONSTANT)
 
 
 def _binding(scope: Scope, t: Tensor, b: Binding, by_name: dict[str, Tensor]) -> None:

@@ -27,6 +27,7 @@ from bufc.rules import decode
 from bufc.rules import core
 from bufc.rules import features
 from bufc.rules import kv_rows
+from bufc.rules import pools
 from bufc.rules.sizes import StepSizes
 
 import torch
@@ -65,6 +66,8 @@ class Config(rt.ConfigBase):
     """Tokens per paged KV-cache block."""
     num_kv_blocks: int = 0
     """Blocks of the paged KV pool; every block id must be below it (0 bounds ids only by the int32 block index)."""
+    kv_heads_per_layer: tuple[int, ...] = ()
+    """KV heads of each layer, in layer order, repeating when shorter than the layers; each distinct count is a KV pool of its own (empty, one pool)."""
     sink_token_length: int = 0
     """Attention sink tokens kept at the start of the window."""
     model_dtype: torch.dtype = torch.float16
@@ -85,8 +88,16 @@ class Config(rt.ConfigBase):
     """Most logit rows in one step (draft tokens and beam search are mutually exclusive)."""
     num_local_layers: int = dataclasses.field(init=False)
     """Layers held by this pipeline rank (the split is even)."""
+    first_local_layer: int = dataclasses.field(init=False)
+    """Global index of this rank's first layer."""
     max_blocks_per_seq: int = dataclasses.field(init=False)
     """KV-cache blocks one sequence can hold (its attention window, in blocks)."""
+    num_kv_pools: int = dataclasses.field(init=False)
+    """KV-cache pools of this rank: one per distinct KV head count of its layers, in ascending order (TensorRT-LLM's numPools)."""
+    kv_pool_layers: tuple[int, ...] = dataclasses.field(init=False)
+    """This rank's layers in each KV pool, what a block id of that pool is encoded with."""
+    kv_pool_mapping: tuple[int, ...] = dataclasses.field(init=False)
+    """(pool, layer index in the pool) of each layer of this rank, flat (host_kv_cache_pool_mapping)."""
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -103,6 +114,7 @@ class Config(rt.ConfigBase):
         rt.check_int(self, 'max_attention_window', minimum=1, errors=errors)
         rt.check_int(self, 'tokens_per_block', minimum=1, errors=errors)
         rt.check_int(self, 'num_kv_blocks', minimum=0, errors=errors)
+        rt.check_ints(self, 'kv_heads_per_layer', minimum=1, errors=errors)
         rt.check_int(self, 'sink_token_length', minimum=0, errors=errors)
         rt.check_dtype(self, 'model_dtype', ('float16', 'bfloat16', 'float32', 'float64'), errors)
         rt.check_dtype(self, 'logits_dtype', ('float16', 'bfloat16', 'float32', 'float64'), errors)
@@ -114,7 +126,11 @@ class Config(rt.ConfigBase):
         object.__setattr__(self, 'max_num_sequences', self.max_batch_size * self.max_beam_width)
         object.__setattr__(self, 'max_num_logits', self.max_batch_size * max(1 + self.max_draft_tokens, self.max_beam_width))
         object.__setattr__(self, 'num_local_layers', self.num_layers // self.pp_size)
+        object.__setattr__(self, 'first_local_layer', self.pp_rank * self.num_local_layers)
         object.__setattr__(self, 'max_blocks_per_seq', rt.cdiv(self.max_attention_window, self.tokens_per_block))
+        object.__setattr__(self, 'num_kv_pools', rt.derived(self, 'num_kv_pools', pools.num_kv_pools(kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'int'))
+        object.__setattr__(self, 'kv_pool_layers', rt.derived(self, 'kv_pool_layers', pools.kv_pool_layers(kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'ints'))
+        object.__setattr__(self, 'kv_pool_mapping', rt.derived(self, 'kv_pool_mapping', pools.kv_pool_mapping(kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'ints'))
         rt.require(
             self,
             errors,
@@ -325,8 +341,8 @@ TENSORS = (
         'host_kv_cache_block_offsets',
         dtype=torch.int32,
         memory=rt.PINNED,
-        capacity=lambda c: (1, c.max_num_sequences, 2, c.max_blocks_per_seq),
-        shape=lambda c, s: (1, s.num_sequences, 2, c.max_blocks_per_seq),
+        capacity=lambda c: (c.num_kv_pools, c.max_num_sequences, 2, c.max_blocks_per_seq),
+        shape=lambda c, s: (c.num_kv_pools, s.num_sequences, 2, c.max_blocks_per_seq),
         fill=rt.Rule(core.kv_cache_block_offsets),
         pad=0,
         inputs=(rt.Bind('host_kv_cache_block_offsets'),),
@@ -336,8 +352,8 @@ TENSORS = (
         'kv_cache_block_offsets',
         dtype=torch.int32,
         memory=rt.DEVICE,
-        capacity=lambda c: (1, c.max_num_sequences, 2, c.max_blocks_per_seq),
-        shape=lambda c, s: (1, s.num_sequences, 2, c.max_blocks_per_seq),
+        capacity=lambda c: (c.num_kv_pools, c.max_num_sequences, 2, c.max_blocks_per_seq),
+        shape=lambda c, s: (c.num_kv_pools, s.num_sequences, 2, c.max_blocks_per_seq),
         fill=rt.Mirror('host_kv_cache_block_offsets'),
         pad=0,
         inputs=(rt.Bind('kv_cache_block_offsets'),),
@@ -347,19 +363,19 @@ TENSORS = (
         'host_kv_cache_pool_pointers',
         dtype=torch.int64,
         memory=rt.HOST,
-        capacity=lambda c: (1, 2),
-        shape=lambda c, s: (1, 2),
+        capacity=lambda c: (c.num_kv_pools, 2),
+        shape=lambda c, s: (c.num_kv_pools, 2),
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_pointers'),),
     ),
-    # Static: (pool, layer in pool) of each layer of this rank.
+    # Static: (pool, layer in pool) of each layer of this rank (as kv_heads_per_layer lays the pools out, unless set).
     rt.TensorDecl(
         'host_kv_cache_pool_mapping',
         dtype=torch.int32,
         memory=rt.HOST,
         capacity=lambda c: (c.num_local_layers, 2),
         shape=lambda c, s: (c.num_local_layers, 2),
-        fill=rt.STATIC,
+        fill=rt.Static(lambda c: c.kv_pool_mapping),
         inputs=(rt.Bind('host_kv_cache_pool_mapping'),),
     ),
     # Beam of each past token of each beam, written by the decoder ([batch, step beam width, window]).
@@ -647,7 +663,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 b,
                 k.kv_blocks,
                 max_blocks_per_seq=c.max_blocks_per_seq,
-                num_local_layers=c.num_local_layers,
+                kv_pool_layers=c.kv_pool_layers,
             )
         )
         # host_cache_indirection_copies: Source, destination and size of the copy of each generation
@@ -701,6 +717,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 tokens_per_block=c.tokens_per_block,
                 num_local_layers=c.num_local_layers,
                 num_kv_blocks=c.num_kv_blocks,
+                kv_pool_layers=c.kv_pool_layers,
             ),
         )
 
@@ -754,6 +771,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 d,
                 a.host_kv_cache_block_offsets,
                 max_blocks_per_seq=c.max_blocks_per_seq,
+                kv_pool_layers=c.kv_pool_layers,
             )
         )
         # host_cache_indirection_copies: Source, destination and size of the copy of each generation

@@ -27,6 +27,7 @@ from bufc.rules import decode
 from bufc.rules import core
 from bufc.rules import features
 from bufc.rules import kv_rows
+from bufc.rules import pools
 from bufc.rules.sizes import StepSizes
 
 import torch
@@ -63,6 +64,8 @@ class Config(rt.ConfigBase):
     """Tokens per paged KV-cache block."""
     num_kv_blocks: int = 0
     """Blocks of the paged KV pool; every block id must be below it (0 bounds ids only by the int32 block index)."""
+    kv_heads_per_layer: tuple[int, ...] = ()
+    """KV heads of each layer, in layer order, repeating when shorter than the layers; each distinct count is a KV pool of its own (empty, one pool)."""
     sink_token_length: int = 0
     """Attention sink tokens kept at the start of the window."""
     attention_layer_period: int = 1
@@ -89,6 +92,10 @@ class Config(rt.ConfigBase):
     """Attention layers on this rank (layer i is one when (i + 1) % attention_layer_period == 0)."""
     max_blocks_per_seq: int = dataclasses.field(init=False)
     """KV-cache blocks one sequence can hold (its attention window, in blocks)."""
+    num_kv_pools: int = dataclasses.field(init=False)
+    """KV-cache pools of this rank: one per distinct KV head count of its layers, in ascending order (TensorRT-LLM's numPools)."""
+    kv_pool_layers: tuple[int, ...] = dataclasses.field(init=False)
+    """This rank's layers in each KV pool, what a block id of that pool is encoded with."""
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -104,6 +111,7 @@ class Config(rt.ConfigBase):
         rt.check_int(self, 'max_attention_window', minimum=1, errors=errors)
         rt.check_int(self, 'tokens_per_block', minimum=1, errors=errors)
         rt.check_int(self, 'num_kv_blocks', minimum=0, errors=errors)
+        rt.check_ints(self, 'kv_heads_per_layer', minimum=1, errors=errors)
         rt.check_int(self, 'sink_token_length', minimum=0, errors=errors)
         rt.check_int(self, 'attention_layer_period', minimum=1, errors=errors)
         rt.check_dtype(self, 'logits_dtype', ('float16', 'bfloat16', 'float32', 'float64'), errors)
@@ -118,6 +126,8 @@ class Config(rt.ConfigBase):
         object.__setattr__(self, 'first_local_layer', self.pp_rank * self.num_local_layers)
         object.__setattr__(self, 'num_local_attention_layers', (self.first_local_layer + self.num_local_layers) // self.attention_layer_period - self.first_local_layer // self.attention_layer_period)
         object.__setattr__(self, 'max_blocks_per_seq', rt.cdiv(self.max_attention_window, self.tokens_per_block))
+        object.__setattr__(self, 'num_kv_pools', rt.derived(self, 'num_kv_pools', pools.num_kv_pools(kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'int'))
+        object.__setattr__(self, 'kv_pool_layers', rt.derived(self, 'kv_pool_layers', pools.kv_pool_layers(kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'ints'))
         rt.require(
             self,
             errors,
@@ -127,6 +137,7 @@ class Config(rt.ConfigBase):
             (lambda: self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml: pp_size == 1)'),
             (lambda: self.max_beam_width == 1, 'recurrent state is kept per slot, so beam search is not supported (beam width 1) (buffers.yaml: max_beam_width == 1)'),
             (lambda: self.max_draft_tokens == 0, 'recurrent state cannot roll back rejected draft tokens (max_draft_tokens 0) (buffers.yaml: max_draft_tokens == 0)'),
+            (lambda: len(self.kv_heads_per_layer) == 0, 'the attention layers of a recurrent model share one KV pool; leave kv_heads_per_layer empty (buffers.yaml: len(kv_heads_per_layer) == 0)'),
         )
 
 
@@ -333,8 +344,8 @@ TENSORS = (
         'host_kv_cache_block_offsets',
         dtype=torch.int32,
         memory=rt.PINNED,
-        capacity=lambda c: (1, c.max_num_sequences, 2, c.max_blocks_per_seq),
-        shape=lambda c, s: (1, s.num_sequences, 2, c.max_blocks_per_seq),
+        capacity=lambda c: (c.num_kv_pools, c.max_num_sequences, 2, c.max_blocks_per_seq),
+        shape=lambda c, s: (c.num_kv_pools, s.num_sequences, 2, c.max_blocks_per_seq),
         fill=rt.Rule(core.kv_cache_block_offsets),
         pad=0,
         inputs=(rt.Bind('host_kv_cache_block_offsets'),),
@@ -344,8 +355,8 @@ TENSORS = (
         'kv_cache_block_offsets',
         dtype=torch.int32,
         memory=rt.DEVICE,
-        capacity=lambda c: (1, c.max_num_sequences, 2, c.max_blocks_per_seq),
-        shape=lambda c, s: (1, s.num_sequences, 2, c.max_blocks_per_seq),
+        capacity=lambda c: (c.num_kv_pools, c.max_num_sequences, 2, c.max_blocks_per_seq),
+        shape=lambda c, s: (c.num_kv_pools, s.num_sequences, 2, c.max_blocks_per_seq),
         fill=rt.Mirror('host_kv_cache_block_offsets'),
         pad=0,
         inputs=(rt.Bind('kv_cache_block_offsets'),),
@@ -355,8 +366,8 @@ TENSORS = (
         'host_kv_cache_pool_pointers',
         dtype=torch.int64,
         memory=rt.HOST,
-        capacity=lambda c: (1, 2),
-        shape=lambda c, s: (1, 2),
+        capacity=lambda c: (c.num_kv_pools, 2),
+        shape=lambda c, s: (c.num_kv_pools, 2),
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_pointers'),),
     ),
@@ -635,7 +646,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 b,
                 k.kv_blocks,
                 max_blocks_per_seq=c.max_blocks_per_seq,
-                num_local_layers=c.num_local_layers,
+                kv_pool_layers=c.kv_pool_layers,
             )
         )
         # host_seq_slots: Decoder slot of each request, context requests first.
@@ -661,6 +672,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 tokens_per_block=c.tokens_per_block,
                 num_local_layers=c.num_local_layers,
                 num_kv_blocks=c.num_kv_blocks,
+                kv_pool_layers=c.kv_pool_layers,
             ),
         )
 
@@ -714,6 +726,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 d,
                 a.host_kv_cache_block_offsets,
                 max_blocks_per_seq=c.max_blocks_per_seq,
+                kv_pool_layers=c.kv_pool_layers,
             )
         )
         # host_seq_slots: Decoder slot of each request, context requests first.

@@ -328,12 +328,14 @@ def kv_cache_block_offsets(
     plan: BlockPlan,
     *,
     max_blocks_per_seq: int,
-    num_local_layers: int,
+    kv_pool_layers: tuple[int, ...],
 ) -> int:
-    """[pools=1, sequences, K/V, max_blocks_per_seq] block indices, one row per sequence.
+    """[pools, sequences, K/V, max_blocks_per_seq] block indices, one row per sequence.
 
-    Index encoding (TensorRT-LLM's KVCacheIndex for a pool laid out [blocks, layers, K/V, ...]):
-    (block_id * num_local_layers + 0) * 2 + (0 for K, 1 for V); the kernel adds the layer.
+    Index encoding (TensorRT-LLM's KVCacheIndex for a pool laid out [blocks, layers in the
+    pool, K/V, ...]): (block_id * layers in the pool + 0) * 2 + (0 for K, 1 for V); the kernel
+    adds the layer's index in its pool. Every pool of the window holds the same block ids
+    (``other_pools``).
     Columns past a sequence's own blocks hold 0 (the reference leaves them stale); the check
     made sure every column the sequence's tokens need is given. A context request fills one
     row, even with beam_width > 1: the reference writes one row per beam but advances by one,
@@ -347,12 +349,13 @@ def kv_cache_block_offsets(
     slots' rows (``SlotRows``, where only new or grown lists were rewritten), and only where
     the buffer half held another row or an older version of it (``from_slots``).
     """
-    width, layers = max_blocks_per_seq, num_local_layers
+    width, layers = max_blocks_per_seq, kv_pool_layers[0]
     kept = plan.kept
     assert kept is not None  # check_kv_blocks hands its state on
     kept.entered = []  # advance() continues from these rows
     if plan.slots is not None:  # in flight: each sequence's row from its slot's
-        return from_slots(kept, plan.slots, out, width, 2 * layers)
+        n = from_slots(kept, plan.slots, out, width, 2 * layers)
+        return other_pools(out, n, width, kv_pool_layers)
     forget_halves(kept)
     rows = out[: b.sizes.num_sequences * 2 * width].reshape(b.sizes.num_sequences, 2, width)
     n_ctx = b.sizes.num_context_requests
@@ -381,7 +384,22 @@ def kv_cache_block_offsets(
             kept.snapshot[i] = gen[i] if type(gen[i]) is tuple else list(gen[i])
         write_at(kept.table, plan.changed, plan.blocks[k:], plan.lengths[n_ctx:], layers)
     rows[n_ctx:] = kept.table
-    return rows.size
+    return other_pools(out, rows.size, width, kv_pool_layers)
+
+
+def other_pools(out: np.ndarray, n: int, width: int, pool_layers: tuple[int, ...]) -> int:
+    """The rows of every pool after the first, from the first's `n` elements (pool p's are
+    the same block ids, encoded with its own layer count); returns the elements of all."""
+    if len(pool_layers) == 1:
+        return n
+    first = out[:n].reshape(-1, 2, width)
+    doubled = first[:, 0] // pool_layers[0]  # block id * 2
+    held = first[:, 1] != 0  # V is at least 1 where a block is held
+    for p, layers in enumerate(pool_layers[1:], 1):
+        rows = out[p * n : (p + 1) * n].reshape(-1, 2, width)
+        np.multiply(doubled, layers, out=rows[:, 0])
+        np.add(rows[:, 0], held, out=rows[:, 1])
+    return n * len(pool_layers)
 
 
 def _take_rows(into: np.ndarray, table: np.ndarray, moved: Any) -> None:
@@ -473,6 +491,7 @@ def check_kv_entered(
     max_blocks_per_seq: int,
     tokens_per_block: int,
     num_local_layers: int,
+    kv_pool_layers: tuple[int, ...],
     num_kv_blocks: int = 0,
 ) -> KvEntered:
     """Find the sequences whose new token starts a KV block and read that block's id from
@@ -481,7 +500,7 @@ def check_kv_entered(
     new token: the advance form then copies the rows that changed from the table."""
     width, tpb = max_blocks_per_seq, tokens_per_block
     b = d.batch
-    per_block = num_local_layers * 2
+    per_block = kv_pool_layers[0] * 2  # the first pool's (the others follow it)
     if b.flight is not None:  # in flight: the ids from the block table, checked when appended
         _check_flight_cover(d, b.flight, width, tpb)
         return KvEntered(kept, [], b.flight, per_block)
@@ -558,13 +577,20 @@ class KvEntered:
 
 
 def advance_kv(
-    out: np.ndarray, prev: np.ndarray, d: Decode, entered: KvEntered, *, max_blocks_per_seq: int
+    out: np.ndarray,
+    prev: np.ndarray,
+    d: Decode,
+    entered: KvEntered,
+    *,
+    max_blocks_per_seq: int,
+    kv_pool_layers: tuple[int, ...],
 ) -> int:
     """The last step's rows with the blocks entered this step (and, in a half that holds the
-    rows of two steps back, those entered in the step between)."""
+    rows of two steps back, those entered in the step between), in every pool."""
     width = max_blocks_per_seq
     if entered.flight is not None:  # in flight: only the rows this half lacks
-        return from_slots(entered.kept, entered.flight, out, width, entered.per_block)
+        n = from_slots(entered.kept, entered.flight, out, width, entered.per_block)
+        return other_pools(out, n, width, kv_pool_layers)
     forget_halves(entered.kept)
     n = len(d.tokens) * 2 * width
     if d.holds_run:
@@ -577,4 +603,4 @@ def advance_kv(
         rows[seq, 0, col] = index
         rows[seq, 1, col] = index + 1
     entered.kept.entered = entered.new
-    return n
+    return other_pools(out, n, width, kv_pool_layers)

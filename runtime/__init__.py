@@ -20,7 +20,17 @@ from ..errors import BatchError, ConfigError, RuleError
 from ..rules.request import Request
 from ..rules.sizes import ENCODER_SIZES, STEP_SIZES, StepSizes
 from .buffers import RuntimeBuffers, check_size
-from .config import ConfigBase, cdiv, check_bool, check_dtype, check_int, check_names, require
+from .config import (
+    ConfigBase,
+    cdiv,
+    check_bool,
+    check_dtype,
+    check_int,
+    check_ints,
+    check_names,
+    derived,
+    require,
+)
 from .decl import (
     DEVICE,
     ENGINE,
@@ -33,6 +43,7 @@ from .decl import (
     IndexSet,
     Mirror,
     Rule,
+    Static,
     TensorDecl,
 )
 from .project import ProjectImpl, rule_module
@@ -71,6 +82,7 @@ __all__ = [
     "HOST",
     "PINNED",
     "STATIC",
+    "Static",
     "STEP_SIZES",
     "BatchError",
     "Bind",
@@ -99,6 +111,8 @@ __all__ = [
     "check_int",
     "check_size",
     "check_names",
+    "check_ints",
+    "derived",
     "require",
     "rule_module",
 ]

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .decl import STATIC, TensorDecl
+from .decl import Static, TensorDecl
 
 Shape = Callable[[Any, Any], tuple[int, ...]]
 
@@ -40,7 +40,7 @@ def bindings(decls: list[TensorDecl], config: Any, sizes_type: type) -> Bindings
         return tuple(
             (name, d.name, d.shape, index)
             for d in decls
-            if (d.fill is not STATIC or d.name in step_shaped) and d.ring is None
+            if (not isinstance(d.fill, Static) or d.name in step_shaped) and d.ring is None
             for b in getattr(d, which)
             if b.when is None or b.when(c)
             for name, index in b.expand(c)
@@ -57,7 +57,7 @@ def bindings(decls: list[TensorDecl], config: Any, sizes_type: type) -> Bindings
     static = {
         name: (d.name, index)
         for d in decls
-        if d.fill is STATIC and d.name not in step_shaped
+        if isinstance(d.fill, Static) and d.name not in step_shaped
         for b in d.inputs
         if b.when is None or b.when(c)
         for name, index in b.expand(c)

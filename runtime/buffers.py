@@ -26,7 +26,7 @@ from ..errors import BatchError, ConfigError, FillCountError, RuleError
 from ..requests import step as request_step
 from ..requests.values import INT32_MAX, check_int
 from .bindings import bindings, prefix_layout, step_sizes
-from .decl import DEVICE, STATIC, Mirror, Rule, TensorDecl
+from .decl import DEVICE, Mirror, Rule, Static, TensorDecl
 from .project import ProjectImpl, culprit
 from .staging import HALVES, DeviceStep, Targets
 from .step import NO_SCALARS, Step
@@ -253,8 +253,10 @@ class RuntimeBuffers:
         values the dtype cannot hold exactly (a float or out-of-range value for an integer
         tensor)."""
         d = self.decls.get(name)
-        if d is None or d.fill is not STATIC:
-            statics = ", ".join(n for n, x in self.decls.items() if x.fill is STATIC) or "none"
+        if d is None or not isinstance(d.fill, Static):
+            statics = (
+                ", ".join(n for n, x in self.decls.items() if isinstance(x.fill, Static)) or "none"
+            )
             raise ConfigError(f"{name!r} is not a static tensor of this family (static: {statics})")
         t = self._t[name]
         target = t.capacity_view()

@@ -10,6 +10,7 @@ helpers raise at the first problem, as they always did.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +62,37 @@ def check_int(config: Any, name: str, *, minimum: int = 0, errors: list[str] | N
     found: list[str] = []
     _checks.check_int(config, name, minimum=minimum, errors=found)
     _checked(errors, found)
+
+
+def check_ints(
+    config: Any, name: str, *, minimum: int = 0, errors: list[str] | None = None
+) -> None:
+    """A sequence of integers, each in [minimum, INT_LIMIT), stored as a tuple."""
+    found: list[str] = []
+    _checks.check_ints(config, name, minimum=minimum, errors=found)
+    _checked(errors, found)
+
+
+def derived(config: Any, name: str, value: Any, kind: str) -> Any:
+    """What a derived value's function returned, checked against its declared type ('int':
+    an integer, not a bool; 'ints': a sequence of them, stored as a tuple); ConfigError
+    naming the value otherwise."""
+    where = f"{type(config).__module__}.Config"
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ConfigError(f"{where}: derived value {name} must be an int, got {_short(value)}")
+        return int(value)
+    try:
+        values = tuple(value)
+    except TypeError:
+        values = None
+    if values is None or any(
+        isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in values
+    ):
+        raise ConfigError(
+            f"{where}: derived value {name} must be a sequence of ints, got {_short(value)}"
+        )
+    return tuple(int(v) for v in values)
 
 
 def check_dtype(

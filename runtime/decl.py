@@ -66,15 +66,21 @@ EXTERNAL = _External()
 allocates it at capacity (holding its pad value), shapes it per step and binds it."""
 
 
-class _Static:
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """Values handed over by ``set_static`` (``static_inputs``), bound once; `value`, a
+    construct-time value it holds until then (None: the pad value)."""
+
+    value: ConfigFn | None = None
+
     def __repr__(self) -> str:
-        return "rt.STATIC"
+        return "rt.STATIC" if self.value is None else f"rt.Static({self.value!r})"
 
 
-STATIC = _Static()
+STATIC = Static()
 """Values handed to the constructor (``static_inputs``), bound once."""
 
-Fill = Rule | Mirror | Constant | _Engine | _External | _Static
+Fill = Rule | Mirror | Constant | _Engine | _External | Static
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ConfigError
 from ..requests.values import int_array
-from .decl import DEVICE, PINNED, Constant, Mirror, Rule, TensorDecl
+from .decl import DEVICE, PINNED, Constant, Mirror, Rule, Static, TensorDecl
 from .staging import ALIGN, HALVES, Staging, Target, written
 from .tokens import region_bytes
 
@@ -112,15 +112,33 @@ def allocate(
                 for _ in range(HALVES if isinstance(d.fill, Rule) else 1)
             ]
             flats = one * (HALVES // len(one))
-        value = d.fill.value(config) if isinstance(d.fill, Constant) else d.initial
+        held = isinstance(d.fill, (Constant, Static)) and d.fill.value is not None
+        value = d.fill.value(config) if held else d.initial  # type: ignore[union-attr,misc]
         for flat in dict.fromkeys(flats):  # each distinct storage once
-            flat.fill_(value)
+            if isinstance(value, tuple):  # a list of ints, element by element
+                flat.copy_(_listed(d.name, value, t.numel, t.dtype))
+            else:
+                flat.fill_(value)
         t.flat = tuple(flats)
     staging.start()  # mirrors start with their pads
     for t in tensors.values():
         if isinstance(t.decl.fill, Rule):
             t.targets = _targets(t)
     return Storage(tensors, staging, sources, end)
+
+
+def _listed(name: str, values: tuple[int, ...], numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A constant fill's list of ints as the tensor's elements: exactly as many, each in the
+    dtype's range (ConfigError otherwise)."""
+    if len(values) != numel:
+        raise ConfigError(
+            f"{name}: its constant fill has {len(values)} values for {numel} elements"
+        )
+    info = torch.iinfo(dtype)
+    bad = [v for v in values if not info.min <= v <= info.max]
+    if bad:
+        raise ConfigError(f"{name}: its constant fill holds {bad[0]}, outside {dtype}")
+    return torch.tensor(values, dtype=dtype)
 
 
 def _targets(t: Stored) -> tuple[Target, ...]:

@@ -478,8 +478,10 @@ def test_division_by_a_constant_zero():
 def test_a_rule_that_reads_an_undeclared_parameter():
     text = BASE.replace("fill: {rule: token_ids}", "fill: {rule: kv_cache_block_offsets}")
     assert diagnostics(text) == [
-        "buffers.yaml:19:5: fill rule 'kv_cache_block_offsets' writes shape [1, num_sequences, 2, "
-        "max_blocks_per_seq], but 'host_ids' declares [num_tokens]",
+        "buffers.yaml:19:5: fill rule 'kv_cache_block_offsets' writes shape [num_kv_pools, "
+        "num_sequences, 2, max_blocks_per_seq], but 'host_ids' declares [num_tokens]",
+        "buffers.yaml:20:18: fill rule 'kv_cache_block_offsets' reads 'kv_pool_layers' from the "
+        "Config; declare it as a parameter or derived value",
         "buffers.yaml:20:18: fill rule 'kv_cache_block_offsets' reads 'max_blocks_per_seq' from the "
         "Config; declare it as a parameter or derived value",
         "buffers.yaml:20:18: fill rule 'kv_cache_block_offsets' reads 'num_kv_blocks' from the "

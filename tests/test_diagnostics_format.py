@@ -128,7 +128,7 @@ FORMAT_CASES = [
     ),
     pytest.param(
         'version: 1\nflags:\n  variant: {doc: Variant., values: [a, b]}\nparameters:\n  max_batch_size: {doc: Batch., min: 1}\n  max_num_tokens: {doc: Tokens., min: 1}\n  act_dtype: {doc: Dtype., type: dtype, default: float16}\nsizes:\n  num_tokens: {doc: Tokens., max: "max_num_tokens"}\n  num_requests: {doc: Requests., max: "max_batch_size"}\nfamilies:\n  fam_a: {doc: A., flags: {variant: a}}\ntensors:\n  - name: host_ids\n    doc: Ids.\n    dtype: int32\n    memory: pinned\n    capacity: ["len(max_num_tokens)"]\n    shape: ["num_tokens"]\n    fill: {rule: token_ids}\n  - name: ids\n    doc: Ids on device.\n    memory: device\n    fill: {mirror: host_ids}\n    bind:\n      - input: input_ids\n',
-        ["buffers.yaml:18:21: len() takes the name of a list parameter"],
+        ["buffers.yaml:18:21: len() takes the name of a list parameter or derived list"],
         id="lenofint",
     ),
     pytest.param(

@@ -53,7 +53,11 @@ def test_config_is_frozen_and_has_exactly_the_family_parameters(family_name):
         "logits_dtype",
         "gather_context_logits",
         "gather_generation_logits",
-        *(["tokens_per_block", "num_kv_blocks"] if family_name == "llama" else []),
+        *(
+            ["tokens_per_block", "num_kv_blocks", "kv_heads_per_layer"]
+            if family_name == "llama"
+            else []
+        ),
     }
     assert config.vocab_size_padded == config.vocab_size and config.max_num_logits == 8 * 4
 

@@ -1,0 +1,157 @@
+"""TensorRT-LLM's KV-cache pools of one pipeline rank, derived from the per-layer attention
+windows and KV head counts (``kvCacheManager.cpp``: ``BlockManager`` and
+``WindowBlockManager``).
+
+- Local layer i (global layer ``first_layer + i``) attends over window
+  ``windows[(first_layer + i) % len(windows)]``: the list repeats when it is shorter than the
+  layers (``groupLayersByWindowSize``; ``host_max_attention_window_sizes`` reads it the same
+  way), and an empty list means one window for every layer. Head counts repeat the same way.
+- A pool is one (window, KV head count) pair of the rank's layers: windows in ascending order
+  (one block manager per window, a ``std::map``), and inside one window one pool per head
+  count, in ascending order. A sequence's block ids are per window and span every pool of it.
+- ``mapping[i] = (pool, layer index within the pool)``, the index a running count of the
+  pool's layers in layer order (``host_kv_cache_pool_mapping``).
+- A block id b of a pool with L layers is encoded ``b * L * kv_factor + (0 for K, 1 for V)``
+  (``KVCacheIndex``): L is the layers *in that pool*, not the model's (the plugin adds
+  ``layer in pool * kv_factor * bytes per block`` to the pool's base).
+
+Plain Python over small tuples, run once when a Config is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class KvPools:
+    """The pools of one rank (see the module docstring), each index a pool's."""
+
+    windows: tuple[int, ...]  # each pool's attention window, ascending
+    heads: tuple[int, ...]  # each pool's KV heads (0: not given, one count for all layers)
+    layers: tuple[int, ...]  # the rank's layers in each pool
+    mapping: tuple[tuple[int, int], ...]  # each local layer's (pool, layer index in the pool)
+    layer_windows: tuple[int, ...]  # each local layer's attention window
+
+    @property
+    def distinct_windows(self) -> tuple[int, ...]:
+        """The windows of the rank's layers, ascending: one block list per window."""
+        return tuple(sorted(set(self.windows)))
+
+
+def per_layer(values: Sequence[int], default: int, first_layer: int, num_layers: int) -> list[int]:
+    """values[(first_layer + i) % len(values)] for each local layer i (`default` for all when
+    `values` is empty)."""
+    if not values:
+        return [default] * num_layers
+    return [values[(first_layer + i) % len(values)] for i in range(num_layers)]
+
+
+def kv_pools(
+    attention_windows: Sequence[int],
+    kv_heads_per_layer: Sequence[int],
+    max_attention_window: int,
+    first_local_layer: int,
+    num_local_layers: int,
+) -> KvPools:
+    """The rank's pools, in TensorRT-LLM's order (window ascending, then head count)."""
+    windows = per_layer(
+        attention_windows, max_attention_window, first_local_layer, num_local_layers
+    )
+    heads = per_layer(kv_heads_per_layer, 0, first_local_layer, num_local_layers)
+    pools = sorted(set(zip(windows, heads)))
+    index = {pool: p for p, pool in enumerate(pools)}
+    counts = [0] * len(pools)
+    mapping = []
+    for pair in zip(windows, heads):
+        p = index[pair]
+        mapping.append((p, counts[p]))
+        counts[p] += 1
+    return KvPools(
+        windows=tuple(w for w, _ in pools),
+        heads=tuple(h for _, h in pools),
+        layers=tuple(counts),
+        mapping=tuple(mapping),
+        layer_windows=tuple(windows),
+    )
+
+
+def encode(block: int, layers_in_pool: int, field: int, kv_factor: int = 2) -> int:
+    """The KVCacheIndex of block `block` of a pool of `layers_in_pool` layers: K (field 0) or
+    V (field 1; K-only caches, kv_factor 1, write 0 for both)."""
+    return block * layers_in_pool * kv_factor + (field if kv_factor == 2 else 0)
+
+
+# ---------------------------------------------------------------- Config derivations
+# Each is called once, when a family's Config is built, with the parameters it reads.
+
+
+def num_kv_pools(
+    *,
+    num_local_layers: int,
+    kv_heads_per_layer: Sequence[int] = (),
+    first_local_layer: int = 0,
+    attention_windows: Sequence[int] = (),
+    max_attention_window: int = 0,
+) -> int:
+    """Pools of this rank: one per distinct (window, KV heads) pair of its layers."""
+    return len(
+        kv_pools(
+            attention_windows,
+            kv_heads_per_layer,
+            max_attention_window,
+            first_local_layer,
+            num_local_layers,
+        ).layers
+    )
+
+
+def kv_pool_layers(
+    *,
+    num_local_layers: int,
+    kv_heads_per_layer: Sequence[int] = (),
+    first_local_layer: int = 0,
+    attention_windows: Sequence[int] = (),
+    max_attention_window: int = 0,
+) -> tuple[int, ...]:
+    """The rank's layers in each pool (what a block id is multiplied by, times the KV factor)."""
+    return kv_pools(
+        attention_windows,
+        kv_heads_per_layer,
+        max_attention_window,
+        first_local_layer,
+        num_local_layers,
+    ).layers
+
+
+def kv_pool_mapping(
+    *,
+    num_local_layers: int,
+    kv_heads_per_layer: Sequence[int] = (),
+    first_local_layer: int = 0,
+    attention_windows: Sequence[int] = (),
+    max_attention_window: int = 0,
+) -> tuple[int, ...]:
+    """host_kv_cache_pool_mapping, flat: (pool, layer index in the pool) of each local layer."""
+    pools = kv_pools(
+        attention_windows,
+        kv_heads_per_layer,
+        max_attention_window,
+        first_local_layer,
+        num_local_layers,
+    )
+    return tuple(x for pair in pools.mapping for x in pair)
+
+
+def layer_windows(
+    *,
+    attention_windows: Sequence[int],
+    max_attention_window: int,
+    first_local_layer: int,
+    num_local_layers: int,
+) -> tuple[int, ...]:
+    """host_max_attention_window_sizes: the attention window of each local layer."""
+    return tuple(
+        per_layer(attention_windows, max_attention_window, first_local_layer, num_local_layers)
+    )

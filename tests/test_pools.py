@@ -1,0 +1,180 @@
+"""TensorRT-LLM's KV-pool order, mapping and encoding (bufc.rules.pools) against the
+loop-by-loop reference (tests/reference_pools.py), over random per-layer windows and KV head
+counts, pipeline ranks included."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference_pools import reference_offsets, reference_pools
+
+from bufc.rules.pools import encode, kv_pools
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> tuple:
+    pp = draw(st.integers(1, 4))
+    local = draw(st.integers(1, 12))
+    rank = draw(st.integers(0, pp - 1))
+    windows = draw(st.lists(st.sampled_from([8, 16, 64, 4096]), max_size=6))
+    heads = draw(st.lists(st.integers(1, 8), max_size=6))
+    return windows, heads, 4096, rank * local, local
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_pools_match_the_reference(layout: tuple) -> None:
+    windows, heads, default, first, local = layout
+    want = reference_pools(windows, heads, default, first, local)
+    got = kv_pools(windows, heads, default, first, local)
+    assert list(got.mapping) == want["mapping"]
+    assert list(got.layers) == want["layers_in_pool"]
+    assert list(got.windows) == want["pool_window"]
+    assert list(got.layer_windows) == want["layer_window"]
+    # every pool's layers are indexed 0 .. n - 1 by the mapping
+    for p, n in enumerate(got.layers):
+        assert sorted(i for q, i in got.mapping if q == p) == list(range(n))
+
+
+@settings(max_examples=100, deadline=None)
+@given(layouts(), st.lists(st.lists(st.integers(0, 1000), max_size=5), min_size=1, max_size=4))
+def test_encoding_matches_the_reference(layout: tuple, lists: list) -> None:
+    pools = kv_pools(*layout)
+    want = reference_offsets(lists, list(pools.layers), 5)
+    for p, n_layers in enumerate(pools.layers):
+        for s, blocks in enumerate(lists):
+            for field in (0, 1):
+                row = [encode(b, n_layers, field) for b in blocks] + [0] * (5 - len(blocks))
+                assert row == want[p][s][field]
+
+
+def test_the_pool_of_a_layer_encodes_with_its_own_layer_count() -> None:
+    """Two windows over 6 layers, heads (2, 8) repeating: 4 pools, window ascending, then
+    heads; the layers in a pool, not the model's 6, multiply a block id."""
+    pools = kv_pools([16, 4096], [2, 2, 8], 4096, 0, 6)
+    # layer: window, heads = 0: 16,2  1: 4096,2  2: 16,8  3: 4096,2  4: 16,2  5: 4096,8
+    assert pools.windows == (16, 16, 4096, 4096)
+    assert pools.heads == (2, 8, 2, 8)
+    assert pools.layers == (2, 1, 2, 1)
+    assert pools.mapping == ((0, 0), (2, 0), (1, 0), (2, 1), (0, 1), (3, 0))
+    assert encode(7, pools.layers[0], 1) == 7 * 2 * 2 + 1
+    assert pools.distinct_windows == (16, 4096)
+
+
+# ------------------------------------------------- the TensorRT-LLM families' head-count pools
+import random  # noqa: E402
+
+import numpy as np  # noqa: E402
+from conftest import make_buffers  # noqa: E402
+
+from bufc.runtime import Request  # noqa: E402
+
+TPB = 4
+
+
+def _offsets(b, step) -> np.ndarray:
+    s = step.sizes
+    return (
+        step.inputs["host_kv_cache_block_offsets"]
+        .numpy()
+        .copy()
+        .reshape(b.config.num_kv_pools, s.num_sequences, 2, b.config.max_blocks_per_seq)
+    )
+
+
+def _want(b, lists: list[list[int]]) -> list:
+    return reference_offsets(lists, list(b.config.kv_pool_layers), b.config.max_blocks_per_seq)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.integers(1, 8), min_size=1, max_size=5),  # kv heads per layer
+    st.integers(0, 2**31 - 1),  # traffic seed
+)
+def test_every_pool_of_an_in_flight_step_matches_the_reference(heads: list, seed: int) -> None:
+    """Requests arrive, decode (their block lists growing), finish and are replaced, through
+    full and decode steps; each step's offsets of every pool equal the reference's encoding
+    of the block table's lists, in the step's row order."""
+    rng = random.Random(seed)
+    b = make_buffers(
+        "llama",
+        max_beam_width=1,
+        max_draft_tokens=0,
+        num_layers=6,
+        kv_heads_per_layer=heads,
+        tokens_per_block=TPB,
+        max_attention_window=64,
+    )
+    assert b.config.num_kv_pools == len(set(heads[i % len(heads)] for i in range(6)))
+    lists: dict[int, list[int]] = {}
+    counts: dict[int, int] = {}  # tokens of each slot's sequence after its last step
+    next_block = [0]
+
+    def new_blocks(n: int) -> list[int]:
+        out = list(range(next_block[0], next_block[0] + n))
+        next_block[0] += n
+        rng.shuffle(out)
+        return out
+
+    def arrive(slot: int) -> None:
+        n = rng.randint(1, 9)
+        lists[slot] = new_blocks(-(-(n + 1) // TPB))
+        counts[slot] = n
+        b.add(Request(slot, [rng.randrange(100) for _ in range(n)], kv_block_ids=[lists[slot]]))
+
+    for slot in range(4):
+        arrive(slot)
+    tokens = None
+    for _ in range(8):
+        blocks = {}
+        if tokens is not None:  # the last step's sequences decode one more token
+            for slot in list(counts):
+                counts[slot] += 1
+                need = -(-(counts[slot] + 1) // TPB)
+                if need > len(lists[slot]):
+                    grown = new_blocks(need - len(lists[slot]))
+                    lists[slot] += grown
+                    blocks[slot] = grown
+        step = b.step(tokens, blocks=blocks)
+        got = _offsets(b, step)
+        slots = b.tensors["host_seq_slots"][: step.sizes.num_sequences].tolist()
+        assert got.tolist() == _want(b, [lists[s] for s in slots])
+        tokens = np.zeros(b.config.max_batch_size, np.int64)
+        if rng.random() < 0.4:  # one finishes, another arrives in its slot
+            slot = rng.choice(sorted(counts))
+            b.finish(slot)
+            del counts[slot], lists[slot]
+            step_tokens = tokens
+            arrive(slot)
+            tokens = step_tokens
+
+
+def test_every_pool_of_a_stateless_step_matches_the_reference() -> None:
+    b = make_buffers(
+        "llama",
+        max_beam_width=1,
+        max_draft_tokens=0,
+        num_layers=4,
+        kv_heads_per_layer=[8, 2, 2, 4],
+        tokens_per_block=TPB,
+        max_attention_window=64,
+    )
+    assert b.config.kv_pool_layers == (2, 1, 1)  # heads 2, 4, 8
+    assert b.static_inputs["host_kv_cache_pool_mapping"].tolist() == [
+        [2, 0],
+        [0, 0],
+        [0, 1],
+        [1, 0],
+    ]
+    ctx = Request(0, [1, 2, 3, 4, 5], kv_block_ids=[[7, 3]])
+    gen = Request(1, [1, 2], generated=[[5, 6, 7]], kv_block_ids=[[11, 12]])
+    step = b.prepare_step([ctx], [gen])
+    assert _offsets(b, step).tolist() == _want(b, [[7, 3], [11, 12]])
+    step = b.prepare_step([], [gen])
+    assert _offsets(b, step).tolist() == _want(b, [[11, 12]])
+    for token in (9, 10, 11, 12, 13):  # decode steps: advance() continues every pool
+        gen.generated[0].append(token)
+        if len(gen.prompt) + len(gen.generated[0]) > TPB * len(gen.kv_block_ids[0]):
+            gen.kv_block_ids[0].append(40 + token)
+        step = b.advance([token])
+        assert _offsets(b, step).tolist() == _want(b, gen.kv_block_ids)
