@@ -46,6 +46,7 @@ LIMIT_VALUES = (
     "max_blocks_per_seq",
     "num_local_layers",
     "num_kv_blocks",
+    "attention_window_sizes",
 )
 
 

@@ -26,6 +26,7 @@ from bufc.requests import batch, stateless, table
 from bufc.rules import decode
 from bufc.rules import core
 from bufc.rules import features
+from bufc.rules import pools
 from bufc.rules.sizes import StepSizes
 
 import torch
@@ -58,6 +59,8 @@ class Config(rt.ConfigBase):
     """This process's pipeline-parallel rank."""
     max_attention_window: int
     """Attention window of every layer, in tokens."""
+    attention_windows: tuple[int, ...] = ()
+    """Attention window of each layer in tokens, in layer order, repeating when shorter than the layers; each distinct window has its own block lists and KV pools (empty, max_attention_window)."""
     sink_token_length: int = 0
     """Attention sink tokens kept at the start of the window."""
     logits_dtype: torch.dtype = torch.float32
@@ -76,6 +79,14 @@ class Config(rt.ConfigBase):
     """Most logit rows in one step (draft tokens and beam search are mutually exclusive)."""
     num_local_layers: int = dataclasses.field(init=False)
     """Layers held by this pipeline rank (the split is even)."""
+    first_local_layer: int = dataclasses.field(init=False)
+    """Global index of this rank's first layer."""
+    attention_window_sizes: tuple[int, ...] = dataclasses.field(init=False)
+    """The distinct attention windows of this rank's layers, ascending; a request carries one set of block lists per window."""
+    layer_windows: tuple[int, ...] = dataclasses.field(init=False)
+    """The attention window of each layer of this rank (host_max_attention_window_sizes)."""
+    widest_attention_window: int = dataclasses.field(init=False)
+    """The widest attention window of any layer."""
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -89,6 +100,7 @@ class Config(rt.ConfigBase):
         rt.check_int(self, 'pp_size', minimum=1, errors=errors)
         rt.check_int(self, 'pp_rank', minimum=0, errors=errors)
         rt.check_int(self, 'max_attention_window', minimum=1, errors=errors)
+        rt.check_ints(self, 'attention_windows', minimum=1, errors=errors)
         rt.check_int(self, 'sink_token_length', minimum=0, errors=errors)
         rt.check_dtype(self, 'logits_dtype', ('float16', 'bfloat16', 'float32', 'float64'), errors)
         rt.check_bool(self, 'gather_context_logits', errors)
@@ -99,6 +111,10 @@ class Config(rt.ConfigBase):
         object.__setattr__(self, 'max_num_sequences', self.max_batch_size * self.max_beam_width)
         object.__setattr__(self, 'max_num_logits', self.max_batch_size * max(1 + self.max_draft_tokens, self.max_beam_width))
         object.__setattr__(self, 'num_local_layers', self.num_layers // self.pp_size)
+        object.__setattr__(self, 'first_local_layer', self.pp_rank * self.num_local_layers)
+        object.__setattr__(self, 'attention_window_sizes', rt.derived(self, 'attention_window_sizes', pools.window_sizes(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'ints'))
+        object.__setattr__(self, 'layer_windows', rt.derived(self, 'layer_windows', pools.layer_windows(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'ints'))
+        object.__setattr__(self, 'widest_attention_window', rt.derived(self, 'widest_attention_window', pools.widest_window(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window), 'int'))
         rt.require(
             self,
             errors,
@@ -106,6 +122,8 @@ class Config(rt.ConfigBase):
             (lambda: self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml: num_layers % pp_size == 0)'),
             (lambda: self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml: sink_token_length <= max_attention_window)'),
             (lambda: self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml: pp_size == 1)'),
+            (lambda: self.widest_attention_window <= self.max_attention_window, "every attention window must be at most max_attention_window, the block table's capacity (buffers.yaml: widest_attention_window <= max_attention_window)"),
+            (lambda: self.max_beam_width == 1 or len(self.attention_window_sizes) == 1, "layers with different attention windows need beam width 1 (TensorRT-LLM's detachFrontBlock) (buffers.yaml: max_beam_width == 1 or len(attention_window_sizes) == 1)"),
         )
 
 
@@ -377,7 +395,7 @@ TENSORS = (
         memory=rt.HOST,
         capacity=lambda c: (c.num_local_layers,),
         shape=lambda c, s: (c.num_local_layers,),
-        fill=rt.Constant(lambda c: c.max_attention_window),
+        fill=rt.Constant(lambda c: c.layer_windows),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),
     # Attention sink tokens.
@@ -491,6 +509,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             max_draft_tokens=c.max_draft_tokens,
             vocab_size=c.vocab_size,
             num_local_layers=c.num_local_layers,
+            attention_window_sizes=c.attention_window_sizes,
             encoder_only=False,
         )
 

@@ -64,6 +64,8 @@ class Config(rt.ConfigBase):
     """Tokens per paged KV-cache block."""
     num_kv_blocks: int = 0
     """Blocks of the paged KV pool; every block id must be below it (0 bounds ids only by the int32 block index)."""
+    attention_windows: tuple[int, ...] = ()
+    """Attention window of each layer in tokens, in layer order, repeating when shorter than the layers; each distinct window has its own block lists and KV pools (empty, max_attention_window)."""
     kv_heads_per_layer: tuple[int, ...] = ()
     """KV heads of each layer, in layer order, repeating when shorter than the layers; each distinct count is a KV pool of its own (empty, one pool)."""
     sink_token_length: int = 0
@@ -93,9 +95,15 @@ class Config(rt.ConfigBase):
     max_blocks_per_seq: int = dataclasses.field(init=False)
     """KV-cache blocks one sequence can hold (its attention window, in blocks)."""
     num_kv_pools: int = dataclasses.field(init=False)
-    """KV-cache pools of this rank: one per distinct KV head count of its layers, in ascending order (TensorRT-LLM's numPools)."""
+    """KV-cache pools of this rank: one per distinct (window, KV heads) of its layers, window ascending, then heads (TensorRT-LLM's numPools)."""
     kv_pool_layers: tuple[int, ...] = dataclasses.field(init=False)
     """This rank's layers in each KV pool, what a block id of that pool is encoded with."""
+    kv_pool_windows: tuple[int, ...] = dataclasses.field(init=False)
+    """The window of each KV pool, as its index in attention_window_sizes (the block lists its ids come from)."""
+    attention_window_sizes: tuple[int, ...] = dataclasses.field(init=False)
+    """The distinct attention windows of this rank's layers, ascending; a request carries one set of block lists per window."""
+    widest_attention_window: int = dataclasses.field(init=False)
+    """The widest attention window of any layer."""
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -111,6 +119,7 @@ class Config(rt.ConfigBase):
         rt.check_int(self, 'max_attention_window', minimum=1, errors=errors)
         rt.check_int(self, 'tokens_per_block', minimum=1, errors=errors)
         rt.check_int(self, 'num_kv_blocks', minimum=0, errors=errors)
+        rt.check_ints(self, 'attention_windows', minimum=1, errors=errors)
         rt.check_ints(self, 'kv_heads_per_layer', minimum=1, errors=errors)
         rt.check_int(self, 'sink_token_length', minimum=0, errors=errors)
         rt.check_int(self, 'attention_layer_period', minimum=1, errors=errors)
@@ -126,8 +135,11 @@ class Config(rt.ConfigBase):
         object.__setattr__(self, 'first_local_layer', self.pp_rank * self.num_local_layers)
         object.__setattr__(self, 'num_local_attention_layers', (self.first_local_layer + self.num_local_layers) // self.attention_layer_period - self.first_local_layer // self.attention_layer_period)
         object.__setattr__(self, 'max_blocks_per_seq', rt.cdiv(self.max_attention_window, self.tokens_per_block))
-        object.__setattr__(self, 'num_kv_pools', rt.derived(self, 'num_kv_pools', pools.num_kv_pools(kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'int'))
-        object.__setattr__(self, 'kv_pool_layers', rt.derived(self, 'kv_pool_layers', pools.kv_pool_layers(kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'ints'))
+        object.__setattr__(self, 'num_kv_pools', rt.derived(self, 'num_kv_pools', pools.num_kv_pools(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'int'))
+        object.__setattr__(self, 'kv_pool_layers', rt.derived(self, 'kv_pool_layers', pools.kv_pool_layers(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'ints'))
+        object.__setattr__(self, 'kv_pool_windows', rt.derived(self, 'kv_pool_windows', pools.kv_pool_windows(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'ints'))
+        object.__setattr__(self, 'attention_window_sizes', rt.derived(self, 'attention_window_sizes', pools.window_sizes(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'ints'))
+        object.__setattr__(self, 'widest_attention_window', rt.derived(self, 'widest_attention_window', pools.widest_window(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window), 'int'))
         rt.require(
             self,
             errors,
@@ -137,7 +149,9 @@ class Config(rt.ConfigBase):
             (lambda: self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml: pp_size == 1)'),
             (lambda: self.max_beam_width == 1, 'recurrent state is kept per slot, so beam search is not supported (beam width 1) (buffers.yaml: max_beam_width == 1)'),
             (lambda: self.max_draft_tokens == 0, 'recurrent state cannot roll back rejected draft tokens (max_draft_tokens 0) (buffers.yaml: max_draft_tokens == 0)'),
-            (lambda: len(self.kv_heads_per_layer) == 0, 'the attention layers of a recurrent model share one KV pool; leave kv_heads_per_layer empty (buffers.yaml: len(kv_heads_per_layer) == 0)'),
+            (lambda: len(self.kv_heads_per_layer) == 0 and len(self.attention_windows) == 0, 'the attention layers of a recurrent model share one KV pool; leave kv_heads_per_layer and attention_windows empty (buffers.yaml: len(kv_heads_per_layer) == 0 and len(attention_windows) == 0)'),
+            (lambda: self.widest_attention_window <= self.max_attention_window, "every attention window must be at most max_attention_window, the block table's capacity (buffers.yaml: widest_attention_window <= max_attention_window)"),
+            (lambda: self.max_beam_width == 1 or len(self.attention_window_sizes) == 1, "layers with different attention windows need beam width 1 (TensorRT-LLM's detachFrontBlock) (buffers.yaml: max_beam_width == 1 or len(attention_window_sizes) == 1)"),
         )
 
 
@@ -560,6 +574,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             max_blocks_per_seq=c.max_blocks_per_seq,
             num_local_layers=c.num_local_layers,
             num_kv_blocks=c.num_kv_blocks,
+            attention_window_sizes=c.attention_window_sizes,
             encoder_only=False,
         )
 
@@ -647,6 +662,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 k.kv_blocks,
                 max_blocks_per_seq=c.max_blocks_per_seq,
                 kv_pool_layers=c.kv_pool_layers,
+                kv_pool_windows=c.kv_pool_windows,
             )
         )
         # host_seq_slots: Decoder slot of each request, context requests first.
@@ -727,6 +743,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 a.host_kv_cache_block_offsets,
                 max_blocks_per_seq=c.max_blocks_per_seq,
                 kv_pool_layers=c.kv_pool_layers,
+                kv_pool_windows=c.kv_pool_windows,
             )
         )
         # host_seq_slots: Decoder slot of each request, context requests first.

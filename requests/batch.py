@@ -46,6 +46,9 @@ class Limits:
     # a paged KV cache: at most kv_width blocks per list, ids in 0 .. kv_limit[0] - 1 (0: none)
     kv_width: int = 0
     kv_limit: tuple[int, str] = (0, "")
+    # the attention windows a request carries block lists for, ascending (one table each);
+    # () or one window: the plain form of kv_block_ids
+    kv_windows: tuple[int, ...] = ()
 
 
 def limits(
@@ -61,6 +64,7 @@ def limits(
     max_blocks_per_seq: int = 0,
     num_local_layers: int = 1,
     num_kv_blocks: int = 0,
+    attention_window_sizes: tuple[int, ...] = (),
 ) -> Limits:
     """A family's request limits from its Config values (each family's generated module passes
     the ones it has; the rest keep their defaults) and the spec's `requests` conditions."""
@@ -82,6 +86,7 @@ def limits(
         encoder_engine=encoder_only,
         kv_width=max_blocks_per_seq,
         kv_limit=id_limit(num_local_layers, num_kv_blocks) if max_blocks_per_seq else (0, ""),
+        kv_windows=tuple(attention_window_sizes) if max_blocks_per_seq else (),
     )
 
 
@@ -90,10 +95,17 @@ class FlightLists:
     """Requests in flight: where each sequence of the step finds its KV block ids in the
     request table's block table (``blocks``, a ``blocks.BlockTable``): ``index`` is the row of
     each sequence's list (context requests, then every generation beam; slot * lists + the
-    list's index among the slot's, 0 where one list serves every beam)."""
+    list's index among the slot's, 0 where one list serves every beam). With several attention
+    windows, ``tables`` holds each window's block table (ascending windows; ``blocks`` is the
+    first), their rows laid out alike."""
 
     blocks: Any
     index: np.ndarray
+    tables: tuple[Any, ...] = ()
+
+    def per_window(self) -> tuple[Any, ...]:
+        """Each window's block table (one: ``blocks``)."""
+        return self.tables or (self.blocks,)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -202,6 +202,19 @@ def _ids_in(values: list, limit: int) -> bool:
     return all(type(x) is int and 0 <= x < limit for x in values)
 
 
+def window_lists(ids: Any, windows: list[int], w: str) -> Mapping[int, Any]:
+    """A request's block lists with several attention windows: {window: lists} with exactly
+    the windows of the model's layers; a BatchError otherwise."""
+    keys = list(ids) if isinstance(ids, Mapping) else None
+    if keys is None or not all(type(k) is int for k in keys) or sorted(keys) != windows:
+        got = f"the windows {keys}" if keys is not None else show(ids)
+        raise BatchError(
+            f"{w}: kv_block_ids needs one set of block lists per attention window, "
+            f"{{window: lists}} for the windows {windows}; got {got}"
+        )
+    return ids
+
+
 def request_lists(w: str, ids: Any, beams: int, field: str) -> list[list[Any]]:
     """A request's block lists of `field`, one (shared by all beams) or one per beam, each as
     a list of its own; a BatchError otherwise."""

@@ -99,7 +99,8 @@ def flight_lists(
         gen_rows = gen_slots * kv.lists + np.where(kv.n_lists[gen_slots] > 1, beam, 0)
     else:
         gen_rows = rows * kv.lists
-    return FlightLists(kv, np.concatenate((ctx_slots * kv.lists, gen_rows)))
+    index = np.concatenate((ctx_slots * kv.lists, gen_rows))
+    return FlightLists(kv, index, t.kvs if len(t.kvs) > 1 else ())
 
 
 def device_gather(

@@ -58,6 +58,12 @@ def build(
 ) -> Batch:
     """Validate the scheduled requests and lay them out; raise BatchError on a problem."""
     context, generation = tuple(context), tuple(generation)
+    if len(limits.kv_windows) > 1:
+        raise BatchError(
+            f"layers with different attention windows ({', '.join(map(str, limits.kv_windows))}) "
+            "keep block lists per window, which only requests in flight carry: drive these "
+            "buffers with add/finish/step"
+        )
     try:
         if limits.encoder_engine:
             return _build_encoder_engine(context, generation, limits)

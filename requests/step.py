@@ -17,6 +17,7 @@ import numpy as np
 from ..errors import BatchError
 from ..rules.decode import Sampled
 from .batch import Batch, Limits
+from .blocks import BlockTable, window_lists
 from .rows import (
     TokenGather,
     _beam_values,
@@ -53,7 +54,7 @@ class Plan:
     positions: list[tuple[int, int]]  # context slots and their prompt position after the step
     promoted: list[int]  # last step's finished prompts, generation rows from this step
     completing: list[int]  # context slots whose last chunk this step runs
-    undo_blocks: list[tuple[int, int]]  # (block table row, its list's length before)
+    undo_blocks: list[tuple[BlockTable, int, int]]  # (table, row, its list's length before)
     undo_drafts: list[tuple[Entry, Any]]
     generation: bool = True  # the generation rows ran (and produce tokens)
     # tokens that stay on the device: the gather the step runs there, and the (slot, beam) of
@@ -68,12 +69,12 @@ class Plan:
 
 
 def _undo(
-    blocks: list[tuple[int, int]],
+    blocks: list[tuple[BlockTable, int, int]],
     drafts: list[tuple[Entry, Any]],
     t: RequestTable | None = None,
 ) -> None:
-    if blocks and t is not None and t.kv is not None:
-        t.kv.undo(blocks)
+    for table, row, before in blocks:
+        table.undo([(row, before)])
     for entry, values in drafts:
         entry.draft_tokens = values
 
@@ -109,7 +110,7 @@ def plan(
         and t.n_rows
     ):
         return _steady(t, tokens, blocks, on_device)
-    undo_blocks: list[tuple[int, int]] = []
+    undo_blocks: list[tuple[BlockTable, int, int]] = []
     undo_drafts: list[tuple[Entry, Any]] = []
     try:
         # the tokens the last step produced: its generation rows still in flight and the
@@ -283,20 +284,45 @@ def _step_drafts(
     return ndraft, drafted
 
 
-def _grow(t: RequestTable, blocks: Mapping[int, Any] | None, undo: list[tuple[int, int]]) -> None:
-    """Append the step's KV block ids to their slots' lists in the block table, each checked
+def _grow(
+    t: RequestTable, blocks: Mapping[int, Any] | None, undo: list[tuple[BlockTable, int, int]]
+) -> None:
+    """Append the step's KV block ids to their slots' lists in the block tables, each checked
     there (integers in the pool, within the width), every append recorded in `undo` (the
-    entries read their lists from the table)."""
+    entries read their lists from the tables). With several attention windows a slot's ids
+    are {window: ids}, each window's appended to its own table."""
     if not blocks:
         return
     kv = t.kv
     if kv is None:
         raise BatchError("step(): blocks given, but this family has no paged KV cache")
-    if len(blocks) > FEW_BLOCKS and kv.append_many(blocks, undo):
-        return  # checked and written at once
-    for slot, new in blocks.items():
-        t.entry(slot, "blocks")
-        undo += kv.append(int(slot), new, f"step(): blocks[{slot}]")
+    if len(t.kvs) > 1:
+        for slot, new in blocks.items():
+            t.entry(slot, "blocks")
+            w = f"step(): blocks[{slot}]"
+            if not isinstance(new, Mapping) or not set(new) <= {win for win, _ in t.kv_windows}:
+                raise BatchError(
+                    f"{w}: with several attention windows, the ids appended per window: "
+                    f"{{window: ids}} for windows among {[win for win, _ in t.kv_windows]}; "
+                    f"got {show(new)}"
+                )
+            for win, table in t.kv_windows:
+                if win in new:
+                    done = table.append(int(slot), new[win], f"{w}[{win}]")
+                    undo += [(table, row, before) for row, before in done]
+        return
+    pairs: list[tuple[int, int]] = []
+    try:
+        if len(blocks) > FEW_BLOCKS and kv.append_many(blocks, pairs):
+            return  # checked and written at once
+        for slot, new in blocks.items():
+            t.entry(slot, "blocks")
+            w = f"step(): blocks[{slot}]"
+            if isinstance(new, Mapping):  # {window: ids}, the model's one window
+                new = window_lists(new, [win for win, _ in t.kv_windows], w)[t.kv_windows[0][0]]
+            pairs += kv.append(int(slot), new, w)
+    finally:
+        undo += [(kv, row, before) for row, before in pairs]
 
 
 def _steady(
@@ -338,7 +364,7 @@ def _steady(
             )
         gather = TokenGather(held[1], held[2])
         gathered = (held[3], held[4])
-    undo: list[tuple[int, int]] = []
+    undo: list[tuple[BlockTable, int, int]] = []
     try:
         _grow(t, blocks, undo)
     except BaseException:

@@ -24,14 +24,14 @@ out and checks a step against this table, ``rows.step_view`` makes its ``Batch``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import BatchError
 from .batch import Limits
-from .blocks import BlockTable
+from .blocks import BlockTable, window_lists
 from .stateless import check_request
 from .values import INT32_MAX, in_range, int_array, is_int, show
 
@@ -53,7 +53,7 @@ class Entry:
         "beam_width",
         "position_ids",
         "_blocks",
-        "_table",
+        "_tables",
         "draft_tokens",
         "context_position",
         "context_chunk_size",
@@ -70,27 +70,30 @@ class Entry:
         self.prompt = arrival.prompt
         self.beam_width = int(request.beam_width)
         self.position_ids = arrival.positions
-        # the checked copies of its KV block lists until the block table holds them (``held``)
-        self._blocks = blocks
-        self._table: BlockTable | None = None
+        # the checked copies of its KV block lists until the block tables hold them (``held``)
+        self._blocks: Any = blocks
+        self._tables: tuple[tuple[int, BlockTable], ...] = ()
         self.context_drafts = arrival.drafts  # ride on the last chunk
         self.draft_tokens: Any = self.context_drafts  # this step's (an array in generation)
         self.context_position = request.context_position
         self.context_chunk_size: int | None = None
 
     @property
-    def kv_block_ids(self) -> list[list[int]] | None:
-        """The KV block lists as the block table holds them (they grow in flight): copies."""
-        if self._table is None:
+    def kv_block_ids(self) -> Any:
+        """The KV block lists as the block tables hold them (they grow in flight), copies: a
+        list of lists, or with several attention windows {window: lists}."""
+        if not self._tables:
             return self._blocks
-        return self._table.lists_of(self.seq_slot)
+        if len(self._tables) == 1:
+            return self._tables[0][1].lists_of(self.seq_slot)
+        return {w: table.lists_of(self.seq_slot) for w, table in self._tables}
 
-    def held(self, table: BlockTable | None) -> None:
-        """The block table holds the lists from now on (None: no longer, they are kept as
-        they are: the request left)."""
-        if table is None and self._table is not None:
-            self._blocks = self._table.lists_of(self.seq_slot)
-        self._table = table
+    def held(self, tables: tuple[tuple[int, BlockTable], ...]) -> None:
+        """The block tables (window, table) hold the lists from now on (none: no longer, they
+        are kept as they are: the request left)."""
+        if not tables and self._tables:
+            self._blocks = self.kv_block_ids
+        self._tables = tables
 
     def __getattr__(self, name: str) -> Any:  # a field no step changes: the request's own
         return getattr(self.request, name)
@@ -137,11 +140,18 @@ class RequestTable:
         self.changed = True  # requests arrived or finished since the last step
         # each slot's KV block ids, checked when they arrive or grow (a family with a paged
         # KV cache; the KV rules read the ids and counts, and rewrite what changed)
-        self.kv = (
-            BlockTable(n, w, limits.kv_width, limits.kv_limit, "kv_block_ids")
+        # one table per attention window (ascending), its lists laid out alike; `kv` the first
+        windows = limits.kv_windows or (0,)
+        self.kv_windows: tuple[tuple[int, BlockTable], ...] = (
+            tuple(
+                (window, BlockTable(n, w, limits.kv_width, limits.kv_limit, "kv_block_ids"))
+                for window in windows
+            )
             if limits.kv_width
-            else None
+            else ()
         )
+        self.kvs = tuple(table for _, table in self.kv_windows)
+        self.kv = self.kvs[0] if self.kvs else None
         # tokens gathered on the device in the last step: (slot, beam, the slot's serial) of
         # each value on its way back; and the slots a step sampled an out-of-range token for
         self.pending: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
@@ -177,9 +187,20 @@ class RequestTable:
                 check_request(request, w, L, True)
                 raise BatchError(f"{w}: the request is invalid")  # pragma: no cover
             ids = request.kv_block_ids
-            if self.kv is not None:
-                blocks: list[list[Any]] | None
-                blocks, arrays = self.kv.check(ids, int(request.beam_width), w)
+            beams = int(request.beam_width)
+            blocks: Any
+            if len(self.kvs) > 1 or (self.kv is not None and isinstance(ids, Mapping)):
+                # one set of lists per window (with one window, either form)
+                per = window_lists(ids, [win for win, _ in self.kv_windows], w)
+                checked = [
+                    table.check(per[win], beams, f"{w}: window {win}")
+                    for win, table in self.kv_windows
+                ]
+                blocks = {win: c[0] for (win, _), c in zip(self.kv_windows, checked)}
+                arrays = [c[1] for c in checked]
+            elif self.kv is not None:
+                blocks, one = self.kv.check(ids, beams, w)
+                arrays = [one]
             else:
                 blocks, arrays = (None if ids is None else [list(x) for x in ids]), []
         except BatchError:
@@ -196,9 +217,9 @@ class RequestTable:
             admit(entry)
         prompt = arrival.prompt
         self.entries[slot] = entry
-        if self.kv is not None:
-            self.kv.put(slot, arrays)
-            entry.held(self.kv)
+        for table, lists in zip(self.kvs, arrays):
+            table.put(slot, lists)
+        entry.held(self.kv_windows)
         self._serials_pending()
         self.serial[slot] += 1
         self.prompt_len[slot] = len(prompt)
@@ -237,9 +258,9 @@ class RequestTable:
         self.prompt_arrays[slot] = None
         self._serials_pending()
         self.serial[slot] += 1
-        if self.kv is not None:
-            entry.held(None)
-            self.kv.clear(slot)
+        entry.held(())
+        for table in self.kvs:
+            table.clear(slot)
         if slot in self.drafted:
             self.drafted.remove(slot)
             self.ndraft[slot] = 0

@@ -329,13 +329,15 @@ def kv_cache_block_offsets(
     *,
     max_blocks_per_seq: int,
     kv_pool_layers: tuple[int, ...],
+    kv_pool_windows: tuple[int, ...],
 ) -> int:
     """[pools, sequences, K/V, max_blocks_per_seq] block indices, one row per sequence.
 
     Index encoding (TensorRT-LLM's KVCacheIndex for a pool laid out [blocks, layers in the
     pool, K/V, ...]): (block_id * layers in the pool + 0) * 2 + (0 for K, 1 for V); the kernel
     adds the layer's index in its pool. Every pool of the window holds the same block ids
-    (``other_pools``).
+    (``other_pools``); with several attention windows, the pools of each window take its own
+    block lists.
     Columns past a sequence's own blocks hold 0 (the reference leaves them stale); the check
     made sure every column the sequence's tokens need is given. A context request fills one
     row, even with beam_width > 1: the reference writes one row per beam but advances by one,
@@ -354,8 +356,7 @@ def kv_cache_block_offsets(
     assert kept is not None  # check_kv_blocks hands its state on
     kept.entered = []  # advance() continues from these rows
     if plan.slots is not None:  # in flight: each sequence's row from its slot's
-        n = from_slots(kept, plan.slots, out, width, 2 * layers)
-        return other_pools(out, n, width, kv_pool_layers)
+        return _in_flight(kept, plan.slots, out, width, kv_pool_layers, kv_pool_windows)
     forget_halves(kept)
     rows = out[: b.sizes.num_sequences * 2 * width].reshape(b.sizes.num_sequences, 2, width)
     n_ctx = b.sizes.num_context_requests
@@ -384,21 +385,46 @@ def kv_cache_block_offsets(
             kept.snapshot[i] = gen[i] if type(gen[i]) is tuple else list(gen[i])
         write_at(kept.table, plan.changed, plan.blocks[k:], plan.lengths[n_ctx:], layers)
     rows[n_ctx:] = kept.table
-    return other_pools(out, rows.size, width, kv_pool_layers)
+    return other_pools(out, rows.size, width, kv_pool_layers, kv_pool_windows)
 
 
-def other_pools(out: np.ndarray, n: int, width: int, pool_layers: tuple[int, ...]) -> int:
-    """The rows of every pool after the first, from the first's `n` elements (pool p's are
-    the same block ids, encoded with its own layer count); returns the elements of all."""
-    if len(pool_layers) == 1:
-        return n
-    first = out[:n].reshape(-1, 2, width)
-    doubled = first[:, 0] // pool_layers[0]  # block id * 2
-    held = first[:, 1] != 0  # V is at least 1 where a block is held
-    for p, layers in enumerate(pool_layers[1:], 1):
+def _in_flight(
+    kept: KeptRows,
+    flight: FlightLists,
+    out: np.ndarray,
+    width: int,
+    pool_layers: tuple[int, ...],
+    pool_windows: tuple[int, ...],
+) -> int:
+    """Requests in flight: the first pool of each window from that window's block table,
+    then the window's other pools from it."""
+    n = len(flight.index) * 2 * width
+    for k, table in enumerate(flight.per_window()):
+        p = pool_windows.index(k)  # the window's first pool
+        from_slots(kept, table, flight.index, out, p * n, width, 2 * pool_layers[p])
+    return other_pools(out, n, width, pool_layers, pool_windows)
+
+
+def other_pools(
+    out: np.ndarray,
+    n: int,
+    width: int,
+    pool_layers: tuple[int, ...],
+    pool_windows: tuple[int, ...],
+) -> int:
+    """The rows of every pool but the first of its window, from that first pool's `n`
+    elements (a window's pools take the same block ids, each encoded with its own layer
+    count); returns the elements of all pools."""
+    first: dict[int, int] = {}
+    for p, (layers, k) in enumerate(zip(pool_layers, pool_windows)):
+        if k not in first:
+            first[k] = p
+            continue
+        q = first[k]
+        src = out[q * n : (q + 1) * n].reshape(-1, 2, width)
         rows = out[p * n : (p + 1) * n].reshape(-1, 2, width)
-        np.multiply(doubled, layers, out=rows[:, 0])
-        np.add(rows[:, 0], held, out=rows[:, 1])
+        np.multiply(src[:, 0] // pool_layers[q], layers, out=rows[:, 0])  # block id * 2 * layers
+        np.add(rows[:, 0], src[:, 1] != 0, out=rows[:, 1])  # V: one further where a block is
     return n * len(pool_layers)
 
 
@@ -548,16 +574,20 @@ def _check_flight_cover(d: Decode, flight: FlightLists, width: int, tpb: int) ->
     """check_kv_entered for requests in flight: every sequence's list, as the block table
     counts it, holds the block of its new token (or fills the window); the ids were checked
     when the table took them."""
-    lengths = flight.blocks.count[flight.index]
-    short = np.flatnonzero((lengths * tpb < d.seq_tokens) & (lengths < width))
-    if short.size:
-        b, seq = d.batch, int(short[0])
-        req = int(b.seq_request[seq])
-        raise BatchError(
-            f"generation request {req} (seq_slot {b.generation[req].seq_slot}): its token "
-            f"{d.seq_tokens[seq]} needs KV block {(int(d.seq_tokens[seq]) - 1) // tpb}, which "
-            "kv_block_ids does not hold; allocate the block before this step"
-        )
+    for k, table in enumerate(flight.per_window()):
+        lengths = table.count[flight.index]
+        short = np.flatnonzero((lengths * tpb < d.seq_tokens) & (lengths < width))
+        if short.size:
+            b, seq = d.batch, int(short[0])
+            req = int(b.seq_request[seq])
+            r = b.generation[req]
+            which = f"the block list of attention window {sorted(r.kv_block_ids)[k]}"
+            raise BatchError(
+                f"generation request {req} (seq_slot {r.seq_slot}): its token "
+                f"{d.seq_tokens[seq]} needs KV block {(int(d.seq_tokens[seq]) - 1) // tpb}, "
+                f"which {which if flight.tables else 'kv_block_ids'} does not hold; allocate "
+                "the block before this step"
+            )
 
 
 class KvEntered:
@@ -584,13 +614,13 @@ def advance_kv(
     *,
     max_blocks_per_seq: int,
     kv_pool_layers: tuple[int, ...],
+    kv_pool_windows: tuple[int, ...],
 ) -> int:
     """The last step's rows with the blocks entered this step (and, in a half that holds the
     rows of two steps back, those entered in the step between), in every pool."""
     width = max_blocks_per_seq
     if entered.flight is not None:  # in flight: only the rows this half lacks
-        n = from_slots(entered.kept, entered.flight, out, width, entered.per_block)
-        return other_pools(out, n, width, kv_pool_layers)
+        return _in_flight(entered.kept, entered.flight, out, width, kv_pool_layers, kv_pool_windows)
     forget_halves(entered.kept)
     n = len(d.tokens) * 2 * width
     if d.holds_run:
@@ -603,4 +633,4 @@ def advance_kv(
         rows[seq, 0, col] = index
         rows[seq, 1, col] = index + 1
     entered.kept.entered = entered.new
-    return other_pools(out, n, width, kv_pool_layers)
+    return other_pools(out, n, width, kv_pool_layers, kv_pool_windows)

@@ -51,9 +51,9 @@ class KeptRows:
     # sequence to its new position instead of being rebuilt
     requests: tuple[Any, ...] = ()
     keys: list | None = None
-    # requests in flight: the rows of every (slot, list) of the request table (a full step
-    # takes its rows from here; a decode step continues the last step's, as advance() does)
-    slots: SlotRows | None = None
+    # requests in flight: the rows of every (slot, list) of each block table (one per attention
+    # window), by the table's identity: a step takes its rows from here
+    slots: dict[int, SlotRows] = dataclasses.field(default_factory=dict)
 
 
 class SlotRows:
@@ -69,10 +69,10 @@ class SlotRows:
         self.version = np.full(len(blocks.count), -1, np.int64)
         self.born = np.full(len(blocks.count), -1, np.int64)  # of the list each row is from
         self.length = np.zeros(len(blocks.count), np.int64)  # the ids each row holds
-        # per buffer half (its rows' array, by identity): the block-table row and the list
-        # version each of its first sequence rows was copied from, so a step copies only the
-        # rows that differ from what that half holds (written two steps back)
-        self.halves: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        # per buffer half and offset in it (its rows' array, by identity): the block-table row
+        # and the list version each of its sequence rows was copied from, so a step copies
+        # only the rows that differ from what that half holds (written two steps back)
+        self.halves: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
 
 def sequence_keys(b: Batch) -> list:
@@ -204,24 +204,51 @@ def _check_flight(
     walks the requests to name the first short list."""
     flight = b.flight
     assert flight is not None
-    lengths = flight.blocks.count[flight.index]
-    if len(lengths) and ((lengths * tpb < tokens) & (lengths < width)).any():
-        need = required_blocks(tokens, tpb, width)
-        _diagnose(b, "kv_block_ids", need, width, width_name, limit, what)
+    for k, table in enumerate(flight.per_window()):
+        lengths = table.count[flight.index]
+        if len(lengths) and ((lengths * tpb < tokens) & (lengths < width)).any():
+            need = required_blocks(tokens, tpb, width)
+            if flight.tables:  # name the window and the sequence
+                short = np.flatnonzero((lengths * tpb < tokens) & (lengths < width))
+                _short_window(b, k, int(short[0]), int(lengths[short[0]]), int(need[short[0]]))
+            _diagnose(b, "kv_block_ids", need, width, width_name, limit, what)
     return BlockPlan([], _EMPTY, _EMPTY, None, kept, slots=flight)
 
 
+def _short_window(b: Batch, window: int, seq: int, have: int, need: int) -> NoReturn:
+    """A sequence whose block list of one attention window (its index, ascending) does not
+    cover its tokens after the step."""
+    n_ctx = b.sizes.num_context_requests
+    if seq < n_ctx:
+        kind, req, r = "context", seq, b.context[seq]
+    else:
+        req = int(b.seq_request[seq - n_ctx])
+        kind, r = "generation", b.generation[req]
+    windows = sorted(r.kv_block_ids)
+    raise BatchError(
+        f"{kind} request {req} (seq_slot {r.seq_slot}): its block list of attention window "
+        f"{windows[window]} holds {have} blocks, but its tokens after this step need {need}; "
+        "allocate the blocks before scheduling"
+    )
+
+
 def from_slots(
-    kept: KeptRows, flight: FlightLists, out: np.ndarray, width: int, per_block: int
+    kept: KeptRows,
+    blocks: Any,
+    index: np.ndarray,
+    out: np.ndarray,
+    offset: int,
+    width: int,
+    per_block: int,
 ) -> int:
-    """Each sequence's row [K/V, width] into `out` (a buffer half's rows, flat) from
-    ``SlotRows``, once the slot rows whose list changed since they were written are rewritten
-    from the block table; the half is written only where its rows differ from what it held
-    (another sequence, or an older version of its list). Returns the elements written."""
-    blocks, index = flight.blocks, flight.index
-    slots = kept.slots
+    """Each sequence's row [K/V, width] (sequence i's list at row index[i] of the block table
+    `blocks`) into `out` (a buffer half's rows, flat) from `offset` on, from ``SlotRows``, once
+    the slot rows whose list changed since they were written are rewritten from the table; the
+    half is written only where its rows differ from what it held (another sequence, or an
+    older version of its list). Returns the elements written."""
+    slots = kept.slots.get(id(blocks))
     if slots is None or slots.blocks is not blocks:  # the first step of this table
-        slots = kept.slots = SlotRows(blocks)
+        slots = kept.slots[id(blocks)] = SlotRows(blocks)
     if slots.rows is None:
         slots.rows = np.zeros((len(blocks.count), 2, width), out.dtype)
     version = blocks.version[index]
@@ -237,8 +264,8 @@ def from_slots(
     elif len(stale):
         _rewrite_few(slots, stale.tolist(), per_block)
     n = len(index)
-    rows = out[: n * 2 * width].reshape(n, 2, width)
-    half = slots.halves.get(id(out))
+    rows = out[offset : offset + n * 2 * width].reshape(n, 2, width)
+    half = slots.halves.get((id(out), offset))
     if half is None or half[0] is not out:  # this half holds no row known here
         np.take(slots.rows, index, axis=0, out=rows, mode="clip")
     else:
@@ -256,15 +283,15 @@ def from_slots(
         elif len(at):
             rows[at] = slots.rows[index[at]]
     # what the half holds now (the rows past the step: padded, or stale)
-    slots.halves[id(out)] = (out, index, version)
+    slots.halves[(id(out), offset)] = (out, index, version)
     return rows.size
 
 
 def forget_halves(kept: KeptRows) -> None:
     """A step written without ``from_slots`` (a stateless one): no half is known to hold
     any slot's row."""
-    if kept.slots is not None:
-        kept.slots.halves.clear()
+    for slots in kept.slots.values():
+        slots.halves.clear()
 
 
 def _rewrite_few(slots: SlotRows, stale: list[int], per_block: int) -> None:

@@ -155,3 +155,49 @@ def layer_windows(
     return tuple(
         per_layer(attention_windows, max_attention_window, first_local_layer, num_local_layers)
     )
+
+
+def kv_pool_windows(
+    *,
+    num_local_layers: int,
+    kv_heads_per_layer: Sequence[int] = (),
+    first_local_layer: int = 0,
+    attention_windows: Sequence[int] = (),
+    max_attention_window: int = 0,
+) -> tuple[int, ...]:
+    """Each pool's window, as its index among the rank's distinct windows (ascending): the
+    block list the pool's ids come from."""
+    pools = kv_pools(
+        attention_windows,
+        kv_heads_per_layer,
+        max_attention_window,
+        first_local_layer,
+        num_local_layers,
+    )
+    order = {w: k for k, w in enumerate(pools.distinct_windows)}
+    return tuple(order[w] for w in pools.windows)
+
+
+def window_sizes(
+    *,
+    num_local_layers: int,
+    first_local_layer: int = 0,
+    attention_windows: Sequence[int] = (),
+    max_attention_window: int = 0,
+) -> tuple[int, ...]:
+    """The distinct attention windows of the rank's layers, ascending: a request carries one
+    block list per window."""
+    return tuple(
+        sorted(
+            set(
+                per_layer(
+                    attention_windows, max_attention_window, first_local_layer, num_local_layers
+                )
+            )
+        )
+    )
+
+
+def widest_window(*, max_attention_window: int, attention_windows: Sequence[int] = ()) -> int:
+    """The widest attention window of any layer (what the block table must hold)."""
+    return max(attention_windows, default=max_attention_window)

@@ -482,6 +482,8 @@ def test_a_rule_that_reads_an_undeclared_parameter():
         "num_sequences, 2, max_blocks_per_seq], but 'host_ids' declares [num_tokens]",
         "buffers.yaml:20:18: fill rule 'kv_cache_block_offsets' reads 'kv_pool_layers' from the "
         "Config; declare it as a parameter or derived value",
+        "buffers.yaml:20:18: fill rule 'kv_cache_block_offsets' reads 'kv_pool_windows' from the "
+        "Config; declare it as a parameter or derived value",
         "buffers.yaml:20:18: fill rule 'kv_cache_block_offsets' reads 'max_blocks_per_seq' from the "
         "Config; declare it as a parameter or derived value",
         "buffers.yaml:20:18: fill rule 'kv_cache_block_offsets' reads 'num_kv_blocks' from the "

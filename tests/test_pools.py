@@ -178,3 +178,111 @@ def test_every_pool_of_a_stateless_step_matches_the_reference() -> None:
             gen.kv_block_ids[0].append(40 + token)
         step = b.advance([token])
         assert _offsets(b, step).tolist() == _want(b, gen.kv_block_ids)
+
+
+# ------------------------------------------------------- per-layer windows: a pool per window
+import pytest  # noqa: E402
+
+from bufc.errors import BatchError  # noqa: E402
+
+
+def _windowed(windows: list, heads: list, layers: int = 6):
+    return make_buffers(
+        "llama",
+        max_beam_width=1,
+        max_draft_tokens=0,
+        num_layers=layers,
+        attention_windows=windows,
+        kv_heads_per_layer=heads,
+        tokens_per_block=TPB,
+        max_attention_window=64,
+    )
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.sampled_from([8, 16, 64]), min_size=1, max_size=4),  # windows per layer
+    st.lists(st.integers(1, 4), max_size=3),  # kv heads per layer
+    st.integers(0, 2**31 - 1),
+)
+def test_each_window_s_pools_take_its_own_block_lists(windows, heads, seed) -> None:
+    """Several attention windows: a request carries {window: lists}, step(blocks=) appends
+    per window, and every pool's rows are its window's lists encoded with its layer count
+    (the reference's pool order), over arrivals, decode steps and finishes."""
+    rng = random.Random(seed)
+    b = _windowed(windows, heads)
+    ref = reference_pools(windows, heads, 64, 0, 6)
+    sizes = sorted(set(ref["pool_window"]))
+    assert b.config.attention_window_sizes == tuple(sizes)
+    assert b.static_inputs["host_kv_cache_pool_mapping"].tolist() == [
+        list(m) for m in ref["mapping"]
+    ]
+    assert b.tensors["host_max_attention_window_sizes"].tolist() == ref["layer_window"]
+    lists: dict[int, dict[int, list[int]]] = {}
+    counts: dict[int, int] = {}
+    next_block = [0]
+
+    def new_blocks(n: int) -> list[int]:
+        out = list(range(next_block[0], next_block[0] + n))
+        next_block[0] += n
+        rng.shuffle(out)
+        return out
+
+    def arrive(slot: int) -> None:
+        n = rng.randint(1, 9)
+        lists[slot] = {w: new_blocks(-(-(n + 1) // TPB)) for w in sizes}
+        counts[slot] = n
+        prompt = [rng.randrange(100) for _ in range(n)]
+        b.add(Request(slot, prompt, kv_block_ids={w: [x] for w, x in lists[slot].items()}))
+
+    for slot in range(3):
+        arrive(slot)
+    tokens = None
+    for _ in range(8):
+        blocks: dict = {}
+        if tokens is not None:
+            for slot in list(counts):
+                counts[slot] += 1
+                need = -(-(counts[slot] + 1) // TPB)
+                for w in sizes:
+                    if need > len(lists[slot][w]):
+                        grown = new_blocks(need - len(lists[slot][w]))
+                        lists[slot][w] += grown
+                        blocks.setdefault(slot, {})[w] = grown
+        step = b.step(tokens, blocks=blocks)
+        s = step.sizes
+        slots = b.tensors["host_seq_slots"][: s.num_sequences].tolist()
+        got = _offsets(b, step)
+        width = b.config.max_blocks_per_seq
+        for p, (layers, window) in enumerate(zip(ref["layers_in_pool"], ref["pool_window"])):
+            want = reference_offsets([lists[x][window] for x in slots], [layers], width)[0]
+            assert got[p].tolist() == want, (p, window)
+        tokens = np.zeros(b.config.max_batch_size, np.int64)
+        if rng.random() < 0.4:
+            slot = rng.choice(sorted(counts))
+            b.finish(slot)
+            del counts[slot], lists[slot]
+            arrive(slot)
+
+
+def test_several_windows_refuse_what_does_not_name_them() -> None:
+    b = _windowed([8, 64], [])
+    with pytest.raises(BatchError, match=r"one set of block lists per attention window"):
+        b.add(Request(0, [1, 2, 3], kv_block_ids=[[1]]))
+    with pytest.raises(BatchError, match=r"got the windows \[8\]"):
+        b.add(Request(0, [1, 2, 3], kv_block_ids={8: [[1]]}))
+    with pytest.raises(BatchError, match=r"window 64: kv_block_ids block 0 is 'x'"):
+        b.add(Request(0, [1, 2, 3], kv_block_ids={8: [[1]], 64: [["x"]]}))
+    b.add(Request(0, [1, 2, 3], kv_block_ids={8: [[1]], 64: [[2]]}))
+    with pytest.raises(BatchError, match=r"blocks\[0\]: with several attention windows"):
+        b.step(blocks={0: [5]})
+    with pytest.raises(BatchError, match="its block list of attention window 64 holds 0"):
+        b.finish(0)
+        b.add(Request(0, [1, 2, 3], kv_block_ids={8: [[1]], 64: [[]]}))
+        b.step()
+    with pytest.raises(BatchError, match="only requests in flight carry"):
+        _windowed([8, 64], []).prepare_step([Request(0, [1], kv_block_ids=[[1]])], [])
+    with pytest.raises(Exception, match="need beam width 1"):
+        make_buffers("llama", max_beam_width=2, attention_windows=[8, 64], max_attention_window=64)
+    with pytest.raises(Exception, match="at most max_attention_window"):
+        make_buffers("llama", attention_windows=[8, 128], max_attention_window=64)

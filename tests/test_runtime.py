@@ -53,6 +53,7 @@ def test_config_is_frozen_and_has_exactly_the_family_parameters(family_name):
         "logits_dtype",
         "gather_context_logits",
         "gather_generation_logits",
+        "attention_windows",
         *(
             ["tokens_per_block", "num_kv_blocks", "kv_heads_per_layer"]
             if family_name == "llama"
