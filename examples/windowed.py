@@ -1,0 +1,303 @@
+"""Qwen2 with sliding- and full-attention layers on TensorRT-LLM's KV pools, served in flight.
+
+The engine reads only the engine inputs of a prepared step of the llama family built with
+per-layer ``attention_windows``: ``input_ids``, ``position_ids``, ``host_request_types``,
+``host_context_lengths``, ``host_past_key_value_lengths``, ``last_token_ids``,
+``kv_cache_block_offsets`` (one row set per pool), and the static ``host_kv_cache_pool_mapping``
+and ``host_max_attention_window_sizes``. Each pool is its own storage of ``layers in the pool *
+2`` slabs per block; layer ``l`` finds its pool and its index in it in the mapping, its blocks in
+that pool's rows of the offsets (K through the K row, V through the V row), and masks its keys by
+its own window. The driver allocates blocks per window (one allocator each, as TensorRT-LLM keeps
+one block manager per window), frees the blocks that left a sliding window while the request
+runs (their ids stay in its list, as TensorRT-LLM's detached front blocks do), and drives the
+buffers with add / finish / step, chunked prefill and slot reuse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import torch
+from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+from bufc.generated import llama
+from bufc.runtime import Request
+
+from .executor import Job, split_budget
+from .paged_cache import BlockAllocator
+
+
+def tiny_qwen2(
+    seed: int = 0, *, window: int = 12, layers: int = 4, vocab_size: int = 256
+) -> torch.nn.Module:
+    """A small random Qwen2 in float64 whose layers alternate sliding (a `window`-token
+    sliding window) and full attention (``layer_types``)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        initializer_range=0.3,
+        use_sliding_window=True,
+        sliding_window=window,
+        layer_types=[
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+        ],
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.float64).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def layer_windows(model: torch.nn.Module, max_sequence_length: int) -> list[int]:
+    """Each layer's attention window as TensorRT-LLM takes it (max_attention_window_vec)."""
+    cfg = model.config
+    return [
+        cfg.sliding_window if kind == "sliding_attention" else max_sequence_length
+        for kind in cfg.layer_types
+    ]
+
+
+class PooledKVCache:
+    """The pools, one after another in one storage of ``[tokens_per_block, kv_heads,
+    head_dim]`` slabs, as the KV manager allocates them: pool p is ``blocks * layers in p * 2``
+    slabs from ``base[p]`` on; the offsets' K entry of a block is its first slab in its pool,
+    and the layer's index in the pool adds ``2 * index``. An index past its pool lands in the
+    next pool's memory, as it would on the device."""
+
+    def __init__(
+        self,
+        blocks: int,
+        pool_layers: tuple[int, ...],
+        tokens_per_block: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.tokens_per_block = tokens_per_block
+        sizes = [blocks * layers * 2 for layers in pool_layers]
+        self.base = [sum(sizes[:p]) for p in range(len(sizes))]
+        self.slabs = torch.zeros(sum(sizes), tokens_per_block, kv_heads, head_dim, dtype=dtype)
+
+
+class PooledQwen2:
+    def __init__(self, hf_model: torch.nn.Module) -> None:
+        cfg = hf_model.config
+        self.model = hf_model.model
+        self.lm_head = hf_model.lm_head
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.num_heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+
+    @torch.no_grad()
+    def forward(
+        self, inputs: dict, mapping: torch.Tensor, windows: torch.Tensor, cache: PooledKVCache
+    ) -> torch.Tensor:
+        """The logits of the step's logit rows."""
+        positions = inputs["position_ids"].long()
+        types = inputs["host_request_types"].tolist()
+        lengths = inputs["host_context_lengths"].tolist()
+        past = inputs["host_past_key_value_lengths"].tolist()
+        seq_len = [p if t == 0 else p + 1 for p, t in zip(past, types)]
+        new = [n if t == 0 else 1 for t, n in zip(types, lengths)]
+        starts = [0]
+        for n in new:
+            starts.append(starts[-1] + n)
+        offsets = inputs["kv_cache_block_offsets"].long()  # [pools, sequences, 2, width]
+        tpb = cache.tokens_per_block
+        x = self.model.embed_tokens(inputs["input_ids"].long())
+        cos, sin = self.model.rotary_emb(x[None], positions[None])
+        group = self.num_heads // self.kv_heads
+        for n, layer in enumerate(self.model.layers):
+            pool, index = mapping[n].tolist()
+            window = int(windows[n])
+            slabs, base = cache.slabs, cache.base[pool] + 2 * index
+            attn, tokens = layer.self_attn, x.shape[0]
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(1, tokens, self.num_heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(h).view(1, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(h).view(tokens, self.kv_heads, self.head_dim)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)
+            out = torch.empty_like(q)
+            for i, (a, b) in enumerate(zip(starts, starts[1:])):
+                rows = offsets[pool, i]  # [2, width]: K entries, V entries
+                query = torch.arange(seq_len[i] - new[i], seq_len[i])
+                kslab, vslab = rows[0, query // tpb] + base, rows[1, query // tpb] + base
+                slabs[kslab, query % tpb] = k[a:b]
+                slabs[vslab, query % tpb] = v[a:b]
+                # the keys any of these queries sees: the window before the first, on
+                first = max(0, int(query[0]) - window + 1)
+                keys_at = torch.arange(first, seq_len[i])
+                cols = keys_at // tpb
+                keys = slabs[rows[0, cols] + base, keys_at % tpb]
+                values = slabs[rows[1, cols] + base, keys_at % tpb]
+                keys = keys.repeat_interleave(group, dim=1)
+                values = values.repeat_interleave(group, dim=1)
+                scores = torch.einsum("qhd,khd->hqk", q[a:b], keys) * self.head_dim**-0.5
+                visible = (keys_at[None, :] <= query[:, None]) & (
+                    keys_at[None, :] > query[:, None] - window
+                )
+                scores = scores.masked_fill(~visible, float("-inf"))
+                out[a:b] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+            x = x + attn.o_proj(out.reshape(tokens, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = self.model.norm(x)
+        last = inputs["last_token_ids"].long() - 1
+        return self.lm_head(x[last])
+
+
+@dataclasses.dataclass(eq=False)
+class _Flight:
+    job: Job
+    slot: int
+    blocks: dict[int, list[int]]  # per window: every block of the sequence, from its start
+    freed: dict[int, int]  # per window: the front blocks returned to the allocator
+    position: int = 0  # prompt tokens computed
+    generated: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Served:
+    tokens: dict[int, list[int]]
+    logits: dict[int, list[torch.Tensor]]  # the logit row each generated token was sampled from
+    steps: int
+    crossed: int  # chunks that started before a sliding window's span and ended after it
+    reused_slots: int
+
+
+def serve(
+    model: torch.nn.Module,
+    jobs: Iterable[Job],
+    *,
+    max_batch_size: int = 4,
+    token_budget: int = 24,
+    chunk_size: int = 7,
+    tokens_per_block: int = 4,
+    max_sequence_length: int = 128,
+    blocks_per_window: int = 64,
+    mutate: Callable[[dict, dict], None] | None = None,
+) -> Served:
+    """Serve `jobs` in flight (greedy) on the llama family's buffers with the model's
+    per-layer windows. `mutate(inputs, statics)` may alter a step's inputs (copies of the
+    static mapping and window sizes included) before the model runs."""
+    windows = layer_windows(model, max_sequence_length)
+    config = llama.Config(
+        max_batch_size=max_batch_size,
+        max_num_tokens=token_budget,
+        vocab_size=model.config.vocab_size,
+        num_layers=len(windows),
+        max_attention_window=max_sequence_length,
+        tokens_per_block=tokens_per_block,
+        attention_windows=windows,
+        num_kv_blocks=blocks_per_window,
+        logits_dtype=torch.float64,
+    )
+    buffers = llama.RuntimeBuffers(config)
+    sizes = config.attention_window_sizes
+    allocators = {w: BlockAllocator(blocks_per_window) for w in sizes}
+    engine = PooledQwen2(model)
+    cache = PooledKVCache(
+        blocks_per_window,
+        config.kv_pool_layers,
+        tokens_per_block,
+        engine.kv_heads,
+        engine.head_dim,
+        torch.float64,
+    )
+    statics = buffers.static_inputs
+    windows_now = buffers.tensors["host_max_attention_window_sizes"]
+    pending = deque(sorted(jobs, key=lambda j: (j.arrival_step, j.rid)))
+    waiting: deque[Job] = deque()
+    active: dict[int, _Flight] = {}
+    free_slots = list(range(max_batch_size - 1, -1, -1))
+    used_slots: set[int] = set()
+    served = Served({j.rid: [] for j in pending}, {j.rid: [] for j in pending}, 0, 0, 0)
+    tokens = torch.zeros(max_batch_size, dtype=torch.int64)
+    produced = False
+    step_index = 0
+    while pending or waiting or active:
+        while pending and pending[0].arrival_step <= step_index:
+            waiting.append(pending.popleft())
+        while waiting and free_slots:
+            job, slot = waiting.popleft(), free_slots.pop()
+            served.reused_slots += slot in used_slots
+            used_slots.add(slot)
+            active[slot] = _Flight(job, slot, {w: [] for w in sizes}, dict.fromkeys(sizes, 0))
+            buffers.add(Request(slot, list(job.prompt), kv_block_ids={w: [[]] for w in sizes}))
+        generation = [a for a in active.values() if a.position == len(a.job.prompt)]
+        left = [len(a.job.prompt) - a.position for a in active.values()]
+        _, chunk_sizes = split_budget(token_budget, chunk_size, len(generation), left)
+        chunks = {a.slot: n for a, n in zip(active.values(), chunk_sizes) if n}
+        if not generation and not chunks:
+            step_index += 1
+            produced = False
+            continue
+        # every window's blocks cover each scheduled sequence's tokens after the step
+        blocks: dict[int, dict[int, list[int]]] = {}
+        after = {a.slot: len(a.job.prompt) + len(a.generated) for a in generation}
+        after.update((s, active[s].position + n) for s, n in chunks.items())
+        for slot, n in after.items():
+            need = -(-n // tokens_per_block)
+            for w in sizes:
+                held = active[slot].blocks[w]
+                if need > len(held):
+                    new = allocators[w].allocate(need - len(held))
+                    held += new
+                    blocks.setdefault(slot, {})[w] = new
+        for slot, n in chunks.items():
+            begin = active[slot].position
+            served.crossed += any(begin < w < begin + n for w in sizes[:-1])
+        step = buffers.step(tokens if produced else None, chunks=chunks, blocks=blocks)
+        inputs = dict(step.inputs)
+        mapping, sizes_now = statics["host_kv_cache_pool_mapping"], windows_now
+        if mutate is not None:
+            inputs = {k: v.clone() for k, v in inputs.items()}
+            fixed = {"mapping": mapping.clone(), "windows": sizes_now.clone()}
+            mutate(inputs, fixed)
+            mapping, sizes_now = fixed["mapping"], fixed["windows"]
+        logits = engine.forward(inputs, mapping, sizes_now, cache)
+        rows = buffers.tensors["host_seq_slots"][: step.sizes.num_requests].tolist()
+        producers = []
+        for row, slot in enumerate(rows):
+            a = active[slot]
+            if slot in chunks:
+                a.position += chunks[slot]
+                if a.position < len(a.job.prompt):
+                    continue  # a middle chunk: its row is not sampled
+            token = int(logits[row].argmax())
+            tokens[slot] = token
+            producers.append(slot)
+            a.generated.append(token)
+            served.tokens[a.job.rid].append(token)
+            served.logits[a.job.rid].append(logits[row].clone())
+        for slot in rows:  # blocks that left a sliding window go back to its allocator
+            a = active[slot]
+            nxt = a.position + max(0, len(a.generated) - 1)  # the next query's position
+            for w in sizes[:-1]:
+                gone = max(0, (nxt - w + 1) // tokens_per_block)  # blocks before its window
+                if gone > a.freed[w]:
+                    allocators[w].release(a.blocks[w][a.freed[w] : gone])
+                    a.freed[w] = gone
+        for slot in rows:
+            a = active[slot]
+            if len(a.generated) == a.job.max_new_tokens:
+                buffers.finish(slot)
+                for w in sizes:
+                    allocators[w].release(a.blocks[w][a.freed[w] :])
+                del active[slot]
+                free_slots.append(slot)
+        produced = any(slot in active for slot in producers)
+        step_index += 1
+    served.steps = step_index
+    return served
