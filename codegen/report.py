@@ -12,8 +12,9 @@ import dataclasses
 import importlib
 import math
 import types
+from collections.abc import Callable
 from pathlib import PurePath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from bufc import config_checks
 
@@ -50,6 +51,8 @@ class Report:
     family: str
     flags: tuple[tuple[str, object], ...]
     tensors: tuple[TensorRow, ...]
+    # the KV pools (paged families): (attention window, layers of this rank in the pool) each
+    pools: tuple[tuple[int, int], ...] = ()
 
     def totals(self) -> dict[str, int]:
         """Bytes allocated per memory kind (every copy counted)."""
@@ -77,6 +80,15 @@ class Report:
         widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
         totals = self.totals()
         lines = [f"family {self.family}: " + ", ".join(f"{k}={v}" for k, v in self.flags)]
+        if self.pools:
+            lines.append(
+                f"KV pools: {len(self.pools)} ("
+                + "; ".join(
+                    f"pool {p}: window {w}, {n} layer{'s' if n != 1 else ''}"
+                    for p, (w, n) in enumerate(self.pools)
+                )
+                + ")"
+            )
         for memory, group in groups.items():
             if not group:
                 continue
@@ -100,6 +112,7 @@ class Report:
         return {
             "family": self.family,
             "flags": dict(self.flags),
+            "kv_pools": [{"window": w, "layers": n} for w, n in self.pools],
             "tensors": [
                 {
                     "name": t.name,
@@ -314,4 +327,16 @@ def report(compiled: Compiled, family_name: str, settings: dict[str, str]) -> Re
                 ),
             )
         )
-    return Report(family_name, tuple((k, v) for k, v in plan.flags), tuple(tensors))
+    return Report(
+        family_name, tuple((k, v) for k, v in plan.flags), tuple(tensors), kv_pools(env.get)
+    )
+
+
+def kv_pools(get: Callable[[str], Any]) -> tuple[tuple[int, int], ...]:
+    """(window, layers) of each KV pool, from a Config's derived values (none without them)."""
+    layers, windows, sizes = (
+        get(n) for n in ("kv_pool_layers", "kv_pool_windows", "attention_window_sizes")
+    )
+    if layers is None or windows is None or sizes is None:
+        return ()
+    return tuple((int(sizes[k]), int(n)) for n, k in zip(layers, windows))

@@ -15,7 +15,7 @@ from typing import Any
 
 from . import vocab
 from .errors import did_you_mean
-from .report import Report, ReportError, TensorRow, parse_int
+from .report import Report, ReportError, TensorRow, kv_pools, parse_int
 
 _BYTES = {f"torch.{name}": size for name, size in vocab.DTYPE_BYTES.items()}
 
@@ -53,6 +53,8 @@ def _value(field: dataclasses.Field, raw: str) -> Any:
                 f"{field.name}: '{raw}' is not a dtype{did_you_mean(raw, vocab.DTYPES)}"
             )
         return raw  # the Config converts names to torch dtypes
+    if kind == "tuple[int, ...]":
+        return tuple(parse_int(field.name, n) for n in raw.split(",") if n)
     if kind.startswith("tuple"):
         return tuple(n for n in raw.split(",") if n)
     return parse_int(field.name, raw)
@@ -118,4 +120,5 @@ def report_module(family: str, settings: dict[str, str], package: str = "bufc.ge
                 binds=binds,
             )
         )
-    return Report(family, tuple(mod.FLAGS.items()), tuple(rows))
+    get = lambda name: getattr(config, name, None)  # noqa: E731
+    return Report(family, tuple(mod.FLAGS.items()), tuple(rows), kv_pools(get))

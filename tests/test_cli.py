@@ -339,3 +339,26 @@ def test_a_long_value_is_not_repeated_in_its_error(tmp_path, capsys):
     assert code == 1
     assert f"{spec}:3:24: derived.d.value is longer than 256 characters" in err
     assert max(map(len, err.splitlines())) < 400
+
+
+def test_report_lists_the_kv_pools(capsys, monkeypatch):
+    """Per-layer windows and KV heads: the pools, window ascending then heads, with the layers
+    of each; the offsets table has one row set per pool."""
+    monkeypatch.chdir(REPO)
+    pools = ["--set", "attention_windows=16,512", "--set", "kv_heads_per_layer=2,2,8"]
+    code, out, err = run(capsys, "report", "llama", *LLAMA, *pools)
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("KV pools"))
+    assert line == (
+        "KV pools: 3 (pool 0: window 16, 1 layer; pool 1: window 16, 1 layer; "
+        "pool 2: window 512, 2 layers)"
+    )
+    code, out, _ = run(capsys, "report", "llama", *LLAMA, *pools, "--json")
+    report = json.loads(out)
+    assert report["kv_pools"] == [
+        {"window": 16, "layers": 1},
+        {"window": 16, "layers": 1},
+        {"window": 512, "layers": 2},
+    ]
+    offsets = next(t for t in report["tensors"] if t["name"] == "kv_cache_block_offsets")
+    assert offsets["shape"][0] == 3

@@ -286,3 +286,19 @@ def test_several_windows_refuse_what_does_not_name_them() -> None:
         make_buffers("llama", max_beam_width=2, attention_windows=[8, 64], max_attention_window=64)
     with pytest.raises(Exception, match="at most max_attention_window"):
         make_buffers("llama", attention_windows=[8, 128], max_attention_window=64)
+
+
+def test_a_pipeline_rank_maps_its_own_layers_to_its_pools() -> None:
+    """Under pipeline parallelism the windows and head counts are the model's, per global layer;
+    each rank's pools hold its own layers (gpt_pp's rank 1 of 2 holds layers 4 .. 7)."""
+    windows, heads = [16, 64, 64], [2, 4]
+    kw = dict(num_layers=8, pp_size=2, attention_windows=windows, kv_heads_per_layer=heads)
+    kw |= dict(max_attention_window=64, max_beam_width=1, max_draft_tokens=0, hidden_size=32)
+    b = make_buffers("gpt_pp", pp_rank=1, **kw)
+    want = reference_pools(windows, heads, 64, 4, 4)
+    assert b.config.kv_pool_layers == tuple(want["layers_in_pool"])
+    assert b.static_inputs["host_kv_cache_pool_mapping"].tolist() == [
+        list(m) for m in want["mapping"]
+    ]
+    # layer 4 + i: window windows[(4 + i) % 3], as host_max_attention_window_sizes says
+    assert b.tensors["host_max_attention_window_sizes"].tolist() == [64, 64, 16, 64]
