@@ -22,10 +22,11 @@ from collections.abc import Callable, Iterable
 import torch
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
-from bufc.generated import llama
+from bufc.generated import llama, llama_flash
 from bufc.runtime import Request
 
 from .executor import Job, split_budget
+from .flash_llama import FlashKVCache
 from .paged_cache import BlockAllocator
 
 
@@ -157,6 +158,55 @@ class PooledQwen2:
         return self.lm_head(x[last])
 
 
+class GroupedQwen2:
+    """The same model on the FlashAttention contract's KV-cache groups (``llama_flash`` with
+    per-layer windows): layer l's K/V sit in its own vLLM-style pool, written through its
+    group's row of ``group_slot_mappings`` and read through its group's
+    ``group_block_tables``, its group being its window's (``attention_window_sizes``), and
+    masked by that window; ``query_start_loc_cpu``, ``seq_lens_cpu``, ``positions`` and
+    ``logits_indices`` as FlashLlama reads them."""
+
+    def __init__(self, hf_model: torch.nn.Module, windows: list[int], groups: tuple[int, ...]):
+        self.qwen = PooledQwen2(hf_model)
+        self.windows = windows
+        self.group = [groups.index(w) for w in windows]
+
+    @torch.no_grad()
+    def forward(self, inputs: dict, cache: FlashKVCache) -> torch.Tensor:
+        q2 = self.qwen
+        starts = inputs["query_start_loc_cpu"].tolist()
+        lens = inputs["seq_lens_cpu"].tolist()
+        tables, slots = inputs["group_block_tables"], inputs["group_slot_mappings"]
+        x = q2.model.embed_tokens(inputs["input_ids"].long())
+        cos, sin = q2.model.rotary_emb(x[None], inputs["positions"].long()[None])
+        heads = q2.num_heads // q2.kv_heads
+        for n, layer in enumerate(q2.model.layers):
+            g, window = self.group[n], self.windows[n]
+            attn, tokens = layer.self_attn, x.shape[0]
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(1, tokens, q2.num_heads, q2.head_dim).transpose(1, 2)
+            k = attn.k_proj(h).view(1, tokens, q2.kv_heads, q2.head_dim).transpose(1, 2)
+            v = attn.v_proj(h).view(tokens, q2.kv_heads, q2.head_dim)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)
+            cache.write(n, slots[g], k, v)
+            out = torch.zeros_like(q)
+            for i, (a, b) in enumerate(zip(starts, starts[1:])):
+                length = lens[i]
+                keys, values = cache.read(n, tables[g, i], length)
+                keys = keys.repeat_interleave(heads, dim=1)
+                values = values.repeat_interleave(heads, dim=1)
+                scores = torch.einsum("qhd,khd->hqk", q[a:b], keys) * q2.head_dim**-0.5
+                query = torch.arange(length - (b - a), length)[:, None]
+                key = torch.arange(length)[None, :]
+                scores = scores.masked_fill(~((key <= query) & (key > query - window)), -torch.inf)
+                out[a:b] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+            x = x + attn.o_proj(out.reshape(tokens, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = q2.model.norm(x[inputs["logits_indices"].long()])
+        return q2.lm_head(x)
+
+
 @dataclasses.dataclass(eq=False)
 class _Flight:
     job: Job
@@ -186,13 +236,16 @@ def serve(
     tokens_per_block: int = 4,
     max_sequence_length: int = 128,
     blocks_per_window: int = 64,
+    contract: str = "trtllm",
     mutate: Callable[[dict, dict], None] | None = None,
 ) -> Served:
-    """Serve `jobs` in flight (greedy) on the llama family's buffers with the model's
-    per-layer windows. `mutate(inputs, statics)` may alter a step's inputs (copies of the
-    static mapping and window sizes included) before the model runs."""
+    """Serve `jobs` in flight (greedy) with the model's per-layer windows: on the llama
+    family's KV pools (`contract` "trtllm") or llama_flash's KV-cache groups ("flash").
+    `mutate(inputs, statics)` may alter a step's inputs (copies of the static mapping and
+    window sizes included) before the model runs."""
     windows = layer_windows(model, max_sequence_length)
-    config = llama.Config(
+    family = {"trtllm": llama, "flash": llama_flash}[contract]
+    config = family.Config(
         max_batch_size=max_batch_size,
         max_num_tokens=token_budget,
         vocab_size=model.config.vocab_size,
@@ -203,20 +256,33 @@ def serve(
         num_kv_blocks=blocks_per_window,
         logits_dtype=torch.float64,
     )
-    buffers = llama.RuntimeBuffers(config)
+    buffers = family.RuntimeBuffers(config)
     sizes = config.attention_window_sizes
     allocators = {w: BlockAllocator(blocks_per_window) for w in sizes}
     engine = PooledQwen2(model)
-    cache = PooledKVCache(
-        blocks_per_window,
-        config.kv_pool_layers,
-        tokens_per_block,
-        engine.kv_heads,
-        engine.head_dim,
-        torch.float64,
-    )
-    statics = buffers.static_inputs
-    windows_now = buffers.tensors["host_max_attention_window_sizes"]
+    flash = GroupedQwen2(model, windows, sizes) if contract == "flash" else None
+    cache: PooledKVCache | FlashKVCache
+    if flash is None:
+        cache = PooledKVCache(
+            blocks_per_window,
+            config.kv_pool_layers,
+            tokens_per_block,
+            engine.kv_heads,
+            engine.head_dim,
+            torch.float64,
+        )
+        statics = buffers.static_inputs
+        windows_now = buffers.tensors["host_max_attention_window_sizes"]
+    else:
+        cache = FlashKVCache(
+            blocks_per_window,
+            len(windows),
+            tokens_per_block,
+            engine.kv_heads,
+            engine.head_dim,
+            torch.float64,
+            "cpu",
+        )
     pending = deque(sorted(jobs, key=lambda j: (j.arrival_step, j.rid)))
     waiting: deque[Job] = deque()
     active: dict[int, _Flight] = {}
@@ -260,13 +326,19 @@ def serve(
             served.crossed += any(begin < w < begin + n for w in sizes[:-1])
         step = buffers.step(tokens if produced else None, chunks=chunks, blocks=blocks)
         inputs = dict(step.inputs)
-        mapping, sizes_now = statics["host_kv_cache_pool_mapping"], windows_now
-        if mutate is not None:
-            inputs = {k: v.clone() for k, v in inputs.items()}
-            fixed = {"mapping": mapping.clone(), "windows": sizes_now.clone()}
-            mutate(inputs, fixed)
-            mapping, sizes_now = fixed["mapping"], fixed["windows"]
-        logits = engine.forward(inputs, mapping, sizes_now, cache)
+        if flash is not None:
+            if mutate is not None:
+                inputs = {k: v.clone() for k, v in inputs.items()}
+                mutate(inputs, {})
+            logits = flash.forward(inputs, cache)  # type: ignore[arg-type]
+        else:
+            mapping, sizes_now = statics["host_kv_cache_pool_mapping"], windows_now
+            if mutate is not None:
+                inputs = {k: v.clone() for k, v in inputs.items()}
+                fixed = {"mapping": mapping.clone(), "windows": sizes_now.clone()}
+                mutate(inputs, fixed)
+                mapping, sizes_now = fixed["mapping"], fixed["windows"]
+            logits = engine.forward(inputs, mapping, sizes_now, cache)  # type: ignore[arg-type]
         rows = buffers.tensors["host_seq_slots"][: step.sizes.num_requests].tolist()
         producers = []
         for row, slot in enumerate(rows):

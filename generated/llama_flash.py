@@ -27,6 +27,7 @@ from bufc.rules import decode
 from bufc.rules import core
 from bufc.rules import kv_rows
 from bufc.rules import paged_attention
+from bufc.rules import pools
 from bufc.rules.sizes import StepSizes
 
 import torch
@@ -63,6 +64,8 @@ class Config(rt.ConfigBase):
     """Tokens per paged KV-cache block."""
     num_kv_blocks: int = 0
     """Blocks of the paged KV pool; every block id must be below it (0 bounds ids only by the int32 block index)."""
+    attention_windows: tuple[int, ...] = ()
+    """Attention window of each layer in tokens, in layer order, repeating when shorter than the layers; each distinct window has its own block lists and KV pools (empty, max_attention_window)."""
     logits_dtype: torch.dtype = torch.float32
     """Dtype of the engine's logits output."""
     world_size: int = dataclasses.field(init=False)
@@ -75,8 +78,16 @@ class Config(rt.ConfigBase):
     """Most logit rows in one step (draft tokens and beam search are mutually exclusive)."""
     num_local_layers: int = dataclasses.field(init=False)
     """Layers held by this pipeline rank (the split is even)."""
+    first_local_layer: int = dataclasses.field(init=False)
+    """Global index of this rank's first layer."""
     max_blocks_per_seq: int = dataclasses.field(init=False)
     """KV-cache blocks one sequence can hold (its attention window, in blocks)."""
+    attention_window_sizes: tuple[int, ...] = dataclasses.field(init=False)
+    """The distinct attention windows of this rank's layers, ascending; a request carries one set of block lists per window."""
+    num_kv_groups: int = dataclasses.field(init=False)
+    """KV-cache groups of the FlashAttention contract, one per distinct attention window."""
+    widest_attention_window: int = dataclasses.field(init=False)
+    """The widest attention window of any layer."""
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -92,6 +103,7 @@ class Config(rt.ConfigBase):
         rt.check_int(self, 'max_attention_window', minimum=1, errors=errors)
         rt.check_int(self, 'tokens_per_block', minimum=1, errors=errors)
         rt.check_int(self, 'num_kv_blocks', minimum=0, errors=errors)
+        rt.check_ints(self, 'attention_windows', minimum=1, errors=errors)
         rt.check_dtype(self, 'logits_dtype', ('float16', 'bfloat16', 'float32', 'float64'), errors)
         rt.require(self, errors)  # every parameter error at once
         object.__setattr__(self, 'world_size', self.tp_size * self.pp_size)
@@ -99,13 +111,19 @@ class Config(rt.ConfigBase):
         object.__setattr__(self, 'max_num_sequences', self.max_batch_size * self.max_beam_width)
         object.__setattr__(self, 'max_num_logits', self.max_batch_size * max(1 + self.max_draft_tokens, self.max_beam_width))
         object.__setattr__(self, 'num_local_layers', self.num_layers // self.pp_size)
+        object.__setattr__(self, 'first_local_layer', self.pp_rank * self.num_local_layers)
         object.__setattr__(self, 'max_blocks_per_seq', rt.cdiv(self.max_attention_window, self.tokens_per_block))
+        object.__setattr__(self, 'attention_window_sizes', rt.derived(self, 'attention_window_sizes', pools.window_sizes(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'ints'))
+        object.__setattr__(self, 'num_kv_groups', len(self.attention_window_sizes))
+        object.__setattr__(self, 'widest_attention_window', rt.derived(self, 'widest_attention_window', pools.widest_window(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window), 'int'))
         rt.require(
             self,
             errors,
             (lambda: self.pp_rank < self.pp_size, 'pp_rank must be below pp_size (buffers.yaml: pp_rank < pp_size)'),
             (lambda: self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml: num_layers % pp_size == 0)'),
             (lambda: self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml: pp_size == 1)'),
+            (lambda: self.widest_attention_window <= self.max_attention_window, "every attention window must be at most max_attention_window, the block table's capacity (buffers.yaml: widest_attention_window <= max_attention_window)"),
+            (lambda: self.max_beam_width == 1 or len(self.attention_window_sizes) == 1, "layers with different attention windows need beam width 1 (TensorRT-LLM's detachFrontBlock) (buffers.yaml: max_beam_width == 1 or len(attention_window_sizes) == 1)"),
         )
 
 
@@ -289,6 +307,52 @@ TENSORS = (
         pad=-1,
         inputs=(rt.Bind('slot_mapping'),),
     ),
+    # Block ids of each sequence in each KV-cache group (one group per attention window, ascending), staged on the host.
+    rt.TensorDecl(
+        'host_group_block_tables',
+        dtype=torch.int32,
+        memory=rt.PINNED,
+        capacity=lambda c: (c.num_kv_groups, c.max_num_sequences, c.max_blocks_per_seq),
+        shape=lambda c, s: (c.num_kv_groups, s.num_sequences, c.max_blocks_per_seq),
+        fill=rt.Rule(paged_attention.group_block_tables),
+        pad=0,
+        when=lambda c: c.num_kv_groups > 1,
+    ),
+    # Device copy of host_group_block_tables; layer l reads row group l of it.
+    rt.TensorDecl(
+        'group_block_tables',
+        dtype=torch.int32,
+        memory=rt.DEVICE,
+        capacity=lambda c: (c.num_kv_groups, c.max_num_sequences, c.max_blocks_per_seq),
+        shape=lambda c, s: (c.num_kv_groups, s.num_sequences, c.max_blocks_per_seq),
+        fill=rt.Mirror('host_group_block_tables'),
+        pad=0,
+        when=lambda c: c.num_kv_groups > 1,
+        inputs=(rt.Bind('group_block_tables'),),
+    ),
+    # KV-cache slot of each token in each KV-cache group (that group's block id x tokens_per_block + offset), staged on the host.
+    rt.TensorDecl(
+        'host_group_slot_mappings',
+        dtype=torch.int64,
+        memory=rt.PINNED,
+        capacity=lambda c: (c.num_kv_groups, c.max_num_tokens),
+        shape=lambda c, s: (c.num_kv_groups, s.num_tokens),
+        fill=rt.Rule(paged_attention.group_slot_mappings),
+        pad=-1,
+        when=lambda c: c.num_kv_groups > 1,
+    ),
+    # Device copy of host_group_slot_mappings.
+    rt.TensorDecl(
+        'group_slot_mappings',
+        dtype=torch.int64,
+        memory=rt.DEVICE,
+        capacity=lambda c: (c.num_kv_groups, c.max_num_tokens),
+        shape=lambda c, s: (c.num_kv_groups, s.num_tokens),
+        fill=rt.Mirror('host_group_slot_mappings'),
+        pad=-1,
+        when=lambda c: c.num_kv_groups > 1,
+        inputs=(rt.Bind('group_slot_mappings'),),
+    ),
     # 0-based row in the packed tokens of each logit row's token (the last of a chunk, every generation token), staged on the host.
     rt.TensorDecl(
         'host_logits_indices',
@@ -340,7 +404,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     tensor_decls = TENSORS
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     advances_on_device = False  # decode steps without a copy
-    no_advance = ('query_start_loc', 'query_lens', 'seq_lens', 'token_positions', 'block_table', 'kv_slot_mapping', 'logits_indices')  # rules without an advance form
+    no_advance = ('query_start_loc', 'query_lens', 'seq_lens', 'token_positions', 'block_table', 'kv_slot_mapping', 'group_block_tables', 'group_slot_mappings', 'logits_indices')  # rules without an advance form
     project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:
@@ -354,6 +418,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             max_blocks_per_seq=c.max_blocks_per_seq,
             num_local_layers=c.num_local_layers,
             num_kv_blocks=c.num_kv_blocks,
+            attention_window_sizes=c.attention_window_sizes,
             encoder_only=False,
         )
 
@@ -445,6 +510,28 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 tokens_per_block=c.tokens_per_block,
             )
         )
+        # host_group_block_tables: Block ids of each sequence in each KV-cache group (one group per
+        # attention window, ascending), staged on the host.
+        if c.num_kv_groups > 1:
+            t.host_group_block_tables.wrote(
+                paged_attention.group_block_tables(
+                    t.host_group_block_tables.out,
+                    b,
+                    k.kv_blocks,
+                    max_blocks_per_seq=c.max_blocks_per_seq,
+                )
+            )
+        # host_group_slot_mappings: KV-cache slot of each token in each KV-cache group (that group's
+        # block id x tokens_per_block + offset), staged on the host.
+        if c.num_kv_groups > 1:
+            t.host_group_slot_mappings.wrote(
+                paged_attention.group_slot_mappings(
+                    t.host_group_slot_mappings.out,
+                    b,
+                    k.kv_blocks,
+                    tokens_per_block=c.tokens_per_block,
+                )
+            )
         # host_logits_indices: 0-based row in the packed tokens of each logit row's token (the last
         # of a chunk, every generation token), staged on the host.
         t.host_logits_indices.wrote(paged_attention.logits_indices(t.host_logits_indices.out, b))

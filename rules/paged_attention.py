@@ -106,6 +106,41 @@ def kv_slot_mapping(
     return n
 
 
+def _group_tables(plan: BlockPlan) -> tuple:
+    """The block table of each attention window (several windows run only in flight)."""
+    if plan.slots is None:  # pragma: no cover - the stateless step refuses several windows
+        raise AssertionError("KV-cache groups need the requests in flight")
+    return plan.slots.per_window()
+
+
+def group_block_tables(
+    out: np.ndarray, b: Batch, plan: BlockPlan, *, max_blocks_per_seq: int
+) -> int:
+    """[groups, num_sequences, max_blocks_per_seq]: ``block_table`` of each KV-cache group,
+    from that attention window's block lists (windows ascending)."""
+    tables = _group_tables(plan)
+    n, width = b.sizes.num_sequences, max_blocks_per_seq
+    rows = out[: len(tables) * n * width].reshape(len(tables), n, width)
+    index = plan.slots.index  # type: ignore[union-attr]
+    for k, table in enumerate(tables):
+        rows[k] = table.ids[index]
+    return rows.size
+
+
+def group_slot_mappings(
+    out: np.ndarray, b: Batch, plan: BlockPlan, *, tokens_per_block: int
+) -> int:
+    """[groups, num_tokens]: ``slot_mapping`` of each KV-cache group, each token's slot in
+    that attention window's blocks."""
+    tables = _group_tables(plan)
+    seq, pos = _token_kv_positions(b)
+    n, tpb = len(seq), tokens_per_block
+    index = plan.slots.index  # type: ignore[union-attr]
+    for k, table in enumerate(tables):
+        out[k * n : (k + 1) * n] = table.ids[index[seq], pos // tpb] * tpb + pos % tpb
+    return len(tables) * n
+
+
 def _pages(b: Batch, tokens_per_block: int) -> np.ndarray:
     """KV pages each sequence's KV after the step fills (its first blocks)."""
     return -(-b.seq_kv_tokens // tokens_per_block)

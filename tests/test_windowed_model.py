@@ -103,3 +103,21 @@ def test_a_broken_pool_layout_fails_the_run(model, jobs, reference, name):
         check(
             model, jobs, serve(model, jobs, max_sequence_length=MAX_SEQ, mutate=mutate), reference
         )
+
+
+def test_the_flash_contract_s_kv_cache_groups_give_the_same_model(model, jobs, reference):
+    """The same model through llama_flash: one block table and slot mapping per KV-cache group
+    (a group per window), each layer reading its group's."""
+    served = serve(model, jobs, max_sequence_length=MAX_SEQ, contract="flash")
+    check(model, jobs, served, reference)
+    assert served.crossed and served.reused_slots
+
+
+def test_a_layer_reading_another_group_s_table_fails_the_run(model, jobs, reference):
+    def swap(inputs, fixed):
+        tables = inputs["group_block_tables"]
+        tables[[0, 1]] = tables[[1, 0]].clone()
+
+    served = serve(model, jobs, max_sequence_length=MAX_SEQ, contract="flash", mutate=swap)
+    with pytest.raises(Mismatch):
+        check(model, jobs, served, reference)
