@@ -24,6 +24,8 @@ import numpy as np
 from ..errors import BatchError
 from .values import INT32_MAX, in_range, int_array, is_int, show
 
+LOG_KEEP = 1 << 14  # changed rows the log keeps (a reader behind by more compares versions)
+
 
 def id_limit(num_local_layers: int, num_kv_blocks: int) -> tuple[int, str]:
     """Block ids lie in 0 .. limit - 1: the pool's blocks (0: unbounded), and at most what the
@@ -47,6 +49,38 @@ class BlockTable:
         self.born = np.zeros(slots * lists, np.int64)  # the version a list arrived with
         self.n_lists = np.zeros(slots, np.int64)  # 1 (shared by the beams) or the beam width
         self.clock = 0
+        # the rows whose list changed, in order (log[i] is change log_base + i): a reader that
+        # remembers where it stopped rewrites only what changed since (``changed_since``)
+        self.log: list[int] = []
+        self.log_base = 0
+
+    @property
+    def log_end(self) -> int:
+        """The position after the last change logged."""
+        return self.log_base + len(self.log)
+
+    def changed_since(self, position: int) -> list[int] | None:
+        """The rows changed since log position `position` (repeats possible), or None when
+        the log no longer reaches back that far (the reader then compares versions)."""
+        if position < self.log_base:
+            return None
+        return self.log[position - self.log_base :]
+
+    def _logged(self, rows: list[int]) -> None:
+        self.log += rows
+        if len(self.log) > LOG_KEEP:
+            self._trim()
+
+    def _log_one(self, row: int) -> None:
+        self.log.append(row)
+        if len(self.log) > LOG_KEEP:
+            self._trim()
+
+    def _trim(self) -> None:
+        """Keep the recent half: a reader that far behind compares versions."""
+        drop = len(self.log) // 2
+        del self.log[:drop]
+        self.log_base += drop
 
     def check(
         self, lists: Any, beams: int, w: str
@@ -67,6 +101,7 @@ class BlockTable:
         self.n_lists[slot] = len(arrays)
         self._bump(base, base + self.lists)
         self.born[base : base + self.lists] = self.clock
+        self._logged(list(range(base, base + self.lists)))
 
     def lists_of(self, slot: int) -> list[list[int]]:
         """The slot's lists, as lists of ids (copies)."""
@@ -105,6 +140,7 @@ class BlockTable:
             self.count[base] = after
             self.clock += 1
             self.version[base] = self.clock
+            self._log_one(base)
             return [(base, before)]
         if type(new) is not list:
             try:
@@ -127,6 +163,7 @@ class BlockTable:
             self.count[row] = before + len(a)
             done.append((row, before))
         self._bump(base, base + n)
+        self._logged(list(range(base, base + n)))
         return done
 
     def append_many(self, blocks: Mapping[Any, Any], undo: list[tuple[int, int]]) -> bool:
@@ -162,7 +199,9 @@ class BlockTable:
         self.count[rows] = after
         self.clock += 1
         self.version[rows] = self.clock
-        undo += zip(rows.tolist(), before.tolist())
+        changed = rows.tolist()
+        self._logged(changed)
+        undo += zip(changed, before.tolist())
         return True
 
     def undo(self, done: list[tuple[int, int]]) -> None:
@@ -173,6 +212,7 @@ class BlockTable:
             self._bump(row, row + 1)
             # a list taken back is rewritten whole wherever it was written (not as grown)
             self.born[row] = self.clock
+            self._log_one(row)
 
     def _checked(self, values: Any, have: int, w: str) -> np.ndarray | list[int]:
         """`values` as the ids of a list that holds `have` already: at most `width` ids in

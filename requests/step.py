@@ -318,7 +318,7 @@ def _grow(
         for slot, new in blocks.items():
             t.entry(slot, "blocks")
             w = f"step(): blocks[{slot}]"
-            if isinstance(new, Mapping):  # {window: ids}, the model's one window
+            if type(new) is not list and isinstance(new, Mapping):  # {window: ids}, one window
                 new = window_lists(new, [win for win, _ in t.kv_windows], w)[t.kv_windows[0][0]]
             pairs += kv.append(int(slot), new, w)
     finally:

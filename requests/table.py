@@ -89,10 +89,10 @@ class Entry:
         return {w: table.lists_of(self.seq_slot) for w, table in self._tables}
 
     def held(self, tables: tuple[tuple[int, BlockTable], ...]) -> None:
-        """The block tables (window, table) hold the lists from now on (none: no longer, they
-        are kept as they are: the request left)."""
-        if not tables and self._tables:
-            self._blocks = self.kv_block_ids
+        """The block tables (window, table) hold the lists from now on (none: the request
+        left, and its entry no longer names any)."""
+        if not tables:
+            self._blocks = None
         self._tables = tables
 
     def __getattr__(self, name: str) -> Any:  # a field no step changes: the request's own
@@ -189,7 +189,9 @@ class RequestTable:
             ids = request.kv_block_ids
             beams = int(request.beam_width)
             blocks: Any
-            if len(self.kvs) > 1 or (self.kv is not None and isinstance(ids, Mapping)):
+            if len(self.kvs) > 1 or (
+                self.kv is not None and type(ids) is not list and isinstance(ids, Mapping)
+            ):
                 # one set of lists per window (with one window, either form)
                 per = window_lists(ids, [win for win, _ in self.kv_windows], w)
                 checked = [

@@ -399,7 +399,10 @@ def _in_flight(
     """Requests in flight: the first pool of each window from that window's block table,
     then the window's other pools from it."""
     n = len(flight.index) * 2 * width
-    for k, table in enumerate(flight.per_window()):
+    if not flight.tables:  # one window: its first pool is pool 0
+        from_slots(kept, flight.blocks, flight.index, out, 0, width, 2 * pool_layers[0])
+        return other_pools(out, n, width, pool_layers, pool_windows)
+    for k, table in enumerate(flight.tables):
         p = pool_windows.index(k)  # the window's first pool
         from_slots(kept, table, flight.index, out, p * n, width, 2 * pool_layers[p])
     return other_pools(out, n, width, pool_layers, pool_windows)
@@ -415,6 +418,8 @@ def other_pools(
     """The rows of every pool but the first of its window, from that first pool's `n`
     elements (a window's pools take the same block ids, each encoded with its own layer
     count); returns the elements of all pools."""
+    if len(pool_layers) == 1:
+        return n
     first: dict[int, int] = {}
     for p, (layers, k) in enumerate(zip(pool_layers, pool_windows)):
         if k not in first:
@@ -576,7 +581,8 @@ def _check_flight_cover(d: Decode, flight: FlightLists, width: int, tpb: int) ->
     when the table took them."""
     for k, table in enumerate(flight.per_window()):
         lengths = table.count[flight.index]
-        short = np.flatnonzero((lengths * tpb < d.seq_tokens) & (lengths < width))
+        below = lengths * tpb < d.seq_tokens
+        short = np.flatnonzero(below & (lengths < width)) if below.any() else below[:0]
         if short.size:
             b, seq = d.batch, int(short[0])
             req = int(b.seq_request[seq])

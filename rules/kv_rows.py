@@ -69,10 +69,37 @@ class SlotRows:
         self.version = np.full(len(blocks.count), -1, np.int64)
         self.born = np.full(len(blocks.count), -1, np.int64)  # of the list each row is from
         self.length = np.zeros(len(blocks.count), np.int64)  # the ids each row holds
-        # per buffer half and offset in it (its rows' array, by identity): the block-table row
-        # and the list version each of its sequence rows was copied from, so a step copies
-        # only the rows that differ from what that half holds (written two steps back)
-        self.halves: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.synced = -1  # the table's log position these rows are current to (-1: none)
+        # per buffer half and offset in it: what its sequence rows were copied from (``Held``),
+        # so a step copies only the rows that differ from what that half holds (written two
+        # steps back)
+        self.halves: dict[tuple[int, int], Held] = {}
+
+
+class Held:
+    """What a buffer half's KV rows hold: the rows of the sequences laid out by `index` (the
+    block-table row of each) with every change the table logged before `synced`; `inverse`
+    maps a block-table row to its sequence (made when a decode step first needs it; `shared`
+    where two sequences read one list, and the step copies every row instead)."""
+
+    __slots__ = ("out", "index", "synced", "counts", "inverse", "shared")
+
+    def __init__(self, out: np.ndarray, index: np.ndarray, synced: int, counts: np.ndarray):
+        self.out, self.index, self.synced = out, index, synced
+        self.counts = counts  # the ids each sequence's row holds
+        self.inverse: np.ndarray | None = None
+        self.shared = False
+
+    def sequence_of(self, rows: int) -> np.ndarray | None:
+        """Each block-table row's sequence in this layout (-1: none), made once; None where
+        two sequences read one list."""
+        if self.inverse is None and not self.shared:
+            n = len(self.index)
+            inverse = np.full(rows, -1, np.int64)
+            inverse[self.index] = np.arange(n)
+            self.shared = not bool((inverse[self.index] == np.arange(n)).all())
+            self.inverse = None if self.shared else inverse
+        return self.inverse
 
 
 def sequence_keys(b: Batch) -> list:
@@ -243,48 +270,102 @@ def from_slots(
 ) -> int:
     """Each sequence's row [K/V, width] (sequence i's list at row index[i] of the block table
     `blocks`) into `out` (a buffer half's rows, flat) from `offset` on, from ``SlotRows``, once
-    the slot rows whose list changed since they were written are rewritten from the table; the
-    half is written only where its rows differ from what it held (another sequence, or an
-    older version of its list). Returns the elements written."""
+    the slot rows whose list changed since they were written are rewritten from the table (the
+    table's change log says which). A decode step (the layout this half holds) writes only the
+    rows whose list changed since the half was written; another step copies every row.
+    Returns the elements written."""
     slots = kept.slots.get(id(blocks))
     if slots is None or slots.blocks is not blocks:  # the first step of this table
         slots = kept.slots[id(blocks)] = SlotRows(blocks)
+    n = len(index)
+    rows = out[offset : offset + n * 2 * width].reshape(n, 2, width)
+    key = (id(out), offset)
+    half = slots.halves.get(key)
+    now = blocks.log_end
+    if half is not None and half.out is out and half.index is index:
+        changed = blocks.changed_since(half.synced)
+        inverse = half.sequence_of(len(blocks.count)) if changed is not None else None
+        if inverse is not None:  # a decode step: only the rows whose list changed since,
+            if changed:  # from the block table (the slot rows catch up at the next full step)
+                _write_changed(rows, blocks, inverse, half.counts, changed, per_block)
+            half.synced = now
+            return rows.size
     if slots.rows is None:
         slots.rows = np.zeros((len(blocks.count), 2, width), out.dtype)
-    version = blocks.version[index]
-    stale = index[slots.version[index] != version]
+    _refresh(slots, per_block)
+    # a new layout: every row (one copy; comparing rows first costs more than it saves)
+    np.take(slots.rows, index, axis=0, out=rows, mode="clip")
+    slots.halves[key] = Held(out, index, now, blocks.count[index])
+    return rows.size
+
+
+def _write_changed(
+    rows: np.ndarray,
+    blocks: Any,
+    inverse: np.ndarray,
+    counts: np.ndarray,
+    changed: list[int],
+    per_block: int,
+) -> None:
+    """Each changed block-table row that is a sequence of this layout rewritten from the
+    block table: a list that grew gets its new columns (a decode step's usual change: one
+    block, two scalar writes), one taken back (a failed step) its whole row; a few one by one
+    (cheaper than numpy's calls), more at once. `counts` (the ids each row holds) follows."""
+    if len(changed) <= FEW:
+        ids, count = blocks.ids, blocks.count
+        for r in changed:
+            seq = int(inverse[r])
+            if seq < 0:
+                continue
+            n, had = int(count[r]), int(counts[seq])
+            if n == had + 1:
+                k = int(ids[r, had]) * per_block
+                rows[seq, 0, had] = k
+                rows[seq, 1, had] = k + 1
+            elif n != had:
+                start = had if n > had else 0
+                k = ids[r, start:n] * per_block
+                rows[seq, 0, start:n] = k
+                rows[seq, 1, start:n] = k + 1
+                rows[seq, :, n:] = 0
+            counts[seq] = n
+        return
+    at = inverse[changed]
+    keep = at >= 0
+    at, table_rows = at[keep], np.asarray(changed)[keep]
+    k = blocks.ids[table_rows] * per_block  # past a list's count its ids are 0
+    rows[at, 0] = k
+    k += np.arange(k.shape[1]) < blocks.count[table_rows, None]  # V: one further, where held
+    rows[at, 1] = k
+    counts[at] = blocks.count[table_rows]
+
+
+def _refresh(slots: SlotRows, per_block: int) -> None:
+    """Rewrite the slot rows whose list changed since they were: those the table's log lists
+    since ``slots.synced``, or, when it reaches back no further, those whose version moved."""
+    blocks = slots.blocks
+    changed = blocks.changed_since(slots.synced) if slots.synced >= 0 else None
+    if changed is None:
+        stale = np.flatnonzero(slots.version != blocks.version)
+    elif not changed:
+        return
+    elif len(changed) <= FEW:
+        _rewrite_few(slots, list(dict.fromkeys(changed)), per_block)
+        slots.synced = blocks.log_end
+        return
+    else:
+        stale = np.unique(np.array(changed, np.int64))
     if len(stale) > FEW:  # many: whole rows, vectorised
         k = blocks.ids[stale] * per_block  # past a list's count its ids are 0
-        slots.rows[stale, 0] = k
+        slots.rows[stale, 0] = k  # type: ignore[index]
         k += np.arange(k.shape[1]) < blocks.count[stale, None]  # V: one further, where held
-        slots.rows[stale, 1] = k
+        slots.rows[stale, 1] = k  # type: ignore[index]
         slots.version[stale] = blocks.version[stale]
         slots.born[stale] = blocks.born[stale]
         slots.length[stale] = blocks.count[stale]
     elif len(stale):
         _rewrite_few(slots, stale.tolist(), per_block)
-    n = len(index)
-    rows = out[offset : offset + n * 2 * width].reshape(n, 2, width)
-    half = slots.halves.get((id(out), offset))
-    if half is None or half[0] is not out:  # this half holds no row known here
-        np.take(slots.rows, index, axis=0, out=rows, mode="clip")
-    else:
-        _, held, held_version = half
-        if held is index:  # the same rows (a decode step): those whose list changed
-            at = np.flatnonzero(held_version != version)
-        else:
-            m = min(n, len(held))
-            differs = (held[:m] != index[:m]) | (held_version[:m] != version[:m])
-            at = np.flatnonzero(differs)
-            if n > m:  # rows the half did not hold
-                at = np.concatenate((at, np.arange(m, n)))
-        if len(at) == n:
-            np.take(slots.rows, index, axis=0, out=rows, mode="clip")
-        elif len(at):
-            rows[at] = slots.rows[index[at]]
-    # what the half holds now (the rows past the step: padded, or stale)
-    slots.halves[(id(out), offset)] = (out, index, version)
-    return rows.size
+    slots.synced = blocks.log_end
 
 
 def forget_halves(kept: KeptRows) -> None:
