@@ -82,15 +82,17 @@ class Held:
     maps a block-table row to its sequence (made when a decode step first needs it; `shared`
     where two sequences read one list, and the step copies every row instead)."""
 
-    __slots__ = ("out", "index", "synced", "counts", "inverse", "shared")
+    __slots__ = ("out", "index", "synced", "held", "inverse", "counts", "shared")
 
-    def __init__(self, out: np.ndarray, index: np.ndarray, synced: int, counts: np.ndarray):
+    def __init__(self, out: np.ndarray, index: np.ndarray, synced: int, held: np.ndarray):
         self.out, self.index, self.synced = out, index, synced
-        self.counts = counts  # the ids each sequence's row holds
-        self.inverse: np.ndarray | None = None
+        self.held = held  # the ids each sequence's row held when the layout was written
+        # made when a decode step first needs them (plain lists: a few are read one by one)
+        self.inverse: list[int] | None = None  # each block-table row's sequence (-1: none)
+        self.counts: list[int] = []  # the ids each sequence's row holds
         self.shared = False
 
-    def sequence_of(self, rows: int) -> np.ndarray | None:
+    def sequence_of(self, rows: int) -> list[int] | None:
         """Each block-table row's sequence in this layout (-1: none), made once; None where
         two sequences read one list."""
         if self.inverse is None and not self.shared:
@@ -98,7 +100,8 @@ class Held:
             inverse = np.full(rows, -1, np.int64)
             inverse[self.index] = np.arange(n)
             self.shared = not bool((inverse[self.index] == np.arange(n)).all())
-            self.inverse = None if self.shared else inverse
+            if not self.shared:
+                self.inverse, self.counts = inverse.tolist(), self.held.tolist()
         return self.inverse
 
 
@@ -302,8 +305,8 @@ def from_slots(
 def _write_changed(
     rows: np.ndarray,
     blocks: Any,
-    inverse: np.ndarray,
-    counts: np.ndarray,
+    inverse: list[int],
+    counts: list[int],
     changed: list[int],
     per_block: int,
 ) -> None:
@@ -314,10 +317,10 @@ def _write_changed(
     if len(changed) <= FEW:
         ids, count = blocks.ids, blocks.count
         for r in changed:
-            seq = int(inverse[r])
+            seq = inverse[r]
             if seq < 0:
                 continue
-            n, had = int(count[r]), int(counts[seq])
+            n, had = int(count[r]), counts[seq]
             if n == had + 1:
                 k = int(ids[r, had]) * per_block
                 rows[seq, 0, had] = k
@@ -330,14 +333,17 @@ def _write_changed(
                 rows[seq, :, n:] = 0
             counts[seq] = n
         return
-    at = inverse[changed]
-    keep = at >= 0
-    at, table_rows = at[keep], np.asarray(changed)[keep]
+    pairs = [(inverse[r], r) for r in dict.fromkeys(changed) if inverse[r] >= 0]
+    if not pairs:
+        return
+    at = np.array([s for s, _ in pairs], np.int64)
+    table_rows = np.array([r for _, r in pairs], np.int64)
     k = blocks.ids[table_rows] * per_block  # past a list's count its ids are 0
     rows[at, 0] = k
     k += np.arange(k.shape[1]) < blocks.count[table_rows, None]  # V: one further, where held
     rows[at, 1] = k
-    counts[at] = blocks.count[table_rows]
+    for (seq, _), n in zip(pairs, blocks.count[table_rows].tolist()):
+        counts[seq] = n
 
 
 def _refresh(slots: SlotRows, per_block: int) -> None:
