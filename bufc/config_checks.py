@@ -39,17 +39,25 @@ def check_int(config: Any, name: str, *, minimum: int = 0, errors: list[str]) ->
         errors.append(f"{name} must be below 2**62, got {value}")
 
 
+def _sequence(config: Any, name: str, what: str, errors: list[str]) -> tuple | None:
+    """The parameter `name` read once as a tuple (not a string), or None with the problem
+    added to `errors`."""
+    value = getattr(config, name)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        errors.append(f"{name} must be a sequence of {what}, got {short(value)}")
+        return None
+    try:
+        return tuple(value)
+    except Exception as exc:  # noqa: BLE001 - any failure to read it is the caller's value
+        errors.append(f"{name} could not be read as a sequence of {what}: {exc}")
+        return None
+
+
 def check_ints(config: Any, name: str, *, minimum: int = 0, errors: list[str]) -> None:
     """A sequence of integers (numpy integers too; not bools), each in [minimum, INT_LIMIT),
     stored as a tuple of ints (an iterator is read once, before it is checked)."""
-    value = getattr(config, name)
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        errors.append(f"{name} must be a sequence of ints, got {short(value)}")
-        return
-    try:
-        value = tuple(value)
-    except Exception as exc:  # noqa: BLE001 - any failure to read it is the caller's value
-        errors.append(f"{name} could not be read as a sequence of ints: {exc}")
+    value = _sequence(config, name, "ints", errors)
+    if value is None:
         return
     if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in value):
         errors.append(f"{name} must be a sequence of ints, got {short(value)}")
@@ -72,14 +80,8 @@ def check_bool(config: Any, name: str, errors: list[str]) -> None:
 def check_names(config: Any, name: str, allowed: tuple[str, ...], errors: list[str]) -> None:
     """A sequence of distinct names from `allowed`, stored as a tuple (an iterator is read
     once, before it is checked)."""
-    value = getattr(config, name)
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        errors.append(f"{name} must be a sequence of names, got {short(value)}")
-        return
-    try:
-        value = tuple(value)
-    except Exception as exc:  # noqa: BLE001 - any failure to read it is the caller's value
-        errors.append(f"{name} could not be read as a sequence of names: {exc}")
+    value = _sequence(config, name, "names", errors)
+    if value is None:
         return
     object.__setattr__(config, name, value)
     if not all(isinstance(v, str) for v in value):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,118 +85,61 @@ def encode(block: int, layers_in_pool: int, field: int, kv_factor: int = 2) -> i
 
 
 # ---------------------------------------------------------------- Config derivations
-# Each is called once, when a family's Config is built, with the parameters it reads.
+# Each is called once, when a family's Config is built, with the Config values its `derive:`
+# entry reads (by keyword: those of ``rank_pools``); an empty list of windows means
+# max_attention_window for every layer, of head counts one count for all.
 
 
-def num_kv_pools(
+def rank_pools(
     *,
     num_local_layers: int,
     kv_heads_per_layer: Sequence[int] = (),
     first_local_layer: int = 0,
     attention_windows: Sequence[int] = (),
     max_attention_window: int = 0,
-) -> int:
-    """Pools of this rank: one per distinct (window, KV heads) pair of its layers."""
-    return len(
-        kv_pools(
-            attention_windows,
-            kv_heads_per_layer,
-            max_attention_window,
-            first_local_layer,
-            num_local_layers,
-        ).layers
-    )
-
-
-def kv_pool_layers(
-    *,
-    num_local_layers: int,
-    kv_heads_per_layer: Sequence[int] = (),
-    first_local_layer: int = 0,
-    attention_windows: Sequence[int] = (),
-    max_attention_window: int = 0,
-) -> tuple[int, ...]:
-    """The rank's layers in each pool (what a block id is multiplied by, times the KV factor)."""
+) -> KvPools:
+    """The pools of this rank from the Config values a derivation reads."""
     return kv_pools(
         attention_windows,
         kv_heads_per_layer,
         max_attention_window,
         first_local_layer,
         num_local_layers,
-    ).layers
+    )
 
 
-def kv_pool_mapping(
-    *,
-    num_local_layers: int,
-    kv_heads_per_layer: Sequence[int] = (),
-    first_local_layer: int = 0,
-    attention_windows: Sequence[int] = (),
-    max_attention_window: int = 0,
-) -> tuple[int, ...]:
+def num_kv_pools(**config: Any) -> int:
+    """Pools of this rank: one per distinct (window, KV heads) pair of its layers."""
+    return len(rank_pools(**config).layers)
+
+
+def kv_pool_layers(**config: Any) -> tuple[int, ...]:
+    """The rank's layers in each pool (what a block id is multiplied by, times the KV factor)."""
+    return rank_pools(**config).layers
+
+
+def kv_pool_mapping(**config: Any) -> tuple[int, ...]:
     """host_kv_cache_pool_mapping, flat: (pool, layer index in the pool) of each local layer."""
-    pools = kv_pools(
-        attention_windows,
-        kv_heads_per_layer,
-        max_attention_window,
-        first_local_layer,
-        num_local_layers,
-    )
-    return tuple(x for pair in pools.mapping for x in pair)
+    return tuple(x for pair in rank_pools(**config).mapping for x in pair)
 
 
-def layer_windows(
-    *,
-    attention_windows: Sequence[int],
-    max_attention_window: int,
-    first_local_layer: int,
-    num_local_layers: int,
-) -> tuple[int, ...]:
-    """host_max_attention_window_sizes: the attention window of each local layer."""
-    return tuple(
-        per_layer(attention_windows, max_attention_window, first_local_layer, num_local_layers)
-    )
-
-
-def kv_pool_windows(
-    *,
-    num_local_layers: int,
-    kv_heads_per_layer: Sequence[int] = (),
-    first_local_layer: int = 0,
-    attention_windows: Sequence[int] = (),
-    max_attention_window: int = 0,
-) -> tuple[int, ...]:
+def kv_pool_windows(**config: Any) -> tuple[int, ...]:
     """Each pool's window, as its index among the rank's distinct windows (ascending): the
     block list the pool's ids come from."""
-    pools = kv_pools(
-        attention_windows,
-        kv_heads_per_layer,
-        max_attention_window,
-        first_local_layer,
-        num_local_layers,
-    )
+    pools = rank_pools(**config)
     order = {w: k for k, w in enumerate(pools.distinct_windows)}
     return tuple(order[w] for w in pools.windows)
 
 
-def window_sizes(
-    *,
-    num_local_layers: int,
-    first_local_layer: int = 0,
-    attention_windows: Sequence[int] = (),
-    max_attention_window: int = 0,
-) -> tuple[int, ...]:
+def layer_windows(**config: Any) -> tuple[int, ...]:
+    """host_max_attention_window_sizes: the attention window of each local layer."""
+    return rank_pools(**config).layer_windows
+
+
+def window_sizes(**config: Any) -> tuple[int, ...]:
     """The distinct attention windows of the rank's layers, ascending: a request carries one
     block list per window."""
-    return tuple(
-        sorted(
-            set(
-                per_layer(
-                    attention_windows, max_attention_window, first_local_layer, num_local_layers
-                )
-            )
-        )
-    )
+    return rank_pools(**config).distinct_windows
 
 
 def widest_window(*, max_attention_window: int, attention_windows: Sequence[int] = ()) -> int:
