@@ -61,17 +61,15 @@ class Plan:
     # each value it copies back (their state entries once they land)
     gather: TokenGather | None = None
     gathered: tuple[np.ndarray, np.ndarray] | None = None
-    table: RequestTable | None = None  # whose list lengths the undo recounts
 
     def undo(self) -> None:
         """The step failed: the block lists and drafts it set are as they were."""
-        _undo(self.undo_blocks, self.undo_drafts, self.table)
+        _undo(self.undo_blocks, self.undo_drafts)
 
 
 def _undo(
     blocks: list[tuple[BlockTable, int, int]],
     drafts: list[tuple[Entry, Any]],
-    t: RequestTable | None = None,
 ) -> None:
     for table, row, before in blocks:
         table.undo([(row, before)])
@@ -155,10 +153,9 @@ def plan(
             generation=generation,
             gather=gather,
             gathered=gathered,
-            table=t,
         )
     except BaseException:
-        _undo(undo_blocks, undo_drafts, t)
+        _undo(undo_blocks, undo_drafts)
         raise
 
 
@@ -368,7 +365,7 @@ def _steady(
     try:
         _grow(t, blocks, undo)
     except BaseException:
-        _undo(undo, [], t)
+        _undo(undo, [])
         raise
     return Plan(
         batch=None,
@@ -385,7 +382,6 @@ def _steady(
         generation=True,
         gather=gather,
         gathered=gathered,
-        table=t,
     )
 
 

@@ -531,10 +531,10 @@ def check_kv_entered(
     new token: the advance form then copies the rows that changed from the table."""
     width, tpb = max_blocks_per_seq, tokens_per_block
     b = d.batch
-    per_block = kv_pool_layers[0] * 2  # the first pool's (the others follow it)
     if b.flight is not None:  # in flight: the ids from the block table, checked when appended
         _check_flight_cover(d, b.flight, width, tpb)
-        return KvEntered(kept, [], b.flight, per_block)
+        return KvEntered(kept, [], b.flight)
+    per_block = kv_pool_layers[0] * 2  # the first pool's (the others follow it)
     # the sequences whose new token is the first of a block (a mask for the usual power of two)
     before = d.seq_tokens - 1
     offset = before & (tpb - 1) if not tpb & (tpb - 1) else before % tpb
@@ -599,17 +599,13 @@ def _check_flight_cover(d: Decode, flight: FlightLists, width: int, tpb: int) ->
 class KvEntered:
     """The KV blocks sequences enter in a decode step, as (sequence, column, index)."""
 
-    __slots__ = ("kept", "new", "flight", "per_block")
+    __slots__ = ("kept", "new", "flight")
 
     def __init__(
-        self,
-        kept: KeptRows,
-        new: list[tuple[int, int, int]],
-        flight: FlightLists | None = None,
-        per_block: int = 0,
+        self, kept: KeptRows, new: list[tuple[int, int, int]], flight: FlightLists | None = None
     ) -> None:
-        # in flight (`flight` set) the rows come from the block table, as a full step's do
-        self.kept, self.new, self.flight, self.per_block = kept, new, flight, per_block
+        # in flight (`flight` set) the rows come from the block tables, as a full step's do
+        self.kept, self.new, self.flight = kept, new, flight
 
 
 def advance_kv(
