@@ -380,7 +380,7 @@ class Executor:
             rows = step.sizes.num_logits
             logits = step.outputs["logits"][:, : self.config.vocab_size]
             sampled.index_copy_(0, seq_slots[:rows].long(), logits.argmax(dim=-1))
-            parity = step_index % 2
+            parity ^= 1  # per step run: step_index also counts idle steps
             copies[parity].copy_(sampled, non_blocking=cuda)
             event = landed[parity]
             if event is not None:
