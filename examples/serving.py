@@ -136,12 +136,21 @@ class Served:
     wall_s: list[float] = dataclasses.field(default_factory=list)  # per step, loop to loop
 
 
-@dataclasses.dataclass(eq=False)
-class _Flight:
-    job: Job
-    blocks: list[int]
-    position: int = 0  # prompt tokens computed
-    generated: int = 0
+class _Slots:
+    """The requests in flight, per seq slot (numpy columns, so that a step's bookkeeping is a
+    few array operations whatever the batch): prompt length, prompt tokens computed, tokens
+    generated, tokens to generate, request id; each slot's block ids (Python lists)."""
+
+    def __init__(self, size: int) -> None:
+        self.prompt_len = np.zeros(size, np.int64)
+        self.position = np.zeros(size, np.int64)
+        self.generated = np.zeros(size, np.int64)
+        self.max_new = np.zeros(size, np.int64)
+        self.rid = np.full(size, -1, np.int64)
+        self.decoding = np.zeros(size, bool)
+        self.blocks: list[list[int]] = [[] for _ in range(size)]
+        self.held = np.zeros(size, np.int64)  # len(blocks[slot])
+        self.prefilling: dict[int, Job] = {}  # slots in their context phase, arrival order
 
 
 class Server:
@@ -189,36 +198,34 @@ class Server:
         on_step: Callable[[int, StepRecord], None] | None = None,
     ) -> Served:
         """Serve `jobs` (taken in order as slots free, from their arrival step on) until none
-        is left, or for `max_steps` steps. `record` keeps every token (the host reads them
-        either way, one step late)."""
+        is left, or for `max_steps` steps. The host reads each step's tokens one step late;
+        `record` keeps them (`Served.tokens`)."""
         engine, feeder, device = self.engine, self.feeder, self.engine.device
         cuda = device.type == "cuda"
         incoming: Iterator[Job] = iter(jobs)
         ahead: deque[Job] = deque()
         free = list(range(self.max_batch_size - 1, -1, -1))
-        prefilling: dict[int, _Flight] = {}  # in arrival order
-        decoding: dict[int, _Flight] = {}
+        st = _Slots(self.max_batch_size)
         served = Served({}, [])
+        taken: list[tuple[np.ndarray, np.ndarray]] = []  # (request ids, tokens) per step
         sampled = torch.zeros(self.max_batch_size, dtype=torch.int64, device=device)
         copies = [
             torch.zeros(self.max_batch_size, dtype=torch.int64, pin_memory=cuda) for _ in range(2)
         ]
         landed = [torch.cuda.Event() if cuda else None for _ in range(2)]
         events: list[tuple[Any, Any]] = []
-        unread: tuple[int, list[tuple[int, int]]] | None = None
+        unread: tuple[int, np.ndarray, np.ndarray] | None = None  # parity, slots, request ids
         produced_last = False
         step_index = parity = 0
         last_loop = time.perf_counter()
         exhausted = False
 
-        def read(parity: int, producers: list[tuple[int, int]]) -> None:
+        def read(parity: int, slots: np.ndarray, rids: np.ndarray) -> None:
             event = landed[parity]
             if event is not None:
                 event.synchronize()
             if record:
-                values = copies[parity].tolist()
-                for rid, slot in producers:
-                    served.tokens[rid].append(values[slot])
+                taken.append((rids, copies[parity].numpy()[slots]))
 
         while max_steps is None or step_index < max_steps:
             t0 = time.perf_counter()
@@ -234,25 +241,28 @@ class Server:
                     break
                 job = ahead.popleft()
                 slot = free.pop()
-                prefilling[slot] = _Flight(job, [])
-                served.tokens.setdefault(job.rid, [])
+                st.prefilling[slot] = job
+                st.prompt_len[slot], st.position[slot] = len(job.prompt), 0
+                st.generated[slot], st.max_new[slot], st.rid[slot] = 0, job.max_new_tokens, job.rid
                 feeder.add(slot, job.prompt, [])
                 arrived += 1
-            if not prefilling and not decoding:
+            decode = np.flatnonzero(st.decoding)
+            if not st.prefilling and not len(decode):
                 if exhausted and not ahead:
                     break
                 step_index += 1
                 continue
             # the schedule: every generation request one token, prompts chunks of the rest
-            budget = self.token_budget - len(decoding)
+            budget = self.token_budget - len(decode)
             chunks: dict[int, int] = {}
-            for slot, a in prefilling.items():
-                n = min(len(a.job.prompt) - a.position, self.chunk_size, budget)
+            for slot in st.prefilling:
+                n = min(int(st.prompt_len[slot] - st.position[slot]), self.chunk_size, budget)
                 if n <= 0:
                     break
                 chunks[slot] = n
                 budget -= n
-            blocks = self._grow(prefilling, decoding, chunks)
+            lengths = st.prompt_len[decode] + st.generated[decode]  # KV after the step
+            blocks = self._grow(st, decode, lengths, chunks)
             tokens = sampled if produced_last else None
             t1 = time.perf_counter()
             prepared = feeder.step(tokens, chunks, blocks)
@@ -276,31 +286,31 @@ class Server:
                 end.record()
                 events.append((start, end))
             # the counts move on now; the values are read when they land
-            producers = [(a.job.rid, slot) for slot, a in decoding.items()]
-            kv_tokens = sum(len(a.job.prompt) + a.generated for a in decoding.values())
-            for a in decoding.values():
-                a.generated += 1
+            kv_tokens = int(lengths.sum())
+            st.generated[decode] += 1
+            completed = []
             for slot, n in chunks.items():
-                a = prefilling[slot]
-                a.position += n
-                kv_tokens += a.position
-                if a.position == len(a.job.prompt):
-                    a.generated = 1
-                    producers.append((a.job.rid, slot))
-                    decoding[slot] = prefilling.pop(slot)
+                st.position[slot] += n
+                kv_tokens += int(st.position[slot])
+                if st.position[slot] == st.prompt_len[slot]:
+                    del st.prefilling[slot]
+                    st.generated[slot] = 1
+                    st.decoding[slot] = True
+                    completed.append(slot)
+            producers = (
+                np.concatenate((decode, completed)).astype(np.int64) if completed else decode
+            )
             if unread is not None:  # the last step's tokens (model t runs meanwhile)
                 read(*unread)
-            unread = (parity, producers)
-            finished = 0
-            for _, slot in producers:
-                a = decoding[slot]
-                if a.generated == a.job.max_new_tokens:
-                    del decoding[slot]
-                    feeder.finish(slot)
-                    self.allocator.release(a.blocks)
-                    free.append(slot)
-                    finished += 1
-            produced_last = any(slot in decoding for _, slot in producers)
+            unread = (parity, producers, st.rid[producers])
+            done = producers[st.generated[producers] == st.max_new[producers]]
+            for slot in done.tolist():
+                st.decoding[slot] = False
+                feeder.finish(slot)
+                self.allocator.release(st.blocks[slot])
+                st.blocks[slot], st.held[slot] = [], 0
+                free.append(slot)
+            produced_last = len(done) < len(producers)
             now = time.perf_counter()
             rec = StepRecord(
                 len(chunks),
@@ -308,7 +318,7 @@ class Server:
                 prepared.batch.inputs["input_ids"].shape[0],
                 kv_tokens,
                 arrived,
-                finished,
+                len(done),
                 prepared.generation_only and self.graphs.enabled,
                 t2 - t1,
                 now - t0,
@@ -321,6 +331,14 @@ class Server:
             step_index += 1
         if unread is not None:
             read(*unread)
+        if taken:
+            rids = np.concatenate([r for r, _ in taken])
+            values = np.concatenate([v for _, v in taken])
+            order = np.argsort(rids, kind="stable")  # each request's tokens in step order
+            rids, values = rids[order], values[order]
+            cuts = np.flatnonzero(np.diff(rids)) + 1
+            for r, v in zip(np.split(rids, cuts), np.split(values, cuts)):
+                served.tokens[int(r[0])] = v.tolist()
         if events:
             torch.cuda.synchronize()
             served.gpu_s = [a.elapsed_time(b) / 1e3 for a, b in events]
@@ -330,24 +348,20 @@ class Server:
         return served
 
     def _grow(
-        self,
-        prefilling: dict[int, _Flight],
-        decoding: dict[int, _Flight],
-        chunks: dict[int, int],
+        self, st: _Slots, decode: np.ndarray, lengths: np.ndarray, chunks: dict[int, int]
     ) -> dict[int, list[int]]:
         """The KV blocks each scheduled sequence needs for its tokens after the step,
         allocated now: {slot: the ids appended}."""
         tpb, grown = self.tpb, {}
-        for slot, a in decoding.items():
-            if (len(a.job.prompt) + a.generated + tpb - 1) // tpb > len(a.blocks):
-                grown[slot] = self.allocator.allocate(1)
-                a.blocks += grown[slot]
+        for slot in decode[(lengths + tpb - 1) // tpb > st.held[decode]].tolist():
+            grown[slot] = self.allocator.allocate(1)
         for slot, n in chunks.items():
-            a = prefilling[slot]
-            need = (a.position + n + tpb - 1) // tpb - len(a.blocks)
+            need = (int(st.position[slot]) + n + tpb - 1) // tpb - int(st.held[slot])
             if need > 0:
                 grown[slot] = self.allocator.allocate(need)
-                a.blocks += grown[slot]
+        for slot, ids in grown.items():
+            st.blocks[slot] += ids
+            st.held[slot] += len(ids)
         return grown
 
 
