@@ -40,7 +40,7 @@ def model_1b(args: argparse.Namespace) -> torch.nn.Module:
     )
     torch.manual_seed(0)
     with torch.device(args.device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        model = LlamaForCausalLM(config).to(getattr(args, "dtype", torch.bfloat16)).eval()
     return model
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -41,19 +42,11 @@ class _Req:
 class PlainFeeder:
     name = "plain"
 
-    def __init__(
-        self,
-        *,
-        max_batch_size: int,
-        max_num_tokens: int,
-        max_blocks_per_seq: int,
-        tokens_per_block: int,
-        vocab_size: int,
-        logits_dtype: torch.dtype,
-        device: str | torch.device,
-    ) -> None:
-        S, N, W = max_batch_size, max_num_tokens, max_blocks_per_seq
-        self.W, self.bs, self.device = W, tokens_per_block, torch.device(device)
+    def __init__(self, config: Any, device: str | torch.device) -> None:
+        """Sized by a llama_flash Config, as bufc's feeder is."""
+        c = config
+        S, N, W = c.max_batch_size, c.max_num_tokens, c.max_blocks_per_seq
+        self.W, self.bs, self.device = W, c.tokens_per_block, torch.device(device)
         i32 = dict(dtype=torch.int32, device=self.device)
         self.buf = {
             "input_ids": torch.zeros(N, **i32),
@@ -65,7 +58,7 @@ class PlainFeeder:
             "logits_indices": torch.zeros(S, **i32),
         }
         self.seq_slots = torch.zeros(S, **i32)
-        self.logits = torch.zeros(S, vocab_size, dtype=logits_dtype, device=self.device)
+        self.logits = torch.zeros(S, c.vocab_size_padded, dtype=c.logits_dtype, device=self.device)
         self.reqs: dict[int, _Req] = {}
         self.waiting: dict[int, None] = {}  # context phase, arrival order
         self.decoding: dict[int, None] = {}

@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from overlap import model_1b  # noqa: E402
 from plain_flash import PlainFeeder  # noqa: E402
 
 from bufc.examples.fast_llama import FastLlama  # noqa: E402
@@ -43,23 +44,6 @@ from bufc.examples.serving import BufcFeeder, Server, churn_jobs  # noqa: E402
 from bufc.generated import llama_flash  # noqa: E402
 
 CHUNK = 256  # prompt tokens per chunk
-
-
-def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=4096,
-    )
-    torch.manual_seed(0)
-    with torch.device(args.device):
-        return LlamaForCausalLM(config).to(args.dtype).eval()
 
 
 def hbm_bandwidth(device: str) -> float:
@@ -98,18 +82,7 @@ def run_case(engine, args, batch: int, case: str, feeder_name: str, bandwidth: f
         tokens_per_block=args.tokens_per_block,
         logits_dtype=args.dtype,
     )
-    if feeder_name == "bufc":
-        feeder = BufcFeeder(config, args.device)
-    else:
-        feeder = PlainFeeder(
-            max_batch_size=batch,
-            max_num_tokens=budget,
-            max_blocks_per_seq=config.max_blocks_per_seq,
-            tokens_per_block=args.tokens_per_block,
-            vocab_size=config.vocab_size_padded,
-            logits_dtype=args.dtype,
-            device=args.device,
-        )
+    feeder = (BufcFeeder if feeder_name == "bufc" else PlainFeeder)(config, args.device)
     server = Server(
         engine,
         feeder,
@@ -182,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench/serving.py needs a CUDA device (or --device cpu --tiny)", file=sys.stderr)
         return 1
-    model = build_model(args)
+    model = model_1b(args)  # in args.dtype
     params = sum(x.numel() for x in model.parameters())
     engine = FastLlama(model, max_positions=4096)
     del model

@@ -20,6 +20,7 @@ import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -421,11 +422,7 @@ class Executor:
         if unread is not None:
             read(*unread)
         if timings:
-            torch.cuda.synchronize()
-            result.gpu_s = [a.elapsed_time(b) / 1e3 for a, b in timings]
-            result.idle_s = [0.0] + [
-                b.elapsed_time(a) / 1e3 for (_, b), (a, _) in zip(timings, timings[1:])
-            ]
+            result.gpu_s, result.idle_s = gpu_times(timings)
         return result
 
     def _sample(self, step) -> list[int]:
@@ -464,6 +461,15 @@ class Executor:
 
     def _grow(self, a: _Active, tokens: int) -> None:
         grow_blocks(a.blocks, tokens, self.config.tokens_per_block, self.allocator)
+
+
+def gpu_times(events: list[tuple[Any, Any]]) -> tuple[list[float], list[float]]:
+    """Each step's GPU time from its (start, end) CUDA events, and the GPU's idle time before
+    it (from the last step's end; 0 for the first), in seconds (waits for the device)."""
+    torch.cuda.synchronize()
+    gpu = [a.elapsed_time(b) / 1e3 for a, b in events]
+    idle = [0.0] + [b.elapsed_time(a) / 1e3 for (_, b), (a, _) in zip(events, events[1:])]
+    return gpu, idle
 
 
 def _done(

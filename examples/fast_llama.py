@@ -6,8 +6,9 @@ the context sequences (they come first), their tokens, and the longest query and
 (``Batch``). Weights are Hugging Face ``LlamaForCausalLM``'s, fused once (Q/K/V in one matrix,
 gate and up in another) in the model's dtype (bf16 for speed).
 
-- K/V of every token are written into the paged cache through ``slot_mapping`` (a negative slot,
-  a padded token, lands in a trash row).
+- K/V of every token are written into the paged cache (``flash_llama.FlashKVCache``: one pool
+  per layer, vLLM's layout) through ``slot_mapping`` (a negative slot, a padded token, lands in
+  its trash row).
 - Context chunks attend through ``prefill`` over their K/V gathered from the cache in sequence
   order: torch's FlashAttention (``varlen_attn``) on CUDA in float16/bfloat16, the same packed
   computation in plain torch otherwise (``varlen_reference``).
@@ -27,6 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .flash_llama import FlashKVCache, _varlen_attn
+
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
@@ -39,49 +42,6 @@ class Batch:
     context_kv: int  # their KV positions after the step, together
     max_query_len: int
     max_seq_len: int
-
-
-class FastKVCache:
-    """All layers' paged K/V in one tensor, ``[layers, 2, blocks + 1, block_size, kv_heads,
-    head_dim]`` (vLLM's per-layer layout, stacked). Slot s is row s % block_size of block s //
-    block_size; the extra last block takes the writes of padded tokens (slot -1)."""
-
-    def __init__(
-        self,
-        num_blocks: int,
-        num_layers: int,
-        block_size: int,
-        kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: str | torch.device,
-    ) -> None:
-        self.block_size = block_size
-        self.trash = num_blocks * block_size
-        self.kv = torch.zeros(
-            num_layers,
-            2,
-            num_blocks + 1,
-            block_size,
-            kv_heads,
-            head_dim,
-            dtype=dtype,
-            device=device,
-        )
-
-    def slots(self, slot_mapping: torch.Tensor) -> torch.Tensor:
-        """The rows a step's tokens write: their slots, the trash row for a negative one."""
-        return torch.where(slot_mapping >= 0, slot_mapping, self.trash).long()
-
-    def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        flat = self.kv[layer].flatten(1, 2)  # [2, slots, kv_heads, head_dim]
-        flat[0].index_copy_(0, rows, k)
-        flat[1].index_copy_(0, rows, v)
-
-    def bytes_per_token(self) -> int:
-        """Bytes of K and V one token holds, over all layers."""
-        layers, _, _, _, heads, dim = self.kv.shape
-        return layers * 2 * heads * dim * self.kv.element_size()
 
 
 def paged_decode_reference(
@@ -140,7 +100,6 @@ def _kernels(device: torch.device, dtype: torch.dtype) -> tuple[Callable, Callab
     reference prefill): the fast ones on CUDA, where they can run."""
     if device.type != "cuda":
         return paged_decode_reference, None
-    from .flash_llama import _varlen_attn
     from .paged_decode import paged_decode
 
     return paged_decode, (_varlen_attn() if dtype in (torch.float16, torch.bfloat16) else None)
@@ -202,21 +161,21 @@ class FastLlama:
         return x * cos + rotated * sin
 
     @torch.no_grad()
-    def forward(self, batch: Batch, cache: FastKVCache, logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: Batch, cache: FlashKVCache, logits: torch.Tensor) -> torch.Tensor:
         """Any step, eagerly: its logit rows into `logits` ([rows, vocab] or wider); returns
         them."""
         return self._run(batch, cache, logits)
 
     @torch.no_grad()
     def decode(
-        self, inputs: dict[str, torch.Tensor], cache: FastKVCache, logits: torch.Tensor
+        self, inputs: dict[str, torch.Tensor], cache: FlashKVCache, logits: torch.Tensor
     ) -> torch.Tensor:
         """A generation-only step at the shapes of `inputs` (a batch bucket: padded rows have
         seq_lens 0 and slot -1), with no host read: capturable as a CUDA graph."""
         batch = Batch(inputs, 0, 0, 0, 1, 0)
         return self._run(batch, cache, logits)
 
-    def _run(self, batch: Batch, cache: FastKVCache, logits: torch.Tensor) -> torch.Tensor:
+    def _run(self, batch: Batch, cache: FlashKVCache, logits: torch.Tensor) -> torch.Tensor:
         inp = batch.inputs
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         n_ctx, n_ctx_tok = batch.num_context, batch.context_tokens
@@ -225,7 +184,7 @@ class FastLlama:
         x = self.embed[ids.long()]
         positions = inp["positions"].long()
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        rows = cache.slots(inp["slot_mapping"])
+        rows = cache.rows(inp["slot_mapping"])
         table, seq_lens = inp["block_table"], inp["seq_lens"]
         prefill = self._prefill_index(batch, cache) if n_ctx else None
         out = torch.empty(tokens, heads, dim, dtype=x.dtype, device=x.device)
@@ -233,8 +192,8 @@ class FastLlama:
             qkv = F.linear(self._rms(x, w.norm1), w.qkv).view(tokens, heads + 2 * kv_heads, dim)
             qk = self._rope(qkv[:, : heads + kv_heads], cos, sin)
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
-            cache.write(index, rows, k, v)
-            k_cache, v_cache = cache.kv[index, 0], cache.kv[index, 1]
+            cache.write_rows(index, rows, k, v)
+            k_cache, v_cache = cache.pools[index][0], cache.pools[index][1]
             if prefill is not None:
                 out[:n_ctx_tok] = self._prefill(q[:n_ctx_tok], k_cache, v_cache, batch, prefill)
             if n_ctx_tok < tokens:
@@ -258,7 +217,7 @@ class FastLlama:
             rows.copy_(h @ self.lm_head.t())
         return rows
 
-    def _prefill_index(self, batch: Batch, cache: FastKVCache) -> dict[str, Any]:
+    def _prefill_index(self, batch: Batch, cache: FlashKVCache) -> dict[str, Any]:
         """Once per step: the cache rows of the context sequences' K/V positions, sequence
         after sequence, and their cumulative lengths (what varlen attention reads)."""
         inp, n = batch.inputs, batch.num_context
@@ -302,7 +261,7 @@ class DecodeGraphs:
     and logits of a bucket must keep their addresses (bufc's bucket views do). Off CUDA, or
     with `enabled` False, every step runs eagerly."""
 
-    def __init__(self, engine: FastLlama, cache: FastKVCache, enabled: bool = True) -> None:
+    def __init__(self, engine: FastLlama, cache: FlashKVCache, enabled: bool = True) -> None:
         self.engine, self.cache = engine, cache
         self.enabled = enabled and engine.device.type == "cuda"
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}

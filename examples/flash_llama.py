@@ -46,15 +46,28 @@ class FlashKVCache:
             for _ in range(num_layers)
         ]
 
+    def rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The pool rows a step's tokens write: their slots, the trash row for a negative one
+        (computed once a step, for every layer's write_rows)."""
+        return torch.where(slots >= 0, slots, self.trash).long()
+
+    def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K/V of each token into its pool row (fixed shapes, no host read: CUDA-graph safe)."""
+        pool = self.pools[layer].flatten(1, 2)  # [2, blocks * block_size, heads, dim]
+        pool[0].index_copy_(0, rows, k)
+        pool[1].index_copy_(0, rows, v)
+
     def write_fixed(
         self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """write() with fixed shapes and no host read (CUDA-graph safe): a negative slot's
         K/V land in the trash row."""
-        safe = torch.where(slots >= 0, slots, self.trash)
-        pool = self.pools[layer].flatten(1, 2)
-        pool[0].index_copy_(0, safe, k)
-        pool[1].index_copy_(0, safe, v)
+        self.write_rows(layer, self.rows(slots), k, v)
+
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V one token holds, over all layers."""
+        pool = self.pools[0]
+        return len(self.pools) * 2 * pool[0, 0, 0].numel() * pool.element_size()
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """K/V of each token into its slot; a negative slot (a padded token) writes nothing."""

@@ -29,8 +29,9 @@ import torch
 from bufc.generated import llama_flash
 from bufc.runtime import Request
 
-from .executor import Job
-from .fast_llama import Batch, DecodeGraphs, FastKVCache, FastLlama
+from .executor import Job, gpu_times
+from .fast_llama import Batch, DecodeGraphs, FastLlama
+from .flash_llama import FlashKVCache
 from .paged_cache import BlockAllocator
 
 
@@ -175,7 +176,7 @@ class Server:
         self.token_budget, self.chunk_size = token_budget, chunk_size
         self.tpb = tokens_per_block
         self.allocator = BlockAllocator(num_blocks)
-        self.cache = FastKVCache(
+        self.cache = FlashKVCache(
             num_blocks,
             engine.num_layers,
             tokens_per_block,
@@ -340,11 +341,7 @@ class Server:
             for r, v in zip(np.split(rids, cuts), np.split(values, cuts)):
                 served.tokens[int(r[0])] = v.tolist()
         if events:
-            torch.cuda.synchronize()
-            served.gpu_s = [a.elapsed_time(b) / 1e3 for a, b in events]
-            served.idle_s = [0.0] + [
-                b.elapsed_time(a) / 1e3 for (_, b), (a, _) in zip(events, events[1:])
-            ]
+            served.gpu_s, served.idle_s = gpu_times(events)
         return served
 
     def _grow(

@@ -296,33 +296,10 @@ def from_slots(
     if slots.rows is None:
         slots.rows = np.zeros((len(blocks.count), 2, width), out.dtype)
     _refresh(slots, per_block)
-    changed = blocks.changed_since(half.synced) if half is not None and half.out is out else None
-    if half is None or changed is None:  # a half not written yet (or long ago): every row
-        np.take(slots.rows, index, axis=0, out=rows, mode="clip")
-    else:  # a new layout over this half's last: the rows whose sequence or list changed
-        _patch(rows, slots.rows, index, half.index, changed)
+    # a new layout: every row (one copy; comparing rows first costs more than it saves)
+    np.take(slots.rows, index, axis=0, out=rows, mode="clip")
     slots.halves[key] = Held(out, index, now, blocks.count[index])
     return rows.size
-
-
-def _patch(
-    rows: np.ndarray, table: np.ndarray, index: np.ndarray, held: np.ndarray, changed: list[int]
-) -> None:
-    """A half's rows laid out by `held` brought to the layout `index`: a row is copied from
-    the slot rows `table` where its block-table row differs from the held one or its list
-    changed since the half was written (the `changed` block-table rows); requests that finish
-    and arrive move a few rows, so a churn step copies those, not every row."""
-    n, m = len(index), min(len(index), len(held))
-    stale = index[:m] != held[:m]
-    if changed:
-        mark = np.zeros(len(table), bool)
-        mark[changed] = True
-        stale |= mark[index[:m]]
-    at = np.flatnonzero(stale)
-    if len(at):
-        rows[at] = table[index[at]]
-    if n > m:
-        rows[m:] = table[index[m:]]
 
 
 def _write_changed(

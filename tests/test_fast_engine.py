@@ -55,26 +55,16 @@ def reference(model, jobs):
 
 
 def feeder(name: str):
-    if name == "bufc":
-        config = llama_flash.Config(
-            max_batch_size=SLOTS,
-            max_num_tokens=BUDGET,
-            vocab_size=512,
-            num_layers=2,
-            max_attention_window=WINDOW,
-            tokens_per_block=TPB,
-            logits_dtype=torch.float64,
-        )
-        return BufcFeeder(config, "cpu")
-    return PlainFeeder(
+    config = llama_flash.Config(
         max_batch_size=SLOTS,
         max_num_tokens=BUDGET,
-        max_blocks_per_seq=WINDOW // TPB,
-        tokens_per_block=TPB,
         vocab_size=512,
+        num_layers=2,
+        max_attention_window=WINDOW,
+        tokens_per_block=TPB,
         logits_dtype=torch.float64,
-        device="cpu",
     )
+    return (BufcFeeder if name == "bufc" else PlainFeeder)(config, "cpu")
 
 
 def serve(engine, source, jobs, chunk: int = 24):

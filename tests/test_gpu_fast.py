@@ -63,26 +63,16 @@ def test_triton_decode_kernel_equals_the_reference(dtype, group, block_size):
 
 
 def _feeder(name: str, dtype: torch.dtype):
-    if name == "bufc":
-        config = llama_flash.Config(
-            max_batch_size=SLOTS,
-            max_num_tokens=BUDGET,
-            vocab_size=512,
-            num_layers=2,
-            max_attention_window=WINDOW,
-            tokens_per_block=TPB,
-            logits_dtype=dtype,
-        )
-        return BufcFeeder(config, "cuda")
-    return PlainFeeder(
+    config = llama_flash.Config(
         max_batch_size=SLOTS,
         max_num_tokens=BUDGET,
-        max_blocks_per_seq=WINDOW // TPB,
-        tokens_per_block=TPB,
         vocab_size=512,
+        num_layers=2,
+        max_attention_window=WINDOW,
+        tokens_per_block=TPB,
         logits_dtype=dtype,
-        device="cuda",
     )
+    return (BufcFeeder if name == "bufc" else PlainFeeder)(config, "cuda")
 
 
 def _serve(model, name: str, jobs, graphs: bool = True):
