@@ -5,7 +5,7 @@ writes without bufc, with ordinary Python and torch ops, behind the server's fou
 It keeps each request's prompt, position, generated count and block list in Python objects,
 and every step builds the contract's tensors as Python lists (context requests first, then the
 generation requests), makes one tensor of each and copies it into a persistent device buffer
-(the engine's CUDA graphs read fixed addresses), pads the rows of a bucket, and gathers the
+(the engine's CUDA graphs read fixed addresses), pads the tokens and rows of a bucket, and gathers the
 sampled tokens of the generation rows on the device. It checks nothing.
 """
 
@@ -63,7 +63,7 @@ class PlainFeeder:
         self.waiting: dict[int, None] = {}  # context phase, arrival order
         self.decoding: dict[int, None] = {}
         self.produced: list[tuple[int, _Req]] = []  # the last step's producers, by slot
-        self.rows = 0
+        self.rows = self.tokens = 0
 
     def add(self, slot: int, prompt: Sequence[int], blocks: list[int]) -> None:
         self.reqs[slot] = _Req(list(prompt), list(blocks))
@@ -141,8 +141,8 @@ class PlainFeeder:
                 torch.int32
             )
         self.produced = [(slot, self.reqs[slot]) for slot in decode] + completing
-        self.rows = rows
         tok = len(ids)
+        self.rows, self.tokens = rows, tok
         inputs = {
             "input_ids": self.buf["input_ids"][:tok],
             "positions": self.buf["positions"][:tok],
@@ -160,24 +160,27 @@ class PlainFeeder:
             max(b - a for a, b in zip(starts, starts[1:])),
             max(lens),
         )
-        return Prepared(batch, self.seq_slots, self.logits, rows, n_ctx == 0, self._bucket)
+        return Prepared(batch, self.seq_slots, self.logits, rows, self._bucket)
 
-    def _bucket(self, size: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The buffers at a generation bucket of `size` rows, the rows past the step padded."""
-        n, b = self.rows, self.buf
-        b["seq_lens"][n:size] = 0
-        b["slot_mapping"][n:size] = -1
-        b["block_table"][n:size] = 0
-        b["positions"][n:size] = 0
-        b["input_ids"][n:size] = 0
-        b["logits_indices"][n:size] = torch.arange(n, size, device=self.device, dtype=torch.int32)
+    def _bucket(self, tokens: int, rows: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The buffers at a bucket of `tokens` and `rows`, what lies past the step padded: a
+        padded token writes nowhere (slot -1) and belongs to no sequence, a padded row has no
+        tokens and length 0."""
+        n, t, b = self.rows, self.tokens, self.buf
+        b["input_ids"][t:tokens] = 0
+        b["positions"][t:tokens] = 0
+        b["slot_mapping"][t:tokens] = -1
+        b["query_start_loc"][n + 1 : rows + 1] = t
+        b["seq_lens"][n:rows] = 0
+        b["block_table"][n:rows] = 0
+        b["logits_indices"][n:rows] = 0
         inputs = {
-            "input_ids": b["input_ids"][:size],
-            "positions": b["positions"][:size],
-            "slot_mapping": b["slot_mapping"][:size],
-            "query_start_loc": b["query_start_loc"][: size + 1],
-            "seq_lens": b["seq_lens"][:size],
-            "block_table": b["block_table"][:size],
-            "logits_indices": b["logits_indices"][:size],
+            "input_ids": b["input_ids"][:tokens],
+            "positions": b["positions"][:tokens],
+            "slot_mapping": b["slot_mapping"][:tokens],
+            "query_start_loc": b["query_start_loc"][: rows + 1],
+            "seq_lens": b["seq_lens"][:rows],
+            "block_table": b["block_table"][:rows],
+            "logits_indices": b["logits_indices"][:rows],
         }
-        return inputs, self.logits[:size]
+        return inputs, self.logits[:rows]

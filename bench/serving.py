@@ -3,10 +3,12 @@ parameters with random weights in bf16) through examples/serving.py's server, it
 prepared by bufc's llama_flash buffers or by the plain torch preparation of bench/plain_flash.py,
 each case run for both in turn on the same model.
 
-Cases, for each batch B: `steady` (B requests decode, none leaves: every step is generation-only
-and replays its bucket's CUDA graph) and `churn` (about B // 128 requests, at least 1, finish
-each step and as many arrive with 512-token prompts, prefilled in chunks of 256 beside the
-decode: mixed steps, run eagerly). The tokens stay on the device (overlap); the host reads them
+Cases, for each batch B: `steady` (B requests decode, none leaves: every step is generation-only)
+and `churn` (about B // 128 requests, at least 1, finish each step and as many arrive with
+512-token prompts, prefilled in chunks of 256 beside the decode: mixed steps). Every step
+replays the CUDA graph of its token and batch bucket (`--graph-tokens N`: steps of more tokens
+run eagerly, their prompt chunks through FlashAttention; `--no-graphs`: all eagerly at the
+bucket's shapes). The tokens stay on the device (overlap); the host reads them
 one step late. Over the measured steps (after the warm-up) it reports:
 
 - decode tokens/s: the tokens generated over the wall time of those steps;
@@ -92,6 +94,7 @@ def run_case(engine, args, batch: int, case: str, feeder_name: str, bandwidth: f
         tokens_per_block=args.tokens_per_block,
         num_blocks=batch * (width + 1) + 1,
         graphs=not args.no_graphs,
+        graph_tokens=args.graph_tokens,
     )
     jobs = churn_jobs(batch, changes, args.prompt, args.vocab, seed=batch, steady=steady)
     if args.device == "cuda":
@@ -144,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--no-graphs", action="store_true", help="run decode steps eagerly")
+    p.add_argument("--no-graphs", action="store_true", help="run the bucketed steps eagerly")
+    p.add_argument(
+        "--graph-tokens", type=int, help="steps of more tokens run eagerly (default: none)"
+    )
     p.add_argument("--tiny", action="store_true", help="a tiny float32 model (script check)")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)

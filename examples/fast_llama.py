@@ -15,8 +15,12 @@ gate and up in another) in the model's dtype (bf16 for speed).
 - Generation rows attend through ``paged_decode`` straight from the cache, block by block: the
   Triton kernel of ``paged_decode.py`` on CUDA, ``paged_decode_reference`` otherwise.
 
-``decode`` runs a generation-only step with fixed shapes and no host reads, so one CUDA graph per
-batch bucket replays it (``DecodeGraphs``); mixed and prefill steps run eagerly (``forward``).
+``step`` runs any step with fixed shapes and no host read: every query token attends through
+``paged_decode`` as a row of its own (its sequence's ``block_table`` row, its KV position plus one
+as the length: causal attention over the cache, into which the step's K/V are written first), so
+one CUDA graph per token and batch bucket replays it (``StepGraphs``), mixed steps included.
+``forward`` runs a step eagerly at its own shapes, context chunks through FlashAttention: for
+steps of many prompt tokens, where a query row per token would re-read its sequence's K/V.
 """
 
 from __future__ import annotations
@@ -167,13 +171,31 @@ class FastLlama:
         return self._run(batch, cache, logits)
 
     @torch.no_grad()
-    def decode(
+    def step(
         self, inputs: dict[str, torch.Tensor], cache: FlashKVCache, logits: torch.Tensor
     ) -> torch.Tensor:
-        """A generation-only step at the shapes of `inputs` (a batch bucket: padded rows have
-        seq_lens 0 and slot -1), with no host read: capturable as a CUDA graph."""
-        batch = Batch(inputs, 0, 0, 0, 1, 0)
+        """Any step at the shapes of `inputs` (a token and batch bucket: padded tokens have
+        slot -1 and lie past query_start_loc's last value, padded rows have seq_lens 0), with
+        no host read: capturable as a CUDA graph. Each query token is a ``paged_decode`` row
+        (``token_rows``)."""
+        table, lens = self.token_rows(inputs)
+        batch = Batch({**inputs, "block_table": table, "seq_lens": lens}, 0, 0, 0, 1, 0)
         return self._run(batch, cache, logits)
+
+    @staticmethod
+    def token_rows(inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query token as a decode row of its own: its sequence's block_table row, and
+        its KV position plus one (it attends to its sequence's positions up to its own), from
+        the contract's query_start_loc and seq_lens alone (token j of sequence s, whose query
+        ends at query_start_loc[s + 1], sits at seq_lens[s] - query_start_loc[s + 1] + j). A
+        token past the step's (query_start_loc's last value) gets length 0: zeros."""
+        starts, seq_lens = inputs["query_start_loc"], inputs["seq_lens"]
+        tokens = inputs["input_ids"].shape[0]
+        t = torch.arange(tokens, device=starts.device, dtype=starts.dtype)
+        seq = torch.searchsorted(starts[1:], t, right=True).clamp_(max=seq_lens.shape[0] - 1)
+        lens = seq_lens[seq] - starts[1:][seq] + t + 1
+        lens = torch.where(t < starts[-1], lens, torch.zeros_like(lens))
+        return inputs["block_table"][seq], lens
 
     def _run(self, batch: Batch, cache: FlashKVCache, logits: torch.Tensor) -> torch.Tensor:
         inp = batch.inputs
@@ -255,36 +277,36 @@ class FastLlama:
         )
 
 
-class DecodeGraphs:
-    """One CUDA graph per batch bucket of ``FastLlama.decode``, captured on a bucket's first
-    step (after one eager warm-up run off the capture stream) and replayed after: the inputs
-    and logits of a bucket must keep their addresses (bufc's bucket views do). Off CUDA, or
-    with `enabled` False, every step runs eagerly."""
+class StepGraphs:
+    """One CUDA graph per (tokens, rows) bucket of ``FastLlama.step``, captured on a bucket's
+    first step (after one eager warm-up run off the capture stream) and replayed after: the
+    inputs and logits of a bucket must keep their addresses (bufc's bucket views do). Off CUDA,
+    or with `enabled` False, every step runs eagerly at the same shapes."""
 
     def __init__(self, engine: FastLlama, cache: FlashKVCache, enabled: bool = True) -> None:
         self.engine, self.cache = engine, cache
         self.enabled = enabled and engine.device.type == "cuda"
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: Any = None
 
     def run(
-        self, bucket: int, inputs: dict[str, torch.Tensor], logits: torch.Tensor
+        self, bucket: tuple[int, int], inputs: dict[str, torch.Tensor], logits: torch.Tensor
     ) -> torch.Tensor:
-        """Bucket `bucket`'s decode step over `inputs` (views at the bucket's shapes)."""
+        """The step over `inputs` (views at `bucket`'s shapes: tokens, rows)."""
         if not self.enabled:
-            return self.engine.decode(inputs, self.cache, logits)
+            return self.engine.step(inputs, self.cache, logits)
         held = self.graphs.get(bucket)
         if held is None:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm up off the capture stream, as torch asks
-                self.engine.decode(inputs, self.cache, logits)
+                self.engine.step(inputs, self.cache, logits)
             torch.cuda.current_stream().wait_stream(side)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self.engine.decode(inputs, self.cache, logits)
+                out = self.engine.step(inputs, self.cache, logits)
             held = self.graphs[bucket] = (graph, out)
         held[0].replay()
         return held[1]

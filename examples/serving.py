@@ -4,9 +4,10 @@
 one token and the waiting prompts chunks of what is left of the token budget, grows the KV blocks
 each needs, and hands the step's changes to a `feeder`: ``BufcFeeder`` drives ``llama_flash``'s
 buffers with ``add`` / ``finish`` / ``step`` (bench/serving.py has a plain torch feeder behind the
-same four calls). Generation-only steps run ``FastLlama.decode`` at a power-of-two batch bucket
-through a CUDA graph (the bucket's views keep their addresses, the padded rows hold the pad
-values); other steps run eagerly. Sampling is greedy, on the device: the next step gathers the
+same four calls). A step runs ``FastLlama.step`` at a token and batch bucket through a CUDA graph
+(the bucket's views keep their addresses, the padded rows hold the pad values), mixed steps of
+chunked prefill and decode included; a step of more than `graph_tokens` tokens runs eagerly
+(``FastLlama.forward``, FlashAttention for its prompt chunks). Sampling is greedy, on the device: the next step gathers the
 tokens there, and the host reads them one step later from a pinned copy, so it prepares and
 enqueues step t + 1 while the GPU still runs step t. A request finishes after its
 ``max_new_tokens``; its blocks and slot are free at once.
@@ -30,7 +31,7 @@ from bufc.generated import llama_flash
 from bufc.runtime import Request
 
 from .executor import Job, gpu_times
-from .fast_llama import Batch, DecodeGraphs, FastLlama
+from .fast_llama import Batch, FastLlama, StepGraphs
 from .flash_llama import FlashKVCache
 from .paged_cache import BlockAllocator
 
@@ -38,15 +39,14 @@ from .paged_cache import BlockAllocator
 @dataclasses.dataclass
 class Prepared:
     """A step as a feeder hands it to the engine: the batch at the step's shapes, the seq
-    slot of each logit row, the logits buffer, and for a generation-only step the inputs and
-    logits at a bucket (`bucket_inputs(rows)`)."""
+    slot of each logit row, the logits buffer, and the inputs and logits padded to a bucket
+    (`bucket_inputs(tokens, rows)`: fixed addresses per bucket)."""
 
     batch: Batch
     seq_slots: torch.Tensor
     logits: torch.Tensor
     rows: int  # logit rows (one per request: no drafts, one beam)
-    generation_only: bool
-    bucket_inputs: Callable[[int], tuple[dict[str, torch.Tensor], torch.Tensor]]
+    bucket_inputs: Callable[[int, int], tuple[dict[str, torch.Tensor], torch.Tensor]]
 
 
 class Feeder(Protocol):
@@ -72,7 +72,7 @@ class BufcFeeder:
         self.config = config
         self.buffers = llama_flash.RuntimeBuffers(config, device=device, device_tokens=True)
         self.seq_slots = self.buffers.tensors["seq_slots"]
-        self._buckets: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
+        self._buckets: dict[tuple[int, int], tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
         self._last: Any = None
 
     def add(self, slot: int, prompt: Sequence[int], blocks: list[int]) -> None:
@@ -102,16 +102,16 @@ class BufcFeeder:
             self.seq_slots,
             step.outputs["logits"],
             s.num_logits,
-            n_ctx == 0,
             self._bucket,
         )
 
-    def _bucket(self, rows: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The engine views at a generation bucket of `rows` (fixed addresses: made once)."""
-        held = self._buckets.get(rows)
+    def _bucket(self, tokens: int, rows: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The engine views at a bucket of `tokens` and `rows` (fixed addresses: made once;
+        bufc keeps the rows past the step at their pads)."""
+        held = self._buckets.get((tokens, rows))
         if held is None:
-            inputs, outputs = self.buffers.views(self._last.generation_bucket(rows))
-            held = self._buckets[rows] = (inputs, outputs["logits"])
+            inputs, outputs = self.buffers.views(self._last.padded(tokens, rows))
+            held = self._buckets[tokens, rows] = (inputs, outputs["logits"])
         return held
 
 
@@ -168,6 +168,7 @@ class Server:
         tokens_per_block: int,
         num_blocks: int,
         graphs: bool = True,
+        graph_tokens: int | None = None,
     ) -> None:
         if token_budget < max_batch_size:
             raise ValueError("every generation request runs every step: budget >= batch size")
@@ -185,10 +186,16 @@ class Server:
             engine.dtype,
             engine.device,
         )
-        self.graphs = DecodeGraphs(engine, self.cache, graphs)
+        self.graphs = StepGraphs(engine, self.cache, graphs)
+        self.graph_tokens = token_budget if graph_tokens is None else graph_tokens
 
-    def bucket(self, rows: int) -> int:
-        return min(1 << max(rows - 1, 0).bit_length(), self.max_batch_size)
+    def bucket(self, tokens: int, rows: int) -> tuple[int, int]:
+        """A step's (tokens, rows) bucket: powers of two, tokens past 256 in steps of 256
+        (a graph per bucket, padding a mixed step by less than a chunk), within the budget and
+        the batch."""
+        t = 1 << max(tokens - 1, 0).bit_length() if tokens <= 256 else -(-tokens // 256) * 256
+        r = 1 << max(rows - 1, 0).bit_length()
+        return min(t, self.token_budget), min(r, self.max_batch_size)
 
     def run(
         self,
@@ -272,9 +279,11 @@ class Server:
             if start is not None:
                 start.record()
             rows = prepared.rows
-            if prepared.generation_only:
-                bucket = self.bucket(rows)
-                inputs, logits_buffer = prepared.bucket_inputs(bucket)
+            n_tokens = prepared.batch.inputs["input_ids"].shape[0]
+            graphed = n_tokens <= self.graph_tokens
+            if graphed:
+                bucket = self.bucket(n_tokens, rows)
+                inputs, logits_buffer = prepared.bucket_inputs(*bucket)
                 logits = self.graphs.run(bucket, inputs, logits_buffer)
             else:
                 logits = engine.forward(prepared.batch, self.cache, prepared.logits)
@@ -316,11 +325,11 @@ class Server:
             rec = StepRecord(
                 len(chunks),
                 rows - len(chunks),
-                prepared.batch.inputs["input_ids"].shape[0],
+                n_tokens,
                 kv_tokens,
                 arrived,
                 len(done),
-                prepared.generation_only and self.graphs.enabled,
+                graphed and self.graphs.enabled,
                 t2 - t1,
                 now - t0,
             )

@@ -34,24 +34,33 @@ class StepSizes:
     def generation_bucket(self, rows: int) -> StepSizes:
         """The sizes of a generation-only step (one token per sequence) padded to `rows`
         sequences: the shapes a CUDA graph for that batch bucket is captured with."""
-        if (
-            self.num_context_requests
-            or self.num_tokens != self.num_sequences
-            or rows < self.num_sequences
-        ):
+        if self.num_context_requests or self.num_tokens != self.num_sequences:
             raise ValueError(
-                "a generation bucket needs a generation-only step without draft tokens, "
-                f"padded to at least its {self.num_sequences} sequences"
+                "a generation bucket needs a generation-only step without draft tokens; "
+                "pad other steps with padded(tokens, rows)"
+            )
+        return self.padded(rows, rows)
+
+    def padded(self, tokens: int, rows: int) -> StepSizes:
+        """The sizes of any step padded to `tokens` tokens and `rows` sequences (a token and
+        batch bucket, for a CUDA graph of mixed steps): padded sequences and tokens count as
+        generation ones, each padded sequence with one logit row (the pads hold what the
+        contract says such rows hold)."""
+        extra = rows - self.num_sequences
+        if extra < 0 or tokens < self.num_tokens:
+            raise ValueError(
+                f"padded({tokens}, {rows}): a step of {self.num_tokens} tokens and "
+                f"{self.num_sequences} sequences pads to at least as many of each"
             )
         return dataclasses.replace(
             self,
-            num_generation_requests=rows,
-            num_generation_sequences=rows,
-            num_generation_tokens=rows,
-            num_logits=rows,
+            num_generation_requests=self.num_generation_requests + extra,
+            num_generation_sequences=self.num_generation_sequences + extra,
+            num_generation_tokens=self.num_generation_tokens + tokens - self.num_tokens,
+            num_logits=self.num_logits + extra,
             num_sequences=rows,
-            num_tokens=rows,
-            num_requests=rows,
+            num_tokens=tokens,
+            num_requests=self.num_requests + extra,
         )
 
 

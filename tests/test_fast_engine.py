@@ -1,7 +1,7 @@
 """The fast engine (examples/fast_llama.py) served in flight (examples/serving.py), on the CPU
 at float64: its tokens equal transformers.generate, fed by bufc's llama_flash buffers and by
-bench/plain_flash.py's plain preparation alike, through chunked prefill, mixed steps, bucketed
-generation-only steps and reused slots; one wrong input of a step breaks the run; the plain-torch
+bench/plain_flash.py's plain preparation alike, through chunked prefill, mixed steps and reused
+slots, every step padded to a token and batch bucket (what the CUDA graphs run) or eager; one wrong input of a step breaks the run; the plain-torch
 decode attention equals a loop-by-loop one. The same code runs on CUDA with the Triton decode
 kernel, FlashAttention and CUDA graphs (tests/test_gpu_fast.py, by hand on the H200)."""
 
@@ -67,7 +67,7 @@ def feeder(name: str):
     return (BufcFeeder if name == "bufc" else PlainFeeder)(config, "cpu")
 
 
-def serve(engine, source, jobs, chunk: int = 24):
+def serve(engine, source, jobs, chunk: int = 24, graph_tokens: int | None = None):
     server = Server(
         engine,
         source,
@@ -76,6 +76,7 @@ def serve(engine, source, jobs, chunk: int = 24):
         chunk_size=chunk,
         tokens_per_block=TPB,
         num_blocks=SLOTS * WINDOW // TPB + 1,
+        graph_tokens=graph_tokens,
     )
     return server.run(jobs)
 
@@ -87,10 +88,18 @@ def first_difference(got: dict, want: dict) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("name", ["bufc", "plain"])
-def test_served_tokens_equal_transformers_generate(engine, jobs, reference, name):
-    served = serve(engine, feeder(name), jobs)
+@pytest.mark.parametrize(
+    "name, graph_tokens",
+    [("bufc", None), ("plain", None), ("bufc", 0), ("plain", 0)],
+    ids=["bufc-bucketed", "plain-bucketed", "bufc-eager", "plain-eager"],
+)
+def test_served_tokens_equal_transformers_generate(engine, jobs, reference, name, graph_tokens):
+    """Every step at a token and batch bucket (each query token a decode row: what the CUDA
+    graphs run), or every step eagerly at its own shapes (prompt chunks through the packed
+    prefill): the same tokens as transformers.generate."""
+    served = serve(engine, feeder(name), jobs, graph_tokens=graph_tokens)
     assert first_difference(served.tokens, reference) is None
+    assert all(r.graph is False for r in served.steps)  # no CUDA here: eager at those shapes
     kinds = {(r.context_requests > 0, r.generation_requests > 0) for r in served.steps}
     assert kinds == {(True, False), (True, True), (False, True)}  # prefill, mixed, decode
     assert sum(r.arrived for r in served.steps) == len(jobs) > SLOTS  # slots reused
@@ -149,14 +158,16 @@ def long_jobs():
     ]
 
 
+@pytest.mark.parametrize("graph_tokens", [None, 0], ids=["bucketed", "eager"])
 @pytest.mark.parametrize("what", MUTATIONS)
-def test_one_wrong_input_breaks_the_run(engine, model, long_jobs, what):
-    """Each input the engine reads matters: one wrong element in one step changes tokens (the
-    fourth step: context chunks beside generation rows)."""
-    clean = serve(engine, feeder("bufc"), long_jobs)
+def test_one_wrong_input_breaks_the_run(engine, model, long_jobs, what, graph_tokens):
+    """Each input the engine reads matters, on both paths: one wrong element in one step
+    changes tokens (the fourth step: context chunks beside generation rows)."""
+    clean = serve(engine, feeder("bufc"), long_jobs, graph_tokens=graph_tokens)
     assert first_difference(clean.tokens, reference_tokens(model, long_jobs)) is None
     assert clean.steps[3].context_requests and clean.steps[3].generation_requests
-    served = serve(engine, Mutated(feeder("bufc"), 3, MUTATIONS[what]), long_jobs)
+    mutated = Mutated(feeder("bufc"), 3, MUTATIONS[what])
+    served = serve(engine, mutated, long_jobs, graph_tokens=graph_tokens)
     assert first_difference(served.tokens, clean.tokens) is not None
 
 
@@ -220,6 +231,38 @@ def test_decode_attention_reference_equals_a_loop(lens, group, bs, seed):
     out = torch.full_like(q, 7.0)
     paged_decode_reference(q, k, v, table.int(), seq_lens, out, dim**-0.5)
     torch.testing.assert_close(out, _loop_attention(q, k, v, table, lens, dim**-0.5))
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    queries=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 20)), min_size=1, max_size=5),
+    pad_tokens=st.integers(0, 4),
+    pad_rows=st.integers(0, 3),
+)
+def test_token_rows_equal_a_loop_over_the_sequences(queries, pad_tokens, pad_rows):
+    """FastLlama.token_rows against a loop: token j of a sequence with q query tokens and
+    `past` KV positions before them attends to its first past + j + 1 positions, through its
+    sequence's block_table row; padded tokens attend to nothing (the contract's pads)."""
+    starts, lens, want_rows, want_lens = [0], [], [], []
+    for i, (q, past) in enumerate(queries):
+        starts.append(starts[-1] + q)
+        lens.append(past + q)
+        want_rows += [i] * q
+        want_lens += [past + j + 1 for j in range(q)]
+    tokens = starts[-1] + pad_tokens
+    starts += [starts[-1]] * pad_rows  # repeat_last
+    lens += [0] * pad_rows
+    table = torch.arange(len(lens) * 3, dtype=torch.int32).view(len(lens), 3)
+    inputs = {
+        "input_ids": torch.zeros(tokens, dtype=torch.int32),
+        "query_start_loc": torch.tensor(starts, dtype=torch.int32),
+        "seq_lens": torch.tensor(lens, dtype=torch.int32),
+        "block_table": table,
+    }
+    rows, got_lens = FastLlama.token_rows(inputs)
+    assert got_lens.tolist() == want_lens + [0] * pad_tokens
+    assert rows[: len(want_rows)].tolist() == table[want_rows].tolist()
+    assert rows.shape == (tokens, 3)
 
 
 def test_the_serving_benchmark_runs_on_the_cpu(tmp_path):

@@ -134,6 +134,31 @@ def test_a_padded_bucket_holds_the_declared_pads() -> None:
     assert inputs["input_ids"].tolist() == [7, 9, 0, 0]
 
 
+def test_a_mixed_step_pads_to_a_token_and_batch_bucket() -> None:
+    """A step with a context chunk, padded to 8 tokens and 4 sequences (a mixed step's CUDA
+    graph): the step's values stay in place and the rows past it hold the pads, so that a
+    padded token belongs to no sequence (query_start_loc ends at the step's tokens)."""
+    b = make_buffers("llama_flash", tokens_per_block=4, max_beam_width=1)
+    b.add(Request(seq_slot=0, prompt=[1, 2, 3], kv_block_ids=[[4]]))
+    b.step()
+    b.add(Request(seq_slot=1, prompt=[5, 6], kv_block_ids=[[8]]))
+    step = b.step([7] + [0] * 7)
+    assert step.sizes.num_tokens == 3 and step.sizes.num_sequences == 2
+    inputs, outputs = b.views(step.sizes.padded(8, 4))
+    assert inputs["input_ids"].tolist() == [5, 6, 7, 0, 0, 0, 0, 0]
+    assert inputs["positions"].tolist() == [0, 1, 3, 0, 0, 0, 0, 0]
+    assert inputs["query_start_loc"].tolist() == [0, 2, 3, 3, 3]
+    assert inputs["seq_lens"].tolist() == [2, 4, 0, 0]
+    assert inputs["block_table"][:, 0].tolist() == [8, 4, 0, 0]
+    assert inputs["slot_mapping"].tolist() == [32, 33, 19, -1, -1, -1, -1, -1]
+    assert inputs["logits_indices"].tolist() == [1, 2, 0, 0]
+    assert outputs["logits"].shape[0] == 4
+    with pytest.raises(ValueError, match=r"padded\(2, 4\): a step of 3 tokens"):
+        step.sizes.padded(2, 4)
+    with pytest.raises(ValueError, match="a generation bucket needs a generation-only step"):
+        step.sizes.generation_bucket(4)
+
+
 def test_a_sequence_past_its_block_table_row_is_refused() -> None:
     """This contract has no cyclic window: a sequence whose KV would outgrow
     max_blocks_per_seq blocks is refused before a byte is written."""

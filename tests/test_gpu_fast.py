@@ -1,7 +1,9 @@
 """The fast engine on real kernels: the Triton paged decode kernel against the plain-torch
-reference, and the engine served in flight on CUDA (Triton decode, CUDA graphs per bucket,
-tokens on the device) equal to transformers.generate at float32; in bf16 (FlashAttention for the
-prefill) the graph replays equal the eager run. Skipped without CUDA; run by hand on the H200
+reference, FlashAttention's varlen prefill against the packed reference, and the engine served
+in flight on CUDA (every step, mixed ones included, replayed from a CUDA graph per token and batch
+bucket; tokens on the device) equal to transformers.generate at float32; in bf16 the graph
+replays equal the eager run at the same shapes, and bufc's and the plain preparation's tokens are
+the same. Skipped without CUDA; run by hand on the H200
 (docs/performance.md gives the command)."""
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def _feeder(name: str, dtype: torch.dtype):
     return (BufcFeeder if name == "bufc" else PlainFeeder)(config, "cuda")
 
 
-def _serve(model, name: str, jobs, graphs: bool = True):
+def _serve(model, name: str, jobs, graphs: bool = True, graph_tokens: int | None = None):
     engine = FastLlama(model, max_positions=WINDOW)
     server = Server(
         engine,
@@ -86,28 +88,35 @@ def _serve(model, name: str, jobs, graphs: bool = True):
         tokens_per_block=TPB,
         num_blocks=SLOTS * WINDOW // TPB + 1,
         graphs=graphs,
+        graph_tokens=graph_tokens,
     )
     return server, server.run(jobs)
 
 
+@pytest.mark.parametrize("graph_tokens", [None, 0], ids=["graphs", "eager"])
 @pytest.mark.parametrize("name", ["bufc", "plain"])
-def test_served_on_cuda_with_graphs_equals_transformers_generate(name):
-    """float32 (Triton decode at full precision, the reference prefill: FlashAttention takes
-    half types only), CUDA graphs for the generation-only steps, tokens left on the device."""
+def test_served_on_cuda_equals_transformers_generate(name, graph_tokens):
+    """float32 (the Triton kernel at full precision; the eager run's prefill is the reference,
+    FlashAttention taking half types only), tokens left on the device: every step replayed from
+    its bucket's CUDA graph, or every step eager."""
     model = tiny_llama(seed=0).to(torch.float32).cuda()
     jobs = workload(32, seed=1, max_prompt=200)
-    server, served = _serve(model, name, jobs)
-    assert len(server.graphs.graphs) >= 2  # several buckets captured and replayed
-    assert sum(r.graph for r in served.steps) > len(server.graphs.graphs)
+    server, served = _serve(model, name, jobs, graph_tokens=graph_tokens)
+    if graph_tokens is None:
+        assert len(server.graphs.graphs) >= 2  # several buckets captured and replayed
+        assert all(r.graph for r in served.steps)
+        assert any(r.context_requests and r.generation_requests for r in served.steps)
+    else:
+        assert not server.graphs.graphs
     want = reference_tokens(model, jobs)
     bad = [rid for rid in want if served.tokens[rid] != want[rid]]
     assert not bad, (bad, served.tokens[bad[0]], want[bad[0]])
 
 
 def test_graph_replays_equal_the_eager_run_in_bf16():
-    """bf16 with FlashAttention for the prefill: the same requests served with the generation
-    steps replayed from CUDA graphs and run eagerly give the same tokens; bufc's and the plain
-    preparation give the same tokens."""
+    """bf16: the same requests served with every step replayed from CUDA graphs and run eagerly
+    at the same shapes give the same tokens; bufc's and the plain preparation give the same
+    tokens."""
     model = tiny_llama(seed=0).to(torch.bfloat16).cuda()
     jobs = workload(32, seed=2, max_prompt=200)
     engine = FastLlama(model, max_positions=WINDOW)
@@ -117,3 +126,29 @@ def test_graph_replays_equal_the_eager_run_in_bf16():
         for name, graphs in (("bufc", True), ("bufc", False), ("plain", True))
     ]
     assert runs[0].tokens == runs[1].tokens == runs[2].tokens
+
+
+def test_flash_attention_prefill_equals_the_reference_in_bf16():
+    """The eager path's prompt chunks: torch's varlen_attn over K/V gathered in sequence order
+    equals varlen_reference (causal, queries at the end of their keys), grouped heads."""
+    from bufc.examples.fast_llama import varlen_reference
+    from bufc.examples.flash_llama import _varlen_attn
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    heads, kv_heads, dim = 8, 2, 64
+    cu_q, cu_k = [0, 5, 5 + 130, 5 + 130 + 1], [0, 40, 40 + 130, 40 + 130 + 300]
+    q = torch.randn(cu_q[-1], heads, dim, generator=g, device="cuda").bfloat16()
+    k = torch.randn(cu_k[-1], kv_heads, dim, generator=g, device="cuda").bfloat16()
+    v = torch.randn(cu_k[-1], kv_heads, dim, generator=g, device="cuda").bfloat16()
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device="cuda")  # noqa: E731
+    got = _varlen_attn()(
+        q,
+        k.repeat_interleave(heads // kv_heads, dim=1),
+        v.repeat_interleave(heads // kv_heads, dim=1),
+        as_tensor(cu_q),
+        as_tensor(cu_k),
+        130,
+        300,
+    )
+    want = varlen_reference(q.double(), k.double(), v.double(), cu_q, cu_k, dim**-0.5)
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
