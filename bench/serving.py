@@ -9,7 +9,10 @@ and `churn` (about B // 128 requests, at least 1, finish each step and as many a
 replays the CUDA graph of its token and batch bucket (`--graph-tokens N`: steps of more tokens
 run eagerly, their prompt chunks through FlashAttention; `--no-graphs`: all eagerly at the
 bucket's shapes). The tokens stay on the device (overlap); the host reads them
-one step late. Over the measured steps (after the warm-up) it reports:
+one step late. `--rounds N` serves each case N times per feeder, the order alternating (bufc
+then plain, plain then bufc, ...), and pools the steps. Over the measured steps (after the
+warm-up; a step that captured a CUDA graph is left out and counted, `capt`: a one-time cost,
+which engines pay at start-up) it reports:
 
 - decode tokens/s: the tokens generated over the wall time of those steps;
 - the median step (wall, loop to loop) and the median GPU time of a step (CUDA events);
@@ -20,7 +23,7 @@ one step late. Over the measured steps (after the warm-up) it reports:
 - the host's preparation per step (the feeder's call) and the whole loop iteration;
 - whether bufc's and the plain preparation's tokens were the same.
 
-    python bench/serving.py [--batches 64,256,1024] [--steps 48] [--json PATH]
+    python bench/serving.py [--batches 64,256,1024] [--steps 48] [--rounds 2] [--json PATH]
     python bench/serving.py --device cpu --tiny   (checks the script: a tiny model on the CPU)
 """
 
@@ -66,15 +69,16 @@ def hbm_bandwidth(device: str) -> float:
     return 2 * n / statistics.median(times[2:])
 
 
-def run_case(engine, args, batch: int, case: str, feeder_name: str, bandwidth: float) -> dict:
+def serve_case(engine, args, batch: int, case: str, feeder_name: str) -> dict:
     changes = max(1, batch // 128)
     steady = case == "steady"
     budget = batch + max(8192, 2 * changes * CHUNK)
     life = batch // changes
-    new = args.warmup + args.steps + 1 if steady else life
-    width = math.ceil((args.prompt + new + 1) / args.tokens_per_block)
     prefill_steps = math.ceil(batch * args.prompt / (budget - batch))
     warm = prefill_steps + args.warmup
+    # A steady request decodes from the step its prefill ends, so at most one token a step.
+    new = warm + args.steps + 1 if steady else life
+    width = math.ceil((args.prompt + new + 1) / args.tokens_per_block)
     config = llama_flash.Config(
         max_batch_size=batch,
         max_num_tokens=budget,
@@ -100,18 +104,36 @@ def run_case(engine, args, batch: int, case: str, feeder_name: str, bandwidth: f
     if args.device == "cuda":
         torch.cuda.synchronize()
     served = server.run(jobs, max_steps=warm + args.steps)
-    steps = range(warm, len(served.steps))
-    recs = [served.steps[i] for i in steps]
-    wall = [served.wall_s[i] for i in steps]
-    gpu = [served.gpu_s[i] for i in steps] if served.gpu_s else [float("nan")]
-    idle = [served.idle_s[i] for i in steps] if served.idle_s else [float("nan")]
+    # Steps that captured a CUDA graph pay a one-time cost (torch synchronises and collects
+    # garbage around a capture; engines capture their buckets at start-up): counted apart.
+    kept = [i for i in range(warm, len(served.steps)) if not served.steps[i].captured]
+    return {
+        "records": [served.steps[i] for i in kept],
+        "wall": [served.wall_s[i] for i in kept],
+        "gpu": [served.gpu_s[i] for i in kept] if served.gpu_s else [],
+        "idle": [served.idle_s[i] for i in kept] if served.idle_s else [],
+        "captured": len(served.steps) - warm - len(kept),
+        "kv_bytes_per_token": server.cache.bytes_per_token(),
+        "tokens": served.tokens,
+    }
+
+
+def summarize(engine, runs: list[dict], batch: int, case: str, feeder: str, bandwidth: float):
+    """One row from a feeder's runs of a case (pooled: tokens/s over all their steps, medians
+    over all their steps)."""
+    recs = [r for run in runs for r in run["records"]]
+    wall = [w for run in runs for w in run["wall"]]
+    gpu = [g for run in runs for g in run["gpu"]] or [float("nan")]
+    idle = [g for run in runs for g in run["idle"]] or [float("nan")]
     generated = sum(r.generation_requests for r in recs)
     row = {
         "batch": batch,
         "case": case,
-        "feeder": feeder_name,
-        "changes": 0 if steady else changes,
+        "feeder": feeder,
+        "changes": 0 if case == "steady" else max(1, batch // 128),
+        "runs": len(runs),
         "steps": len(recs),
+        "captured_steps": sum(run["captured"] for run in runs),
         "arrived_per_step": sum(r.arrived for r in recs) / len(recs),
         "graph_steps": sum(r.graph for r in recs),
         "tokens_per_s": generated / sum(wall),
@@ -120,11 +142,10 @@ def run_case(engine, args, batch: int, case: str, feeder_name: str, bandwidth: f
         "idle_share": sum(idle) / (sum(idle) + sum(gpu)),
         "prepare_us": 1e6 * statistics.median(r.prepare_s for r in recs),
         "host_us": 1e6 * statistics.median(r.host_s for r in recs),
-        "tokens": served.tokens,
     }
-    if steady:
+    if case == "steady":
         kv = statistics.median(r.kv_tokens for r in recs)
-        read = engine.weight_bytes() + kv * server.cache.bytes_per_token()
+        read = engine.weight_bytes() + kv * runs[0]["kv_bytes_per_token"]
         row["bytes_read"] = read
         row["bound_ms"] = 1e3 * read / bandwidth
         row["over_bound"] = row["gpu_ms"] / row["bound_ms"]
@@ -138,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--feeders", default="bufc,plain")
     p.add_argument("--steps", type=int, default=48, help="measured steps per case")
     p.add_argument("--warmup", type=int, default=16, help="steps after the first prefill")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="runs per feeder and case, in alternating order"
+    )
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--tokens-per-block", type=int, default=64)
     p.add_argument("--layers", type=int, default=16)
@@ -174,25 +198,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     header = (
         f"{'B':>5} {'case':>6} {'feeder':>6} {'tok/s':>8} {'step ms':>8} {'GPU ms':>7} "
-        f"{'bound ms':>8} {'xbound':>6} {'idle %':>6} {'prep us':>8} {'host us':>8} {'same':>5}"
+        f"{'bound ms':>8} {'xbound':>6} {'idle %':>6} {'prep us':>8} {'host us':>8} {'capt':>4} "
+        f"{'same':>5}"
     )
     print(header)
     rows = []
     t0 = time.perf_counter()
     for batch in map(int, args.batches.split(",")):
         for case in args.cases.split(","):
-            pair = [
-                run_case(engine, args, batch, case, f, bandwidth) for f in args.feeders.split(",")
-            ]
-            same = all(r["tokens"] == pair[0]["tokens"] for r in pair)
+            feeders = args.feeders.split(",")
+            runs: dict[str, list[dict]] = {f: [] for f in feeders}
+            for r in range(args.rounds):  # alternate the order: A B, B A, ...
+                for f in feeders if r % 2 == 0 else feeders[::-1]:
+                    runs[f].append(serve_case(engine, args, batch, case, f))
+            tokens = [run["tokens"] for f in feeders for run in runs[f]]
+            same = all(t == tokens[0] for t in tokens)
+            pair = [summarize(engine, runs[f], batch, case, f, bandwidth) for f in feeders]
             for r in pair:
                 r["same_tokens"] = same
-                r.pop("tokens")
                 print(
                     f"{batch:>5} {case:>6} {r['feeder']:>6} {r['tokens_per_s']:8.0f} "
                     f"{r['step_ms']:8.2f} {r['gpu_ms']:7.2f} {r.get('bound_ms', float('nan')):8.2f} "
                     f"{r.get('over_bound', float('nan')):6.2f} {100 * r['idle_share']:6.2f} "
-                    f"{r['prepare_us']:8.0f} {r['host_us']:8.0f} {str(same):>5}"
+                    f"{r['prepare_us']:8.0f} {r['host_us']:8.0f} {r['captured_steps']:4d} "
+                    f"{str(same):>5}"
                 )
             if len(pair) == 2:
                 ratio = pair[0]["tokens_per_s"] / pair[1]["tokens_per_s"]

@@ -124,6 +124,7 @@ class StepRecord:
     arrived: int
     finished: int
     graph: bool
+    captured: bool  # the step's bucket was captured as a CUDA graph (a one-time cost)
     prepare_s: float  # the feeder's call
     host_s: float  # the whole loop iteration
 
@@ -281,6 +282,7 @@ class Server:
             rows = prepared.rows
             n_tokens = prepared.batch.inputs["input_ids"].shape[0]
             graphed = n_tokens <= self.graph_tokens
+            captured_before = len(self.graphs.graphs)
             if graphed:
                 bucket = self.bucket(n_tokens, rows)
                 inputs, logits_buffer = prepared.bucket_inputs(*bucket)
@@ -330,6 +332,7 @@ class Server:
                 arrived,
                 len(done),
                 graphed and self.graphs.enabled,
+                len(self.graphs.graphs) > captured_before,
                 t2 - t1,
                 now - t0,
             )
