@@ -167,11 +167,12 @@ class Staging:
         if self._done is not None:
             self._done[half].synchronize()
 
-    def record(self, half: int) -> None:
+    def record(self, half: int, stream: torch.cuda.Stream | None = None) -> None:
         """Work after the copy that reads or writes `half` (sampled tokens copied back) is
-        enqueued: the half's event moves past it."""
+        enqueued, on the current stream or on `stream` (which waited for the current one):
+        the half's event moves past it."""
         if self._done is not None:
-            self._done[half].record(self._current())
+            self._done[half].record(stream if stream is not None else self._current())
 
     def _current(self) -> torch.cuda.Stream:
         """The current CUDA stream, its Stream object kept (torch.cuda.current_stream builds

@@ -9,13 +9,18 @@ tokens[src[i]]``. The device checks each token against the vocabulary on the way
 out-of-range token is never written (its row gets the pad value) and the host learns of it one
 step later, when the values it copies back have landed. Those copies (the gathered raw values,
 and the written rows into the host half of the token tensor) keep the host tensor and the
-in-flight state exact without a wait on the model. Every buffer here is allocated once: a step
-allocates nothing and the addresses stay fixed (CUDA graphs).
+in-flight state exact without a wait on the model. On CUDA they run on a stream of their own
+(``send_back``), beside the model instead of before it: two device-to-host copies on the
+step's stream would hold the model back by their own length and the switches between copy
+and compute work (about 20 µs a step on an H100, measured with ``bench/serving.py``). The next
+step's device work waits for them (``settle``) before it overwrites what they read. Every
+buffer here is allocated once: a step allocates nothing and the addresses stay fixed (CUDA
+graphs).
 
 The work is split so that a failure changes nothing shared: ``load`` and ``gather`` write
 only this object's own scratch (the tokens as int64, whatever integer dtype the sampler wrote,
-so the vocabulary test cannot wrap; the values; the mask), and ``write`` then writes the token
-rows of the arena and the host half.
+so the vocabulary test cannot wrap; the raw values; the mask), ``write`` then writes the token
+rows of the arena, and ``send_back`` copies the raw values and those rows to the host.
 """
 
 from __future__ import annotations
@@ -104,13 +109,18 @@ class TokenGather:
         pin = on.type == "cuda"
         # the sampled tokens as int64, per flat size of the tokens tensor (one size a run)
         self._inputs: dict[int, torch.Tensor] = {}
-        self._got = torch.empty(rows, dtype=torch.int64, device=on)
+        self._got = torch.empty(rows, dtype=torch.int64, device=on)  # raw: the host names a bad one
         self._written = torch.empty(rows, dtype=device.dtype, device=on)
         self._bad = torch.empty(rows, dtype=torch.bool, device=on)
         self._high = torch.empty(rows, dtype=torch.bool, device=on)
         # the raw gathered values, back on the host (per half: read one step later)
         self._values = [torch.empty(rows, dtype=torch.int64, pin_memory=pin) for _ in range(HALVES)]
         self._values_np = [v.numpy() for v in self._values]
+        # the copies back run on their own stream (module docstring); `_back` marks their end
+        self._stream = torch.cuda.Stream(on) if pin else None
+        self._written_event = torch.cuda.Event() if pin else None
+        self._back = torch.cuda.Event() if pin else None
+        self._back_pending = False
         self._count = [0] * HALVES
         self.sent: tuple[np.ndarray, np.ndarray] | None = None  # the indices the device holds
         self._key: tuple[np.ndarray, np.ndarray, tuple[int, ...]] | None = None  # the last key
@@ -160,38 +170,68 @@ class TokenGather:
         t = g.tokens
         return (t.data_ptr(), t.dtype, t.shape, t.stride())
 
+    def settle(self) -> None:
+        """Before device work that overwrites what the last copies back read (the raw values,
+        the token rows of the arena): the current stream waits for them."""
+        if self._back_pending:
+            assert self._back is not None
+            torch.cuda.current_stream(self.device.device).wait_event(self._back)
+            self._back_pending = False
+
     def gather(self, half: int, g: Gather) -> None:
-        """The tokens gathered into scratch, the raw values on their way back to the host,
-        out-of-range ones masked to the pad: nothing shared is written."""
+        """The tokens gathered into scratch, raw, and the mask of the out-of-range ones:
+        nothing shared is written."""
         n = len(g.src)
         if not n:
             return
         got, bad, high = self._got[:n], self._bad[:n], self._high[:n]
         torch.index_select(self._inputs[g.tokens.numel()], 0, self._src[:n], out=got)
-        self._values[half][:n].copy_(got, non_blocking=True)  # raw: the host names a bad one
         torch.lt(got, 0, out=bad)
         torch.ge(got, g.limit, out=high)
         bad.logical_or_(high)
-        got.masked_fill_(bad, self.pad)
 
     def write(self, half: int, g: Gather) -> None:
-        """The gathered tokens into the token rows of the device arena, and those rows back
-        into the host half (after ``gather``; the caller records the half's event after
-        this)."""
+        """The gathered tokens into the token rows of the device arena (after ``gather``), an
+        out-of-range one as the pad."""
         m = len(g.dst)
         if not m:
             return
-        got = self._got[:m]
+        got, bad = self._got[:m], self._bad[:m]
         lo, hi = int(g.dst[0]), int(g.dst[-1]) + 1  # dst ascends (the rows' order)
-        if hi - lo == m:  # consecutive rows (no drafts between them): one copy, cast on the way
-            self.device[lo:hi].copy_(got)
+        if hi - lo == m:  # consecutive rows (no drafts between them): in place, cast on the way
+            rows = self.device[lo:hi]
+            rows.copy_(got)
+            rows.masked_fill_(bad, self.pad)
         else:
             written = self._written[:m]
             written.copy_(got)
+            written.masked_fill_(bad, self.pad)
             self.device.index_copy_(0, self._dst[:m], written)
-        # the host half of the token tensor: the rows between the first and last written
-        # (rows between them hold what the host wrote, and were copied up unchanged)
-        self.host[half][lo:hi].copy_(self.device[lo:hi], non_blocking=True)
+
+    def send_back(self, half: int, g: Gather) -> torch.cuda.Stream | None:
+        """After ``write``: the raw values and the written token rows (those between the
+        first and the last written; the others hold what the host wrote) copied into host
+        half `half`. On CUDA they run on this object's stream, which is returned: the caller
+        records the half's event on it."""
+        n, m = len(g.src), len(g.dst)  # m <= n
+        if not n:
+            return None
+        stream = self._stream
+        if stream is not None:
+            assert self._written_event is not None
+            self._written_event.record(torch.cuda.current_stream(self.device.device))
+            stream.wait_event(self._written_event)
+        with torch.cuda.stream(stream):  # None: no stream to switch to (a no-op)
+            self._values[half][:n].copy_(self._got[:n], non_blocking=True)
+            if m:
+                lo, hi = int(g.dst[0]), int(g.dst[-1]) + 1
+                self.host[half][lo:hi].copy_(self.device[lo:hi], non_blocking=True)
+        if stream is None:
+            return None
+        assert self._back is not None
+        self._back.record(stream)
+        self._back_pending = True
+        return stream
 
     def counted(self, half: int, g: Gather) -> None:
         """Half `half`'s step gathers `g`: its values are read back (``values``)."""

@@ -61,6 +61,8 @@ class Transfer:
         if not self.copies_per_step:
             return
         tokens = self.tokens if gather is not None else None
+        if self.tokens is not None:
+            self.tokens.settle()  # the last step's rows have gone back before the copy lands
         if tokens is not None:
             tokens.stage(h, gather)  # type: ignore[arg-type]
         elif self.tokens is not None:
@@ -79,7 +81,7 @@ class Transfer:
             tokens.counted(h, gather)
             tokens.gather(h, gather)
             tokens.write(h, gather)
-            self.staging.record(h)
+            self.staging.record(h, tokens.send_back(h, gather))
             self.gathered = h
 
     def _copy_member(self, h: int, source: str) -> None:
@@ -100,6 +102,7 @@ class Transfer:
         CUDA graph per key once the key recurs (``graphs.Replays``)."""
         tokens, staging, v = self.tokens, self.staging, self.device_steps[h]
         assert tokens is not None
+        tokens.settle()
         tokens.send(h, gather)
         tokens.counted(h, gather)
         up, high_water = staging.bytes_up, self.high_water
@@ -138,12 +141,15 @@ class Transfer:
             replays.note(loading)
             tokens.load(gather)
             replays.run(key, work, effects, undo)
-        staging.record(h)
+        # the copies back run eagerly after the graph, beside the model (tokens.py)
+        staging.record(h, tokens.send_back(h, gather))
         self.gathered = h
 
     def restore(self, h: int, high_water: int) -> None:
         """The device work of half h failed: the device arena is the last step's again."""
         prev = h ^ 1
+        if self.tokens is not None:
+            self.tokens.settle()
         self.staging.wait(prev)  # its rows copied back from the device have landed
         self.staging.copy(prev, self.staging.nbytes)
         self.high_water = high_water
