@@ -109,6 +109,7 @@ class TokenGather:
         pin = on.type == "cuda"
         # the sampled tokens as int64, per flat size of the tokens tensor (one size a run)
         self._inputs: dict[int, torch.Tensor] = {}
+        self._source: torch.Tensor | None = None  # what ``gather`` reads: set by ``load``
         self._got = torch.empty(rows, dtype=torch.int64, device=on)  # raw: the host names a bad one
         self._written = torch.empty(rows, dtype=device.dtype, device=on)
         self._bad = torch.empty(rows, dtype=torch.bool, device=on)
@@ -143,15 +144,22 @@ class TokenGather:
         self.stage(half, g)
         self.staging.copy_range(half, 0, region_bytes(self.rows))
 
-    def load(self, g: Gather) -> None:
-        """The sampled tokens into this object's int64 copy of them (cast on the way: the
-        gather and the vocabulary test then run in int64, whatever the sampler's dtype)."""
+    def load(self, g: Gather, direct: bool) -> None:
+        """The sampled tokens as ``gather`` reads them: int64 tokens in one piece read where
+        they are, when the caller may (`direct`: the work is not replayed, or its graph is
+        keyed by the tokens' address, ``source``); others cast into this object's int64 copy
+        of them (the gather and the vocabulary test then run in int64, whatever the
+        sampler's dtype)."""
         t = g.tokens
+        if direct and t.dtype == torch.int64 and t.is_contiguous():
+            self._source = t.view(-1)
+            return
         numel = t.numel()
         wide = self._inputs.get(numel)
         if wide is None:  # once per tokens shape
             wide = self._inputs[numel] = torch.empty(numel, dtype=torch.int64, device=t.device)
         wide.view(t.shape).copy_(t)
+        self._source = wide
 
     def key(self, g: Gather) -> tuple[int, ...]:
         """What ``gather`` and ``write`` enqueue depends on, beyond the half: the sizes and the
@@ -185,7 +193,8 @@ class TokenGather:
         if not n:
             return
         got, bad, high = self._got[:n], self._bad[:n], self._high[:n]
-        torch.index_select(self._inputs[g.tokens.numel()], 0, self._src[:n], out=got)
+        assert self._source is not None, "load() comes first"
+        torch.index_select(self._source, 0, self._src[:n], out=got)
         torch.lt(got, 0, out=bad)
         torch.ge(got, g.limit, out=high)
         bad.logical_or_(high)

@@ -77,7 +77,7 @@ class Transfer:
         self.staging.copy(h, span)
         if tokens is not None:
             assert gather is not None
-            tokens.load(gather)
+            tokens.load(gather, direct=True)
             tokens.counted(h, gather)
             tokens.gather(h, gather)
             tokens.write(h, gather)
@@ -113,7 +113,7 @@ class Transfer:
             tokens.write(h, gather)
 
         def load_and_work() -> None:
-            tokens.load(gather)
+            tokens.load(gather, direct=True)  # its graph is keyed by the tokens' address
             work()
 
         def effects() -> Callable[[], None]:  # what a replay does again on the host
@@ -139,7 +139,7 @@ class Transfer:
             replays.run(loading, load_and_work, effects, undo)
         else:
             replays.note(loading)
-            tokens.load(gather)
+            tokens.load(gather, direct=False)  # eagerly, into the copy the graph of `key` reads
             replays.run(key, work, effects, undo)
         # the copies back run eagerly after the graph, beside the model (tokens.py)
         staging.record(h, tokens.send_back(h, gather))
