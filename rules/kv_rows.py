@@ -360,7 +360,9 @@ def _refresh(slots: SlotRows, per_block: int) -> None:
         slots.synced = blocks.log_end
         return
     else:
-        stale = np.unique(np.array(changed, np.int64))
+        # not np.unique: its first call imports numpy.ma (about 10 ms), a stall in the middle
+        # of serving the first time many lists change at once
+        stale = np.array(sorted(set(changed)), np.int64)
     if len(stale) > FEW:  # many: whole rows, vectorised
         k = blocks.ids[stale] * per_block  # past a list's count its ids are 0
         slots.rows[stale, 0] = k  # type: ignore[index]
