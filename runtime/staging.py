@@ -172,9 +172,9 @@ class Staging:
         enqueued, on the current stream or on `stream` (which waited for the current one):
         the half's event moves past it."""
         if self._done is not None:
-            self._done[half].record(stream if stream is not None else self._current())
+            self._done[half].record(stream if stream is not None else self.current())
 
-    def _current(self) -> torch.cuda.Stream:
+    def current(self) -> torch.cuda.Stream:
         """The current CUDA stream, its Stream object kept (torch.cuda.current_stream builds
         a new one per call, which costs more than the event record itself)."""
         key = torch._C._cuda_getCurrentStream(self.device.device.index)
