@@ -1,7 +1,8 @@
 """Device work replayed as CUDA graphs: the decode step whose tokens stay on the device.
 
 Such a step enqueues about a dozen small operations (the gather, its vocabulary test, the
-copies back, each mirror's device advance form); launched one by one from Python they cost
+token rows written, each mirror's device advance form; the copies back to the host run after
+the graph, on a stream of their own: tokens.py); launched one by one from Python they cost
 the host more than the step they spare it. `Replays` captures that work once per key (the
 half, the step's sizes and what else the work depends on) and replays it with one launch.
 
