@@ -69,7 +69,9 @@ def _ctx_default_positions(out: np.ndarray, b: Batch) -> int:
     if not b.sizes.num_context_requests:
         return 0
     n = b.sizes.num_context_tokens
-    if b.sizes.num_context_requests <= 4:  # a few chunks: a range each, in out's dtype
+    # a few chunks: a range each, in out's dtype (up to 8 chunks of 512 tokens the loop is
+    # as fast as one repeat over all tokens, measured)
+    if b.sizes.num_context_requests <= 8:
         o = 0
         for begin, k in zip(b.ctx_begin.tolist(), b.ctx_input_len.tolist()):
             out[o : o + k] = np.arange(begin, begin + k, dtype=out.dtype)

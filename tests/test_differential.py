@@ -45,3 +45,20 @@ def test_random_batches_match_reference(case):
     buffers = make_buffers(name)  # several steps through the same buffers: no stale values
     for ctx, gen in batches:
         assert_step_matches(name, buffers, ctx, gen)
+
+
+@st.composite
+def family_and_wide_batch(draw):
+    name = draw(st.sampled_from(["gpt", "chatglm", "glm", "llama"]))
+    ctx, gen = draw(batch(VARIANT[name], max_requests=24, slots=24))
+    return name, ctx, gen
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(family_and_wide_batch())
+def test_many_context_requests_match_reference(case):
+    """Up to 24 requests, so that a step has more context requests than the few whose
+    positions the rule writes one range at a time (its vectorised branch runs too)."""
+    name, ctx, gen = case
+    buffers = make_buffers(name, max_batch_size=24, max_num_tokens=2048)
+    assert_step_matches(name, buffers, ctx, gen)
