@@ -29,6 +29,7 @@ _FIRST = itemgetter(0)
 _EMPTY = np.zeros(0, np.int64)
 _EMPTY.flags.writeable = False
 FEW = 8  # stale rows past which from_slots rewrites whole rows in a few numpy calls
+FEW_CHANGED = 64  # changed lists past which a decode step rewrites whole rows at once
 
 
 def required_blocks(tokens: np.ndarray, tokens_per_block: int, width: int) -> np.ndarray:
@@ -87,12 +88,12 @@ class Held:
     def __init__(self, out: np.ndarray, index: np.ndarray, synced: int, held: np.ndarray):
         self.out, self.index, self.synced = out, index, synced
         self.held = held  # the ids each sequence's row held when the layout was written
-        # made when a decode step first needs them
-        self.inverse: np.ndarray | None = None  # each block-table row's sequence (-1: none)
-        self.counts: np.ndarray = held  # the ids each sequence's row holds (updated in place)
+        # made when a decode step first needs them (plain lists: a few are read one by one)
+        self.inverse: list[int] | None = None  # each block-table row's sequence (-1: none)
+        self.counts: list[int] = []  # the ids each sequence's row holds
         self.shared = False
 
-    def sequence_of(self, rows: int) -> np.ndarray | None:
+    def sequence_of(self, rows: int) -> list[int] | None:
         """Each block-table row's sequence in this layout (-1: none), made once; None where
         two sequences read one list."""
         if self.inverse is None and not self.shared:
@@ -101,7 +102,7 @@ class Held:
             inverse[self.index] = np.arange(n)
             self.shared = not bool((inverse[self.index] == np.arange(n)).all())
             if not self.shared:
-                self.inverse, self.counts = inverse, self.held.copy()
+                self.inverse, self.counts = inverse.tolist(), self.held.tolist()
         return self.inverse
 
 
@@ -305,60 +306,61 @@ def from_slots(
 def _write_changed(
     rows: np.ndarray,
     blocks: Any,
-    inverse: np.ndarray,
-    counts: np.ndarray,
+    inverse: list[int],
+    counts: list[int],
     changed: list[int],
     per_block: int,
 ) -> None:
     """Each changed block-table row that is a sequence of this layout rewritten from the
     block table: a list that grew gets its new columns (a decode step's usual change: one
-    block, two scalar writes), one taken back (a failed step) its whole row; a few one by one
-    (cheaper than numpy's calls), more at once. `counts` (the ids each row holds) follows."""
-    ids, count = blocks.ids, blocks.count
-    if len(changed) <= FEW:
-        for r in changed:
-            seq = int(inverse[r])
-            if seq < 0:
-                continue
-            n, had = int(count[r]), int(counts[seq])
-            if n == had + 1:
-                k = int(ids[r, had]) * per_block
-                rows[seq, 0, had] = k
-                rows[seq, 1, had] = k + 1
-            elif n != had:
-                start = had if n > had else 0
-                k = ids[r, start:n] * per_block
-                rows[seq, 0, start:n] = k
-                rows[seq, 1, start:n] = k + 1
-                rows[seq, :, n:] = 0
-            counts[seq] = n
+    block, two scalar writes), one taken back (a failed step) its whole row; one by one up to
+    FEW_CHANGED (cheaper than numpy's calls: about 0.3 µs a list), more at once. `counts`
+    (the ids each row holds) follows."""
+    if len(changed) > FEW_CHANGED:
+        _write_many(rows, blocks, inverse, counts, changed, per_block)
         return
-    # repeats write the same values twice: no need to drop them
-    table_rows = np.array(changed, np.int64)
-    at = inverse[table_rows]
-    if not (at >= 0).all():
-        table_rows, at = table_rows[at >= 0], at[at >= 0]
-    n, had = count[table_rows], counts[at]
-    grown = n - had
     width = rows.shape[-1]
-    flat = rows.reshape(-1)
-    if (grown == 1).all():  # one block each (a decode step's usual change): one column each
-        pos = at * (2 * width) + had
-        k = ids[table_rows, had] * per_block
-    elif (grown >= 0).all():  # the new columns of each
-        first = np.cumsum(grown) - grown
-        within = np.arange(int(grown.sum())) - np.repeat(first, grown)
-        pos = np.repeat(at * (2 * width) + had, grown) + within
-        k = ids[np.repeat(table_rows, grown), np.repeat(had, grown) + within] * per_block
-    else:  # a list taken back: whole rows (past a list's count its ids are 0)
-        k = ids[table_rows] * per_block
-        rows[at, 0] = k
-        rows[at, 1] = k + (np.arange(width) < n[:, None])  # V: one further, where held
-        counts[at] = n
+    flat, stride = rows.reshape(-1), 2 * width  # rows is a contiguous half of the buffer
+    count, ids = blocks.count.item, blocks.ids.item
+    for r in changed:
+        seq = inverse[r]
+        if seq < 0:
+            continue
+        n, had = count(r), counts[seq]
+        if n == had + 1:
+            k = ids(r, had) * per_block
+            at = seq * stride + had
+            flat[at] = k
+            flat[at + width] = k + 1
+        elif n != had:
+            start = had if n > had else 0
+            k = blocks.ids[r, start:n] * per_block
+            rows[seq, 0, start:n] = k
+            rows[seq, 1, start:n] = k + 1
+            rows[seq, :, n:] = 0
+        counts[seq] = n
+
+
+def _write_many(
+    rows: np.ndarray,
+    blocks: Any,
+    inverse: list[int],
+    counts: list[int],
+    changed: list[int],
+    per_block: int,
+) -> None:
+    """_write_changed for many changed lists: whole rows in a few numpy calls."""
+    pairs = [(inverse[r], r) for r in dict.fromkeys(changed) if inverse[r] >= 0]
+    if not pairs:
         return
-    flat[pos] = k
-    flat[pos + width] = k + 1
-    counts[at] = n
+    at = np.array([s for s, _ in pairs], np.int64)
+    table_rows = np.array([r for _, r in pairs], np.int64)
+    n = blocks.count[table_rows]
+    k = blocks.ids[table_rows] * per_block  # past a list's count its ids are 0
+    rows[at, 0] = k
+    rows[at, 1] = k + (np.arange(rows.shape[-1]) < n[:, None])  # V: one further, where held
+    for (seq, _), held in zip(pairs, n.tolist()):
+        counts[seq] = held
 
 
 def _refresh(slots: SlotRows, per_block: int) -> None:

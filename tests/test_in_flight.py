@@ -346,17 +346,54 @@ def test_tokens_gathered_on_the_device_equal_host_tokens(name: str, seed: int) -
 
 @pytest.mark.parametrize("few", (0, 1000))
 def test_kv_rows_rewritten_whole_or_by_new_columns_equal_the_stateless_step(monkeypatch, few):
-    """The KV rows of lists that changed since they were written: past FEW of them whole rows
-    in a few numpy calls, else one by one, a list that only grew getting its new columns; and
+    """The KV rows of lists that changed since they were written: past FEW of them (FEW_CHANGED
+    in a decode step) whole rows in a few numpy calls, else one by one, a list that only grew getting its new columns; and
     the blocks a step appends, past FEW_BLOCKS slots checked and written at once. With both
     at 0 and at 1000 every step takes one path, and equals the stateless step's tensors
     (beams sharing one list, and lists taken back by refused steps, included)."""
     monkeypatch.setattr(kv_rows, "FEW", few)
+    monkeypatch.setattr(kv_rows, "FEW_CHANGED", few)  # a decode step's changed lists
     monkeypatch.setattr(request_step, "FEW_BLOCKS", few)  # appends one by one or at once
     seen = Counter()
     for seed in range(4):
         seen += run_traffic("llama", seed)
     assert seen["grown"] and seen["moved"] and seen["beams"]
+
+
+@pytest.mark.parametrize("few", (0, 1000))
+@pytest.mark.parametrize("tokens_per_block", (1, 2))
+def test_decode_steps_write_the_grown_lists_one_by_one_or_at_once(
+    monkeypatch, few, tokens_per_block
+):
+    """Decode steps in flight whose sequences enter a new KV block every step or every other
+    step (the half written two steps back then lacks two blocks, or one, of each list): the
+    grown lists' columns written one by one, or past FEW_CHANGED whole rows at once, give
+    every row its list's encoded ids (K = id * 2 * num_local_layers, V = K + 1, 0 past the
+    list)."""
+    monkeypatch.setattr(kv_rows, "FEW_CHANGED", few)
+    b = make_buffers("llama", max_beam_width=1, tokens_per_block=tokens_per_block)
+    c = b.config
+    n, next_id = c.max_batch_size, iter(range(1, 10_000))
+    lists = {s: [next(next_id) for _ in range(-(-2 // tokens_per_block))] for s in range(n)}
+    for s in range(n):
+        b.add(Request(seq_slot=s, prompt=[1, 2], kv_block_ids=[list(lists[s])]))
+    b.step()
+    tokens, length = np.full(n, 9, np.int64), 2
+    for _ in range(6):
+        length += 1  # each sequence's tokens after this step
+        blocks = {}
+        for s in range(n):
+            if len(lists[s]) * tokens_per_block < length:
+                blocks[s] = [next(next_id)]
+                lists[s] += blocks[s]
+        b.step(tokens, blocks=blocks)
+        rows = b.tensors["host_kv_cache_block_offsets"][0, :n].numpy()
+        slots = b.tensors["host_seq_slots"][:n].tolist()
+        for row, slot in zip(rows, slots):
+            k = np.zeros(c.max_blocks_per_seq, np.int64)
+            k[: len(lists[slot])] = np.array(lists[slot]) * 2 * c.num_local_layers
+            v = np.where(np.arange(len(k)) < len(lists[slot]), k + 1, 0)
+            assert row[0].tolist() == k.tolist() and row[1].tolist() == v.tolist()
 
 
 def test_traffic_exercises_every_change() -> None:
