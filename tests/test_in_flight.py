@@ -396,6 +396,28 @@ def test_decode_steps_write_the_grown_lists_one_by_one_or_at_once(
             assert row[0].tolist() == k.tolist() and row[1].tolist() == v.tolist()
 
 
+def test_a_decode_step_past_the_blocks_appended_in_its_run_is_refused() -> None:
+    """What each list covers is kept through a run of decode steps and follows the blocks
+    appended in the run: a sequence one token past its blocks is refused, naming it, with
+    nothing changed, and the same step with the block runs."""
+    b = make_buffers("llama", max_beam_width=1, tokens_per_block=2)
+    n = b.config.max_batch_size
+    for s in range(n):
+        b.add(Request(seq_slot=s, prompt=[1, 2], kv_block_ids=[[10 * s + 1]]))
+    b.step()
+    tokens = np.full(n, 9, np.int64)
+    b.step(tokens, blocks={s: [10 * s + 2] for s in range(n)})  # 3 tokens (a full step)
+    b.step(tokens)  # 4 tokens: a decode step
+    b.step(tokens, blocks={s: [10 * s + 3] for s in range(n)})  # 5 tokens, the third block
+    b.step(tokens)  # 6 tokens
+    before = {k: v.clone() for k, v in b.tensors.items()}
+    with pytest.raises(BatchError, match=r"seq_slot 0\): its token 7 needs KV block 3"):
+        b.step(tokens, blocks={s: [10 * s + 4] for s in range(1, n)})
+    assert all(torch.equal(before[k], v) for k, v in b.tensors.items())
+    b.step(tokens, blocks={s: [10 * s + 4] for s in range(n)})
+    assert b.tensors["host_sequence_lengths"][:n].tolist() == [7] * n
+
+
 def test_traffic_exercises_every_change() -> None:
     """The simulation itself: steps in place and in full, rows moved by finishes, chunked
     prompts, accepted drafts, beams and grown block lists all occur."""
