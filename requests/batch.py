@@ -241,8 +241,11 @@ def view(
     chunk only."""
     c_begin, c_chunk, c_plen, c_ndraft = ctx
     g_bw, g_plen, g_ndraft, g_max = gen
-    c_drafts = np.where(c_begin + c_chunk == c_plen, c_ndraft, 0)
-    c_input = c_chunk + c_drafts
+    if c_ndraft.any():  # drafts ride on a last chunk only
+        c_drafts = np.where(c_begin + c_chunk == c_plen, c_ndraft, 0)
+        c_input = c_chunk + c_drafts
+    else:
+        c_drafts, c_input = c_ndraft, c_chunk
     wide = len(last) != len(g_bw)
     seq_len = np.repeat(g_plen + g_max, g_bw) if wide else g_plen + g_max
     n_ctx = len(context)

@@ -40,23 +40,20 @@ def step_view(
 ) -> Batch:
     n_ctx = len(context)
     ctx = tuple(e for e, _, _ in context)
-    # one conversion for the context columns (rows of one table: a step has few context
-    # requests, and numpy's cost per call outweighs its loops at these sizes)
+    # the context columns from Python lists (a step has few context requests: numpy's cost
+    # per call outweighs its loops at these sizes)
     prompt_len = t.prompt_len
-    columns = np.array(
-        [
-            (e.seq_slot, begin, chunk, prompt_len[e.seq_slot], len(e.context_drafts))
-            for e, begin, chunk in context
-        ],
-        np.int64,
-    ).reshape(-1, 5)
-    ctx_slots, c_begin, c_chunk, c_plen, c_ndraft = columns.T
-    g_bw = t.beam_width[rows]
+    ctx_slots = np.array([e.seq_slot for e in ctx], np.int64)
+    c_begin = np.array([begin for _, begin, _ in context], np.int64)
+    c_chunk = np.array([chunk for _, _, chunk in context], np.int64)
+    c_ndraft = np.array([len(e.context_drafts) for e in ctx], np.int64)
+    n = len(rows)
+    wide = bool(t.n_wide) and bool((t.beam_width[rows] > 1).any())
+    g_bw = t.beam_width[rows] if wide else t.one_beam[:n]
     # no drafts in the last step nor in this one: the zero column without a gather
     undrafted = not t.drafted and ndraft is t.ndraft
-    g_ndraft = t.no_drafts[: len(rows)] if undrafted else ndraft[rows]
+    g_ndraft = t.no_drafts[:n] if undrafted else ndraft[rows]
     g_max = generated[rows]
-    wide = bool(t.n_wide) and bool((g_bw > 1).any())
     explicit: tuple[int, ...] = ()
     if t.n_explicit:
         c_explicit = [i for i, e in enumerate(ctx) if e.position_ids is not None]
@@ -70,30 +67,38 @@ def step_view(
                 "run past the int32 range"
             )
         explicit = tuple(c_explicit + (g_explicit + n_ctx).tolist())
+    slots = np.concatenate((ctx_slots, rows))
     return view(
         ctx,
         tuple(row_entries),
         t.limits,
-        ctx=(c_begin, c_chunk, c_plen, c_ndraft),
+        ctx=(c_begin, c_chunk, prompt_len[ctx_slots], c_ndraft),
         gen=(g_bw, prompt_len[rows], g_ndraft, g_max),
-        slots=np.concatenate((ctx_slots, rows)),
+        slots=slots,
         last=_sequence_values(last, rows, g_bw, t.n_wide),
         explicit=explicit,
         prompts={id(e): (e.prompt, t.prompt_arrays[e.seq_slot]) for e in ctx},
         encoder=t.encoder,
-        flight=flight_lists(t, ctx_slots, rows, g_bw, wide),
+        flight=flight_lists(t, ctx_slots, rows, g_bw, wide, slots),
     )
 
 
 def flight_lists(
-    t: RequestTable, ctx_slots: np.ndarray, rows: np.ndarray, widths: np.ndarray, wide: bool
+    t: RequestTable,
+    ctx_slots: np.ndarray,
+    rows: np.ndarray,
+    widths: np.ndarray,
+    wide: bool,
+    slots: np.ndarray,
 ) -> FlightLists | None:
     """Each sequence's row in the block table: a context request reads its first list, a
-    generation beam its own list, or the one list all its beams share. None for a family
-    without a paged KV cache."""
+    generation beam its own list, or the one list all its beams share (`slots`: each
+    request's seq slot, context first). None for a family without a paged KV cache."""
     kv = t.kv
     if kv is None:
         return None
+    if not wide and kv.lists == 1:  # one list per slot, one sequence per request
+        return FlightLists(kv, slots, t.kvs if len(t.kvs) > 1 else ())
     if wide:
         gen_slots, beam = _beam_index(rows, widths)
         gen_rows = gen_slots * kv.lists + np.where(kv.n_lists[gen_slots] > 1, beam, 0)

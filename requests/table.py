@@ -124,6 +124,8 @@ class RequestTable:
         self.drafted: list[int] = []  # the slots that had drafts in the last step
         self.no_drafts = np.zeros(n, np.int64)  # the drafts column of a step without any
         self.no_drafts.flags.writeable = False
+        self.one_beam = np.ones(n, np.int64)  # the beam widths of a step without beam search
+        self.one_beam.flags.writeable = False
         self.explicit_last = np.full(n, -1, np.int64)  # last explicit position id (-1: none)
         self.prompt_arrays: list[np.ndarray | None] = [None] * n
         self.n_explicit = 0
