@@ -237,7 +237,8 @@ def _check_flight(
     assert flight is not None
     for k, table in enumerate(flight.per_window()):
         lengths = table.count[flight.index]
-        if len(lengths) and ((lengths * tpb < tokens) & (lengths < width)).any():
+        below = lengths * tpb < tokens  # short, unless the list fills the window
+        if below.any() and (below & (lengths < width)).any():
             need = required_blocks(tokens, tpb, width)
             if flight.tables:  # name the window and the sequence
                 short = np.flatnonzero((lengths * tpb < tokens) & (lengths < width))
