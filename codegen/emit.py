@@ -21,6 +21,7 @@ import jinja2
 from . import expr as E
 from . import vocab
 from .contract import ROLES, describe
+from .emit_formulas import capture_source, construct_source, scalar_source, step_source
 from .model import Check, Derived, Impl, Parameter
 from .plan import FamilyPlan, PlannedFill, PlannedIndexSet, PlannedTensor, StepProgram
 
@@ -48,14 +49,6 @@ def _template() -> jinja2.Template:
     return env.from_string(text)
 
 
-def _construct(e: E.Expr) -> str:
-    return E.to_source(
-        e,
-        name=lambda n: n if n == "index" else f"c.{n}",
-        call=lambda f: f"rt.{f}" if f == "cdiv" else f,
-    )
-
-
 def _scalars_and_captures(program: StepProgram, sizes: set[str]) -> dict[str, Any]:
     """The lines of the generated `_scalars` (one per step scalar) and `_capture` (one per
     tensor with a capture value), each under its construct-time condition."""
@@ -66,7 +59,7 @@ def _scalars_and_captures(program: StepProgram, sizes: set[str]) -> dict[str, An
                 "doc": _wrapped(f"{x.name}: {_comment(x.doc)}"),
                 "lines": _under(
                     x.guard,
-                    _assign(f"scalars[{x.name!r}]", _scalar(x.value, sizes), x.guard),
+                    _assign(f"scalars[{x.name!r}]", scalar_source(x.value, sizes), x.guard),
                 ),
             }
             for x in program.scalars
@@ -75,7 +68,9 @@ def _scalars_and_captures(program: StepProgram, sizes: set[str]) -> dict[str, An
             {
                 "doc": _wrapped(f"{x.tensor}: {_comment(x.doc)}"),
                 "lines": _guarded(
-                    x.guard, "rt.write_all", [f"t.{x.tensor}", _capture(x.value, sizes, names)]
+                    x.guard,
+                    "rt.write_all",
+                    [f"t.{x.tensor}", capture_source(x.value, sizes, names)],
                 ),
             }
             for x in program.captures
@@ -91,30 +86,6 @@ def _assign(target: str, value: str, guard: E.Expr | None) -> list[str]:
     return [f"{target} = (", f"    {value}", ")"]
 
 
-def _scalar(e: E.Expr, sizes: set[str]) -> str:
-    """A step scalar's value: Config names, step sizes, and max_of(T) as what the step wrote."""
-    return E.to_source(
-        e,
-        name=lambda n: f"s.{n}" if n in sizes else f"c.{n}",
-        call=lambda f: f"rt.{f}" if f == "cdiv" else f,
-        tensor_max=lambda t: f"rt.written_max(t.{t})",
-    )
-
-
-def _capture(e: E.Expr, sizes: set[str], scalars: set[str]) -> str:
-    """A capture value: Config names, step sizes, the step's scalars and prepare_for_cuda_graph's
-    max_sequence_length."""
-
-    def name(n: str) -> str:
-        if n == "max_sequence_length":
-            return n
-        if n in scalars:
-            return f"scalars[{n!r}]"
-        return f"s.{n}" if n in sizes else f"c.{n}"
-
-    return E.to_source(e, name=name, call=lambda f: f"rt.{f}" if f == "cdiv" else f)
-
-
 def _set_var(name: str) -> str:
     return f"SET_{name.upper()}"
 
@@ -124,18 +95,10 @@ def _index_set(x: PlannedIndexSet) -> dict[str, str]:
         args = f"names=lambda c: c.{x.names}"
     else:
         assert x.first is not None and x.count is not None
-        args = f"first=lambda c: {_construct(x.first)}, count=lambda c: {_construct(x.count)}"
+        args = f"first=lambda c: {construct_source(x.first)}, count=lambda c: {construct_source(x.count)}"
         if x.where is not None:
-            args += f", where=lambda c, index: {_construct(x.where)}"
+            args += f", where=lambda c, index: {construct_source(x.where)}"
     return {"var": _set_var(x.name), "name": x.name, "doc": _comment(x.doc), "args": args}
-
-
-def _step(e: E.Expr, sizes: set[str]) -> str:
-    return E.to_source(
-        e,
-        name=lambda n: f"s.{n}" if n in sizes else f"c.{n}",
-        call=lambda f: f"rt.{f}" if f == "cdiv" else f,
-    )
 
 
 def _tuple(items: list[str]) -> str:
@@ -175,19 +138,19 @@ def _tensor_context(pt: PlannedTensor, sizes: set[str], rules: dict[str, str]) -
         fill = f"rt.Mirror({pt.fill_target!r})"
     elif pt.fill_kind == "constant":
         assert pt.constant is not None
-        fill = f"rt.Constant(lambda c: {_construct(pt.constant)})"
+        fill = f"rt.Constant(lambda c: {construct_source(pt.constant)})"
     elif pt.fill_kind == "static" and pt.constant is not None:
-        fill = f"rt.Static(lambda c: {_construct(pt.constant)})"
+        fill = f"rt.Static(lambda c: {construct_source(pt.constant)})"
     else:
         fill = {"engine": "rt.ENGINE", "external": "rt.EXTERNAL", "static": "rt.STATIC"}[
             pt.fill_kind
         ]
-    shape = _tuple([_step(e, sizes) for e in pt.shape])
+    shape = _tuple([step_source(e, sizes) for e in pt.shape])
     binds = []
     for b in pt.bindings:
         args = [repr(b.engine_name)]
         if b.when is not None:
-            args.append(f"when=lambda c: {_construct(b.when)}")
+            args.append(f"when=lambda c: {construct_source(b.when)}")
         if b.each:
             args.append(f"each={_tuple([_set_var(n) for n in b.each])}")
         binds.append((b.direction, f"rt.Bind({', '.join(args)})"))
@@ -196,11 +159,11 @@ def _tensor_context(pt: PlannedTensor, sizes: set[str], rules: dict[str, str]) -
         "doc": _comment(pt.doc),
         "dtype": dtype,
         "memory": f"rt.{vocab.MEMORY_KINDS[pt.memory]}",
-        "capacity": f"lambda c: {_tuple([_construct(e) for e in pt.capacity])}",
+        "capacity": f"lambda c: {_tuple([construct_source(e) for e in pt.capacity])}",
         "shape": f"lambda c, s: {shape}",
         "fill": fill,
         "pad": "rt.REPEAT_LAST" if pt.pad == vocab.REPEAT_LAST else pt.pad,
-        "when": f"lambda c: {_construct(pt.when)}" if pt.when is not None else None,
+        "when": f"lambda c: {construct_source(pt.when)}" if pt.when is not None else None,
         "inputs": [b for d, b in binds if d == "input"],
         "outputs": [b for d, b in binds if d == "output"],
         "checked": pt.checked,
@@ -416,7 +379,7 @@ def _under(cond: E.Expr | None, lines: list[str]) -> list[str]:
     """`lines`, under a construct-time condition where there is one."""
     if cond is None:
         return lines
-    return [f"if {_construct(cond)}:", *(f"    {x}" for x in lines)]
+    return [f"if {construct_source(cond)}:", *(f"    {x}" for x in lines)]
 
 
 def _guarded(cond: E.Expr | None, fn: str, args: list[str]) -> list[str]:
@@ -431,7 +394,7 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
         f"encoder_only={program.encoder_only!r}",
     ]
     bounds = [
-        f"rt.check_size({z.name!r}, s.{z.name}, {_construct(z.bound.expr)})"
+        f"rt.check_size({z.name!r}, s.{z.name}, {construct_source(z.bound.expr)})"
         for z in plan.sizes
         if z.bound is not None
     ]
@@ -442,7 +405,7 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
         for line in _guarded(
             pt.when,
             "self.check_shape",
-            [repr(pt.name), _tuple([_step(e, sizes) for e in pt.shape])],
+            [repr(pt.name), _tuple([step_source(e, sizes) for e in pt.shape])],
         )
     ]
     checks = []
@@ -539,11 +502,14 @@ def _value(name: str, fn: str, args: list[str], guard: E.Expr | None) -> list[st
     """`name=CALL,` (or `CALL if GUARD else None`) as lines of a constructor call."""
     one = f"{name}={_call(fn, args)}"
     if guard is not None:
-        one += f" if {_construct(guard)} else None"
+        one += f" if {construct_source(guard)} else None"
     if 12 + len(one) < 100:
         return [one + ","]
     head = [f"{name}={fn}(", *(f"    {a}," for a in args)]
-    return [*head, f"){' if ' + _construct(guard) + ' else None' if guard is not None else ''},"]
+    return [
+        *head,
+        f"){' if ' + construct_source(guard) + ' else None' if guard is not None else ''},",
+    ]
 
 
 def _construction(cls: str, first: str, results: list[dict[str, Any]]) -> list[str]:

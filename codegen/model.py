@@ -312,22 +312,7 @@ class _Builder:
     def build(self) -> Spec:
         d = self.doc.data
         kl = self.doc.key_loc
-        flags = tuple(
-            Flag(
-                n,
-                r["doc"],
-                tuple(r["values"]) if "values" in r else None,
-                kl(("flags", n)),
-                r.get("default"),
-            )
-            for n, r in d.get("flags", {}).items()
-        )
-        for n, r in d.get("flags", {}).items():
-            if ("values" in r) == ("type" in r):
-                self.errors.error(
-                    kl(("flags", n)),
-                    f"flag '{n}' needs exactly one of 'values' (an enum flag) or 'type: bool'",
-                )
+        flags = self.flags()
         params = tuple(
             Parameter(
                 n,
@@ -365,30 +350,7 @@ class _Builder:
             StepSize(n, r["doc"], self.opt_formula(r, "max", ("sizes", n)), kl(("sizes", n)))
             for n, r in d.get("sizes", {}).items()
         )
-        families = tuple(
-            Family(
-                n,
-                r["doc"],
-                tuple(r.get("flags", {}).items()),
-                kl(("families", n)),
-                tuple((f, kl(("families", n, "flags", f))) for f in r.get("flags", {})),
-                tuple(
-                    AdditionalOutput(
-                        o,
-                        v["doc"],
-                        v["dtype"],
-                        tuple(
-                            self.formula(x, ("families", n, "additional_outputs", o, "dims", j))
-                            for j, x in enumerate(v.get("dims", []))
-                        ),
-                        kl(("families", n, "additional_outputs", o)),
-                        self.opt_formula(v, "when", ("families", n, "additional_outputs", o)),
-                    )
-                    for o, v in r.get("additional_outputs", {}).items()
-                ),
-            )
-            for n, r in d.get("families", {}).items()
-        )
+        families = self.families()
         index_sets = tuple(
             IndexSet(
                 n,
@@ -437,6 +399,55 @@ class _Builder:
             request_checks,
             requests,
             scalars,
+        )
+
+    def flags(self) -> tuple[Flag, ...]:
+        """The spec's flags; one with both or neither of `values` and `type` is an error."""
+        d, kl = self.doc.data, self.doc.key_loc
+        flags = tuple(
+            Flag(
+                n,
+                r["doc"],
+                tuple(r["values"]) if "values" in r else None,
+                kl(("flags", n)),
+                r.get("default"),
+            )
+            for n, r in d.get("flags", {}).items()
+        )
+        for n, r in d.get("flags", {}).items():
+            if ("values" in r) == ("type" in r):
+                self.errors.error(
+                    kl(("flags", n)),
+                    f"flag '{n}' needs exactly one of 'values' (an enum flag) or 'type: bool'",
+                )
+        return flags
+
+    def families(self) -> tuple[Family, ...]:
+        """The spec's families, with their flags' locations and additional outputs."""
+        d, kl = self.doc.data, self.doc.key_loc
+        return tuple(
+            Family(
+                n,
+                r["doc"],
+                tuple(r.get("flags", {}).items()),
+                kl(("families", n)),
+                tuple((f, kl(("families", n, "flags", f))) for f in r.get("flags", {})),
+                tuple(
+                    AdditionalOutput(
+                        o,
+                        v["doc"],
+                        v["dtype"],
+                        tuple(
+                            self.formula(x, ("families", n, "additional_outputs", o, "dims", j))
+                            for j, x in enumerate(v.get("dims", []))
+                        ),
+                        kl(("families", n, "additional_outputs", o)),
+                        self.opt_formula(v, "when", ("families", n, "additional_outputs", o)),
+                    )
+                    for o, v in r.get("additional_outputs", {}).items()
+                ),
+            )
+            for n, r in d.get("families", {}).items()
         )
 
     def impl(self, text: str, path: Path) -> Impl:
