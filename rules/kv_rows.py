@@ -315,52 +315,40 @@ def _write_changed(
     """Each changed block-table row that is a sequence of this layout rewritten from the
     block table: a list that grew gets its new columns (a decode step's usual change: one
     block, two scalar writes), one taken back (a failed step) its whole row; one by one up to
-    FEW_CHANGED (cheaper than numpy's calls: about 0.3 µs a list), more at once. `counts`
-    (the ids each row holds) follows."""
-    if len(changed) > FEW_CHANGED:
-        _write_many(rows, blocks, inverse, counts, changed, per_block)
+    FEW_CHANGED (cheaper than numpy's calls: about 0.3 µs a list), past it whole rows at once.
+    `counts` (the ids each row holds) follows."""
+    if len(changed) <= FEW_CHANGED:
+        width = rows.shape[-1]
+        flat, stride = rows.reshape(-1), 2 * width  # rows is a contiguous half of the buffer
+        count, ids = blocks.count.item, blocks.ids.item
+        for r in changed:
+            seq = inverse[r]
+            if seq < 0:
+                continue
+            n, had = count(r), counts[seq]
+            if n == had + 1:
+                k = ids(r, had) * per_block
+                at = seq * stride + had
+                flat[at] = k
+                flat[at + width] = k + 1
+            elif n != had:
+                start = had if n > had else 0
+                k = blocks.ids[r, start:n] * per_block
+                rows[seq, 0, start:n] = k
+                rows[seq, 1, start:n] = k + 1
+                rows[seq, :, n:] = 0
+            counts[seq] = n
         return
-    width = rows.shape[-1]
-    flat, stride = rows.reshape(-1), 2 * width  # rows is a contiguous half of the buffer
-    count, ids = blocks.count.item, blocks.ids.item
-    for r in changed:
-        seq = inverse[r]
-        if seq < 0:
-            continue
-        n, had = count(r), counts[seq]
-        if n == had + 1:
-            k = ids(r, had) * per_block
-            at = seq * stride + had
-            flat[at] = k
-            flat[at + width] = k + 1
-        elif n != had:
-            start = had if n > had else 0
-            k = blocks.ids[r, start:n] * per_block
-            rows[seq, 0, start:n] = k
-            rows[seq, 1, start:n] = k + 1
-            rows[seq, :, n:] = 0
-        counts[seq] = n
-
-
-def _write_many(
-    rows: np.ndarray,
-    blocks: Any,
-    inverse: list[int],
-    counts: list[int],
-    changed: list[int],
-    per_block: int,
-) -> None:
-    """_write_changed for many changed lists: whole rows in a few numpy calls."""
     pairs = [(inverse[r], r) for r in dict.fromkeys(changed) if inverse[r] >= 0]
     if not pairs:
         return
-    at = np.array([s for s, _ in pairs], np.int64)
+    at_rows = np.array([s for s, _ in pairs], np.int64)
     table_rows = np.array([r for _, r in pairs], np.int64)
-    n = blocks.count[table_rows]
-    k = blocks.ids[table_rows] * per_block  # past a list's count its ids are 0
-    rows[at, 0] = k
-    rows[at, 1] = k + (np.arange(rows.shape[-1]) < n[:, None])  # V: one further, where held
-    for (seq, _), held in zip(pairs, n.tolist()):
+    n_ids = blocks.count[table_rows]
+    k_all = blocks.ids[table_rows] * per_block  # past a list's count its ids are 0
+    rows[at_rows, 0] = k_all
+    rows[at_rows, 1] = k_all + (np.arange(rows.shape[-1]) < n_ids[:, None])  # V where held
+    for (seq, _), held in zip(pairs, n_ids.tolist()):
         counts[seq] = held
 
 
