@@ -93,6 +93,17 @@ class BlockTable:
     def put(self, slot: int, arrays: list[np.ndarray | list[int]]) -> None:
         """The checked lists of the request arriving in `slot`."""
         base = slot * self.lists
+        if self.lists == 1:  # one list per slot (no beam search): scalar writes
+            ids = arrays[0]
+            row, n = self.ids[base], len(ids)
+            row[:n] = ids
+            row[n:] = 0  # past a list's count its ids are 0
+            self.count[base] = n
+            self.n_lists[slot] = 1
+            self.clock += 1
+            self.version[base] = self.born[base] = self.clock
+            self._log_one(base)
+            return
         self.ids[base : base + self.lists] = 0
         self.count[base : base + self.lists] = 0
         for k, a in enumerate(arrays):
