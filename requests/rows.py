@@ -48,8 +48,8 @@ def step_view(
     c_chunk = np.array([chunk for _, _, chunk in context], np.int64)
     c_ndraft = np.array([len(e.context_drafts) for e in ctx], np.int64)
     n = len(rows)
-    wide = bool(t.n_wide) and bool((t.beam_width[rows] > 1).any())
-    g_bw = t.beam_width[rows] if wide else t.one_beam[:n]
+    g_bw = t.beam_width[rows] if t.n_wide else t.one_beam[:n]
+    wide = bool(t.n_wide) and bool((g_bw > 1).any())
     # no drafts in the last step nor in this one: the zero column without a gather
     undrafted = not t.drafted and ndraft is t.ndraft
     g_ndraft = t.no_drafts[:n] if undrafted else ndraft[rows]

@@ -241,7 +241,7 @@ def _check_flight(
         if below.any() and (below & (lengths < width)).any():
             need = required_blocks(tokens, tpb, width)
             if flight.tables:  # name the window and the sequence
-                short = np.flatnonzero((lengths * tpb < tokens) & (lengths < width))
+                short = np.flatnonzero(below & (lengths < width))
                 _short_window(b, k, int(short[0]), int(lengths[short[0]]), int(need[short[0]]))
             _diagnose(b, "kv_block_ids", need, width, width_name, limit, what)
     return BlockPlan([], _EMPTY, _EMPTY, None, kept, slots=flight)
