@@ -204,11 +204,10 @@ class TokenGather:
     def write(self, half: int, g: Gather) -> None:
         """The gathered tokens into the token rows of the device arena (after ``gather``), an
         out-of-range one as the pad."""
-        m = len(g.dst)
+        _, _, m, lo, hi = self.key(g)  # dst ascends (the rows' order)
         if not m:
             return
         got, bad = self._got[:m], self._bad[:m]
-        lo, hi = int(g.dst[0]), int(g.dst[-1]) + 1  # dst ascends (the rows' order)
         if hi - lo == m:  # consecutive rows (no drafts between them): in place, cast on the way
             rows = self.device[lo:hi]
             rows.copy_(got)

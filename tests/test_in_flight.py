@@ -347,8 +347,8 @@ def test_tokens_gathered_on_the_device_equal_host_tokens(name: str, seed: int) -
 @pytest.mark.parametrize("few", (0, 1000))
 def test_kv_rows_rewritten_whole_or_by_new_columns_equal_the_stateless_step(monkeypatch, few):
     """The KV rows of lists that changed since they were written: past FEW of them (FEW_CHANGED
-    in a decode step) whole rows in a few numpy calls, else one by one, a list that only grew getting its new columns; and
-    the blocks a step appends, past FEW_BLOCKS slots checked and written at once. With both
+    in a decode step) whole rows in a few numpy calls, else one by one, a list that only grew
+    getting its new columns; and the blocks a step appends, past FEW_BLOCKS slots checked and written at once. With both
     at 0 and at 1000 every step takes one path, and equals the stateless step's tensors
     (beams sharing one list, and lists taken back by refused steps, included)."""
     monkeypatch.setattr(kv_rows, "FEW", few)
@@ -397,9 +397,9 @@ def test_decode_steps_write_the_grown_lists_one_by_one_or_at_once(
 
 
 def test_a_decode_step_past_the_blocks_appended_in_its_run_is_refused() -> None:
-    """What each list covers is kept through a run of decode steps and follows the blocks
-    appended in the run: a sequence one token past its blocks is refused, naming it, with
-    nothing changed, and the same step with the block runs."""
+    """A run of decode steps whose lists grew in the run: the step that takes a sequence one
+    token past its blocks (as the block table counts them, appends of the run included) is
+    refused, naming it, with nothing changed, and the same step with the block runs."""
     b = make_buffers("llama", max_beam_width=1, tokens_per_block=2)
     n = b.config.max_batch_size
     for s in range(n):
