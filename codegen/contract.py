@@ -40,6 +40,8 @@ ROLES: dict[str, tuple[str, str]] = {
     "advance_check": ("_advance_check", "the advance check of rule '{}'"),
     "advance": ("_advance", "the advance form of rule '{}'"),
     "device_advance": ("_advance_on_device", "the device advance form of rule '{}'"),
+    "continue_check": ("_continue_check", "the continue check of rule '{}'"),
+    "continue": ("_continue", "the continue form of rule '{}'"),
     "derive": ("Config", "the function of derived value '{}'"),
 }
 
@@ -121,8 +123,30 @@ def calls(
                 )
             )
         if r.device_advance is not None:
-            positional = ("the device mirror", "the decode step")
-            out.append(Call("device_advance", r.name, r.device_advance, positional))
+            out.append(
+                Call(
+                    "device_advance",
+                    r.name,
+                    r.device_advance,
+                    ("the device mirror", "the decode step"),
+                )
+            )
+        if r.continues is not None:
+            positional = ("out", "the last step's values", "the continued step")
+            out.append(
+                Call("continue", r.name, r.continues, positional, r.advance_reads, "advance_reads")
+            )
+        if r.continue_check is not None:
+            out.append(
+                Call(
+                    "continue_check",
+                    r.name,
+                    r.continue_check.impl,
+                    ("the continued step",),
+                    r.continue_check.reads,
+                    "continue_check.reads",
+                )
+            )
     return out
 
 

@@ -21,6 +21,7 @@ import jinja2
 from . import expr as E
 from . import vocab
 from .contract import ROLES, describe
+from .emit_continue import continue_program
 from .emit_formulas import capture_source, construct_source, scalar_source, step_source
 from .model import Check, Derived, Impl, Parameter
 from .plan import FamilyPlan, PlannedFill, PlannedIndexSet, PlannedTensor, StepProgram
@@ -312,6 +313,10 @@ def _roles(program: StepProgram, derived: Sequence[Derived]) -> list[tuple[str, 
             out.append(("advance_check", f.rule, f.advance_check))
         if f.device_advance is not None:
             out.append(("device_advance", f.rule, f.device_advance))
+        if f.continues is not None:
+            out.append(("continue", f.rule, f.continues))
+        if f.continue_check is not None:
+            out.append(("continue_check", f.rule, f.continue_check))
     return out
 
 
@@ -489,6 +494,16 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
         "advances": advances,
         "sampled_tokens": program.sampled_tokens,
         **_scalars_and_captures(program, sizes),
+        **continue_program(
+            plan,
+            alias,
+            sizes,
+            kwargs=_kwargs,
+            lines=_lines,
+            under=_under,
+            write=_write,
+            doc=_fill_doc,
+        ),
         "no_advance": program.no_advance,
         "state": [
             {"name": chk.name, "type": alias(chk.state)}

@@ -68,7 +68,7 @@ MEMORY_KINDS: dict[str, str] = {"device": "DEVICE", "host": "HOST", "pinned": "P
 # bufc's own rule modules, imported as their last component (bufc.rules.core as `core`); the
 # emitter gives them these names, and any other module that would take one gets another.
 RULE_MODULES: frozenset[str] = frozenset(
-    {"adapters", "core", "features", "kv_rows", "paged_attention", "pools"}
+    {"adapters", "continued", "core", "features", "kv_rows", "paged_attention", "pools"}
 )
 
 # The names a generated module (family.py.j2, and render_init's generated/__init__.py) binds or
@@ -139,6 +139,9 @@ MEMBER_NAMES: frozenset[str] = frozenset(
         "_advance_check",
         "_advance",
         "_advance_on_device",
+        "_continues",
+        "_continue_check",
+        "_continue",
         "_scalars",
         "_capture",
     }
@@ -163,6 +166,7 @@ LOCAL_NAMES: frozenset[str] = frozenset(
         "b",
         "c",
         "d",
+        "g",
         "k",
         "p",
         "r",

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from bufc.requests import batch, stateless, table
 from bufc.rules import decode
+from bufc.rules import continued
 from bufc.rules import core
 from bufc.rules import kv_rows
 from bufc.rules import paged_attention

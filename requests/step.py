@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from itertools import chain
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from ..errors import BatchError
-from ..rules.decode import Sampled
-from .batch import Batch, Limits
+from ..rules.decode import Continue, Sampled
+from ..rules.sizes import StepSizes
+from .batch import Batch, FlightLists, Limits, step_sizes
 from .blocks import BlockTable, window_lists
 from .rows import (
     TokenGather,
@@ -61,6 +62,8 @@ class Plan:
     # each value it copies back (their state entries once they land)
     gather: TokenGather | None = None
     gathered: tuple[np.ndarray, np.ndarray] | None = None
+    # a step that continues the last one in place: `batch` holds its context requests alone
+    rows: Continue | None = None
 
     def undo(self) -> None:
         """The step failed: the block lists and drafts it set are as they were."""
@@ -88,6 +91,7 @@ def plan(
     generation: bool = True,
     steady: bool = False,
     on_device: bool = False,
+    last: StepSizes | None = None,
 ) -> Plan:
     """Check the next step and lay it out; nothing is committed (``commit``) and only the
     block lists and drafts are set on the entries and the block table (``Plan.undo`` restores
@@ -95,8 +99,10 @@ def plan(
     in this step or waits.
 
     `steady`: the last step can be continued in place (generation only, no drafts); the
-    plan then has no batch when nothing but the tokens changed. `on_device`: `tokens` is
-    ``OnDevice``, a tensor on the buffers' device gathered there (``Plan.gather``)."""
+    plan then has no batch when nothing but the tokens changed. `last`: the sizes of the last
+    step, whose generation rows can be continued in place (``Plan.rows``) by a step whose
+    context rows have its layout. `on_device`: `tokens` is ``OnDevice``, a tensor on the
+    buffers' device gathered there (``Plan.gather``)."""
     _refuse_bad(
         t,
     )
@@ -108,6 +114,17 @@ def plan(
         and t.n_rows
     ):
         return _steady(t, tokens, blocks, on_device)
+    if (
+        last is not None
+        and generation
+        and not on_device
+        and not (drafts or accepted or t.drafted)
+        and not (t.n_wide or t.n_explicit or t.encoder)
+        and len(t.kvs) <= 1
+    ):
+        continued = _continued(t, tokens, chunks, blocks, last)
+        if continued is not None:
+            return continued
     undo_blocks: list[tuple[BlockTable, int, int]] = []
     undo_drafts: list[tuple[Entry, Any]] = []
     try:
@@ -382,6 +399,109 @@ def _steady(
         generation=True,
         gather=gather,
         gathered=gathered,
+    )
+
+
+def _continued(
+    t: RequestTable,
+    tokens: Any,
+    chunks: Mapping[int, int] | None,
+    blocks: Mapping[int, Any] | None,
+    last: StepSizes,
+) -> Plan | None:
+    """A step that continues the last one in place (one beam each, no drafts, no explicit
+    positions): its context rows have the last step's layout (as many requests and tokens),
+    so each tensor's generation rows start where the last step's did. Rows that held the same
+    request in the last step continue; a row a finish refilled and the prompts the last step
+    finished are written whole. None where the step is not one (the full plan then runs, and
+    raises its own errors in its own order)."""
+    if len(t.produced) != last.num_generation_sequences:  # the last step's rows are the table's
+        return None
+    promoted = [s for s, serial in t.completing if t.serial[s] == serial]
+    if any(t.held(s).context_drafts for s in promoted):
+        return None
+    try:
+        context, positions, completing = _context(t, chunks)
+    except BatchError:
+        return None
+    ctx_chunk = [size for _, _, size in context]
+    ctx_tokens = sum(ctx_chunk)
+    if (
+        len(context) != last.num_context_requests
+        or ctx_tokens != last.num_context_tokens
+        or any(e.context_drafts for e, _, _ in context)
+    ):
+        return None
+    n_old = t.n_rows
+    rows = np.concatenate((t.rows[:n_old], promoted)) if promoted else t.rows[:n_old]
+    n = len(rows)
+    if not n:
+        return None
+    ctx_slots = [e.seq_slot for e, _, _ in context]
+    ctx_begin = [begin for _, begin, _ in context]
+    ends = [b + k for b, k in zip(ctx_begin, ctx_chunk)]
+    undo: list[tuple[BlockTable, int, int]] = []
+    try:
+        values = _token_table(tokens, t.limits)[:, 0][rows]
+        _check_tokens(values, t.limits)
+        _grow(t, blocks, undo)
+        kept = min(len(t.produced), n_old)
+        refilled = sorted(r for r in t.refilled if r < kept)
+        at = np.concatenate((np.array(refilled, np.int64), np.arange(kept, n)))
+        gen_tokens = t.prompt_len[rows] + t.generated[rows] + 1
+        flight, grown = None, cast(tuple[tuple[int, int], ...], ())
+        kv = t.kv
+        if kv is not None:
+            slots = np.concatenate((ctx_slots, rows)) if ctx_slots else rows
+            flight = FlightLists(kv, slots if kv.lists == 1 else slots * kv.lists)
+            if undo:  # kept rows whose list grew get its new columns
+                whole = set(refilled)
+                grown = tuple(
+                    (r, before)
+                    for _, row, before in undo
+                    if 0 <= (r := int(t.row_of[row // kv.lists])) < kept and r not in whole
+                )
+        at_slots = rows[at]
+        cont = Continue(
+            sizes=step_sizes(
+                len(context),
+                ctx_tokens,
+                0,
+                max((int(t.prompt_len[s]) for s in ctx_slots), default=0),
+                n,
+                n,
+                0,
+            ),
+            ctx_slots=ctx_slots,
+            ctx_begin=ctx_begin,
+            ctx_chunk=ctx_chunk,
+            ctx_prompts=[t.prompt_arrays[s] for s in ctx_slots],  # type: ignore[misc]
+            tokens=values,
+            seq_tokens=np.concatenate((ends, gen_tokens)) if ends else gen_tokens,
+            kept=kept,
+            at=at,
+            at_slots=at_slots,
+            at_prompt_len=t.prompt_len[at_slots],
+            at_tokens=gen_tokens[at],
+            flight=flight,
+            grown=grown,
+        )
+    except BaseException:
+        _undo(undo, [])
+        raise
+    return Plan(
+        batch=None,
+        tokens=Sampled(values),
+        generated=None,
+        last=None,
+        ndraft=t.ndraft,
+        drafted=[],
+        positions=positions,
+        promoted=promoted,
+        completing=completing,
+        undo_blocks=undo,
+        undo_drafts=[],
+        rows=cont,
     )
 
 

@@ -140,6 +140,7 @@ class RequestTable:
         self.produced, self.produced_serial = _EMPTY, _EMPTY
         self.completing: list[tuple[int, int]] = []
         self.changed = True  # requests arrived or finished since the last step
+        self.refilled: set[int] = set()  # generation rows a finish refilled since then
         # each slot's KV block ids, checked when they arrive or grow (a family with a paged
         # KV cache; the KV rules read the ids and counts, and rewrite what changed)
         # one table per attention window (ascending), its lists laid out alike; `kv` the first
@@ -250,6 +251,8 @@ class RequestTable:
         row = int(self.row_of[slot])
         if row >= 0:  # condense: the last row fills the hole
             last = self.n_rows - 1
+            if row < last:
+                self.refilled.add(row)
             moved = int(self.rows[last])
             self.rows[row] = moved
             self.row_of[moved] = row
@@ -306,16 +309,19 @@ class RequestTable:
 
     def commit(self, plan: Plan) -> None:
         """The planned step ran: the state is the one it leaves."""
-        steady = plan.generated is None
+        in_place = plan.generated is None  # a steady or continued step's tokens
+        self.refilled.clear()
         if plan.gathered is not None:
             slots, beams = plan.gathered
             # a steady step of one-beam rows: the serials are read only if a request arrives
             # or leaves before the values are back (_serials_pending)
-            one_beam = steady and not self.n_wide
+            one_beam = in_place and not self.n_wide
             self.pending = (slots, beams, None if one_beam else self.serial[slots])
-        if steady:  # the same rows, each one token longer
+        if in_place:  # the rows (and the promoted prompts), each one token longer
             assert plan.tokens is not None
             rows = self.rows[: self.n_rows]
+            if plan.promoted:
+                rows = np.concatenate((rows, plan.promoted))
             self.generated[rows] += 1
             widths = self.beam_width[rows] if self.n_wide else None
             if plan.gathered is not None:
@@ -324,15 +330,17 @@ class RequestTable:
                 self.last[:, 0][rows] = plan.tokens.values  # one axis: a cheaper scatter
             else:
                 self.last[_beam_index(rows, widths)] = plan.tokens.values
-            return
-        assert plan.last is not None and plan.generated is not None
+            if plan.rows is None:  # steady: nothing else changed
+                return
+        else:
+            assert plan.last is not None and plan.generated is not None
+            self.generated, self.last, self.ndraft, self.drafted = (
+                plan.generated,
+                plan.last,
+                plan.ndraft,
+                plan.drafted,
+            )
         self.steady_gather = None  # rows may have joined
-        self.generated, self.last, self.ndraft, self.drafted = (
-            plan.generated,
-            plan.last,
-            plan.ndraft,
-            plan.drafted,
-        )
         for slot in plan.promoted:
             n = self.n_rows
             self.rows[n] = slot

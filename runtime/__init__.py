@@ -19,7 +19,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised in a subproce
 from ..errors import BatchError, ConfigError, RuleError
 from ..rules.request import Request
 from ..rules.sizes import ENCODER_SIZES, STEP_SIZES, StepSizes
-from .buffers import RuntimeBuffers, check_size
+from .buffers import RuntimeBuffers
 from .config import (
     ConfigBase,
     cdiv,
@@ -46,6 +46,7 @@ from .decl import (
     Static,
     TensorDecl,
 )
+from .guards import check_size
 from .project import ProjectImpl, rule_module
 from .staging import REPEAT_LAST, Targets, write_all, written_max
 from .step import Step

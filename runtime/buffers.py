@@ -11,13 +11,12 @@ what a family has, and what its step does, is in its generated module.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -27,43 +26,13 @@ from ..requests import step as request_step
 from ..requests.values import INT32_MAX, check_int
 from .bindings import bindings, prefix_layout, step_sizes
 from .decl import DEVICE, Mirror, Rule, Static, TensorDecl
+from .guards import exclusive as _exclusive
 from .project import ProjectImpl, culprit
 from .staging import HALVES, DeviceStep, Targets
 from .step import NO_SCALARS, Step
 from .storage import allocate, records, static_values
 from .tokens import Gather, tokens_on_device, tokens_on_host
 from .transfer import Transfer
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _exclusive(method: _F) -> _F:
-    """One call into the buffers at a time: a call made while another runs (from a rule the
-    step calls, or from a second thread) is refused before it reads or writes anything, and
-    the running call is unaffected."""
-
-    @functools.wraps(method)
-    def call(self: RuntimeBuffers, *args: Any, **kwargs: Any) -> Any:
-        if not self._busy.acquire(blocking=False):
-            raise BatchError(
-                f"{method.__name__}(): another call into these buffers is running (a call "
-                "from inside a step, or from a second thread); drive one RuntimeBuffers from "
-                "one thread, one call at a time"
-            )
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._busy.release()
-
-    return call  # type: ignore[return-value]
-
-
-def check_size(name: str, value: int, bound: int) -> None:
-    """A step size within its capacity (the generated checks call this for each size)."""
-    if value > bound:
-        raise BatchError(
-            f"{name} = {value} exceeds its capacity {bound}; schedule fewer requests or tokens"
-        )
 
 
 class RuntimeBuffers:
@@ -140,6 +109,8 @@ class RuntimeBuffers:
         self._half_run: list[int | None] = [None] * HALVES
         self.state = self.state_type()
         self._flight = self._in_flight()  # the requests in flight (add, finish, step)
+        # a step whose context rows repeat the last step's layout continues it in place
+        self._continuing = self._continues()
 
     def _sampled_tokens(self, decls: list[TensorDecl]) -> tuple[str | None, str | None]:
         """The host tensor whose generation rows take the sampled tokens, and its mirror."""
@@ -176,6 +147,15 @@ class RuntimeBuffers:
         raise NotImplementedError
 
     def _advance_on_device(self, v: DeviceStep, advancing: Any) -> None:
+        raise NotImplementedError
+
+    def _continues(self) -> bool:  # generated where the family has continue forms
+        return False
+
+    def _continue_check(self, rows: Any) -> None:
+        raise NotImplementedError
+
+    def _continue(self, targets: Targets, prev: Targets, rows: Any) -> None:
         raise NotImplementedError
 
     def _scalars(self, targets: Targets, sizes: Any) -> Mapping[str, int]:
@@ -308,11 +288,20 @@ class RuntimeBuffers:
         self._by_step = False
         return step
 
-    def _prepare(self, batch: Callable[[], Any], gather: Gather | None = None) -> Step:
+    def _prepare(
+        self, batch: Callable[[], Any] | None, gather: Gather | None = None, rows: Any = None
+    ) -> Step:
         """Check and fill the step of the batch `batch()` reads, copy it (and gather the
-        sampled tokens of `gather` on the device), and hand out its views."""
+        sampled tokens of `gather` on the device), and hand out its views; or, with `rows`
+        (a ``decode.Continue``, no batch), the step that continues the last one in place."""
         try:
-            checked = self._check(batch())
+            if rows is None:
+                assert batch is not None
+                checked = self._check(batch())
+                s = checked.batch.sizes
+            else:
+                self._continue_check(rows)
+                checked, s = None, rows.sizes
         except BatchError:
             raise
         except Exception as exc:  # a value a check could not even read (an odd type)
@@ -327,7 +316,11 @@ class RuntimeBuffers:
         self._staging.wait(h)
         targets = self._targets[h]
         try:
-            decode = self._fill(targets, checked)
+            if rows is None:
+                decode = self._fill(targets, checked)
+            else:
+                self._continue(targets, self._targets[self._half], rows)
+                decode = None  # advance() follows a full step
         except FillCountError:  # a rule returned a bad count: the error names the rule
             self._abandon_half(h)
             raise
@@ -342,7 +335,6 @@ class RuntimeBuffers:
                 "a device tensor a fill copies request tensors into may be partly written). "
                 "Please report this batch."
             ) from exc
-        s = checked.batch.sizes
         self._to_device(h, lambda: self._io.copy(h, targets, gather))
         self._half = h
         self._run += 1
@@ -501,6 +493,13 @@ class RuntimeBuffers:
         # the in-flight state continues in place only a step of its own (prepare_step and
         # advance are refused while it holds requests)
         steady = self._decode is not None and not self.no_advance and self._by_step
+        # ... or its generation rows, where its context rows repeat the last step's layout
+        # (a half that prepare_for_cuda_graph wrote capture values into holds no run)
+        last = (
+            self._last
+            if self._continuing and self._by_step and self._half_run[self._half] is not None
+            else None
+        )
         on_device = (
             self._tokens is not None
             and isinstance(tokens, torch.Tensor)
@@ -524,6 +523,7 @@ class RuntimeBuffers:
                 generation=generation,
                 steady=steady,
                 on_device=on_device,
+                last=last,
             )
         except BatchError:
             raise
@@ -535,7 +535,9 @@ class RuntimeBuffers:
         if plan.gather is not None:  # the tokens stay on the device: gathered there
             gather = Gather(tensor, plan.gather.src, plan.gather.dst, self.limits.token_limit)
         try:
-            if plan.batch is not None:
+            if plan.rows is not None:
+                step = self._prepare(None, gather, plan.rows)
+            elif plan.batch is not None:
                 step = self._prepare(lambda: plan.batch, gather)
             else:
                 step = self._advance_step(plan.tokens, gather)

@@ -258,6 +258,14 @@ def test_a_project_rule_gets_located_diagnostics():
         "buffers.yaml:25:11: 'mypkg.class:cu_seqlens_q' cannot be imported: 'class' is a "
         "Python keyword; rename the module or function"
     ]
+    orphan = SPEC.replace(
+        "    check: short_queries\n",
+        "    check: short_queries\n    continue_check:\n      impl: mypkg.rules:cu_seqlens_q\n",
+    )
+    assert _errors(orphan) == [
+        "buffers.yaml:30:5: rule 'cu_seqlens_q' has no continue form; add 'continue' or drop "
+        "this key"
+    ]
     size = SPEC.replace("sizes: [num_sequences]", "sizes: [num_sequence]")
     assert _errors(size) == [
         "buffers.yaml:28:5: rule 'cu_seqlens_q' reads the step size 'num_sequence', which "

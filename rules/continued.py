@@ -1,0 +1,166 @@
+"""The continue forms of the core rules: a step of requests in flight whose context rows have
+the last step's layout continues the last step's buffers in place (``decode.Continue``).
+
+A continue form writes the whole step into ``out`` (this step's buffer half) and returns the
+elements written, as the rule's fill would: the context rows from the step's few context
+requests, and the generation rows, which start where the last step's did, from ``prev`` (the
+last step's half): the kept rows one token longer, the rows ``g.at`` whole from their columns.
+One call per tensor and a constant number of numpy calls, whatever the batch size, beyond the
+rows that changed. A continue check runs before anything is written.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import BatchError
+from .core import chunk_positions
+from .decode import Continue
+
+
+def continue_tokens(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
+    """Each context chunk's prompt tokens, then each generation row's new token."""
+    o = 0
+    for prompt, begin, k in zip(g.ctx_prompts, g.ctx_begin, g.ctx_chunk):
+        out[o : o + k] = prompt[begin : begin + k]
+        o += k
+    n = o + len(g.tokens)
+    out[o:n] = g.tokens
+    return n
+
+
+def continue_positions(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
+    """Each chunk's positions; a generation row one more than the last step, or (written
+    whole) its tokens - 1."""
+    o = chunk_positions(out, g.ctx_begin, g.ctx_chunk)
+    return o + _plus_one(out[o:], prev[o:], g, g.at_tokens - 1)
+
+
+def continue_sequence_lengths(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
+    """A chunk's tokens through this step; a generation row one more than the last step, or
+    its tokens."""
+    n_ctx = _context_ends(out, g)
+    return n_ctx + _plus_one(out[n_ctx:], prev[n_ctx:], g, g.at_tokens)
+
+
+def continue_past_key_value_lengths(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
+    """A chunk's tokens through this step; a generation row one more than the last step, or
+    its tokens - 1 (past_key_value_lengths' convention)."""
+    n_ctx = _context_ends(out, g)
+    return n_ctx + _plus_one(out[n_ctx:], prev[n_ctx:], g, g.at_tokens - 1)
+
+
+def continue_context_lengths(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
+    """A chunk's tokens; a generation row its prompt length (no drafts)."""
+    n_ctx = len(g.ctx_chunk)
+    out[:n_ctx] = g.ctx_chunk
+    return n_ctx + _kept(out[n_ctx:], prev[n_ctx:], g, g.at_prompt_len)
+
+
+def continue_seq_slots(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
+    """Each request's seq slot, context requests first."""
+    n_ctx = len(g.ctx_slots)
+    out[:n_ctx] = g.ctx_slots
+    return n_ctx + _kept(out[n_ctx:], prev[n_ctx:], g, g.at_slots)
+
+
+def continue_request_types(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
+    """0 for each context row, 1 for each generation row."""
+    n_ctx, n = len(g.ctx_slots), g.sizes.num_sequences
+    out[:n_ctx] = 0
+    out[n_ctx:n] = 1
+    return n
+
+
+def continue_last_token_ids(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
+    """1-based: each chunk's last token, then each generation row's one token."""
+    o = 0
+    for i, k in enumerate(g.ctx_chunk):
+        o += k
+        out[i] = o
+    n_ctx, n = len(g.ctx_chunk), g.sizes.num_logits
+    out[n_ctx:n] = np.arange(o + 1, o + 1 + n - n_ctx)
+    return n
+
+
+def _context_ends(out: np.ndarray, g: Continue) -> int:
+    n_ctx = len(g.ctx_chunk)
+    out[:n_ctx] = [b + k for b, k in zip(g.ctx_begin, g.ctx_chunk)]
+    return n_ctx
+
+
+def _plus_one(out: np.ndarray, prev: np.ndarray, g: Continue, whole: np.ndarray) -> int:
+    k = g.kept
+    np.add(prev[:k], 1, out=out[:k])
+    out[g.at] = whole
+    return len(g.tokens)
+
+
+def _kept(out: np.ndarray, prev: np.ndarray, g: Continue, whole: np.ndarray) -> int:
+    k = g.kept
+    out[:k] = prev[:k]
+    out[g.at] = whole
+    return len(g.tokens)
+
+
+def check_kv_continued(g: Continue, *, max_blocks_per_seq: int, tokens_per_block: int) -> None:
+    """Every row's block list, as the block table counts it (this step's appends included),
+    covers its tokens after the step, or fills the window; the ids were checked when the
+    table took them."""
+    flight = g.flight
+    assert flight is not None  # a family with a paged KV cache
+    count = flight.blocks.count[flight.index]
+    short = (count * tokens_per_block < g.seq_tokens) & (count < max_blocks_per_seq)
+    if short.any():
+        row = int(np.flatnonzero(short)[0])
+        n_ctx = len(g.ctx_slots)
+        kind = "context" if row < n_ctx else "generation"
+        slot = int(flight.index[row]) // flight.blocks.lists
+        tokens = int(g.seq_tokens[row])
+        raise BatchError(
+            f"{kind} request in seq_slot {slot}: its token {tokens} needs KV block "
+            f"{(tokens - 1) // tokens_per_block}, which kv_block_ids does not hold; allocate "
+            "the block before this step"
+        )
+
+
+def continue_kv(
+    out: np.ndarray,
+    prev: np.ndarray,
+    g: Continue,
+    *,
+    max_blocks_per_seq: int,
+    kv_pool_layers: tuple[int, ...],
+    kv_pool_windows: tuple[int, ...],
+) -> int:
+    """[rows, K/V, max_blocks_per_seq] of one pool (the generator continues a family only
+    with one): the context rows and the generation rows `g.at` whole from the block table
+    (K = id * 2 * layers, V = K + 1, 0 past the list), the other generation rows the last
+    step's with the new columns of the lists that grew."""
+    width, per_block = max_blocks_per_seq, 2 * kv_pool_layers[0]
+    stride = 2 * width
+    n_ctx, k = len(g.ctx_slots), g.kept
+    n = n_ctx + len(g.tokens)
+    flight = g.flight
+    assert flight is not None
+    rows = out[: n * stride].reshape(n, 2, width)
+    o = n_ctx * stride
+    out[o : o + k * stride] = prev[o : o + k * stride]
+    whole = np.concatenate((np.arange(n_ctx), g.at + n_ctx)) if n_ctx else g.at
+    if len(whole):
+        blocks = flight.blocks
+        index = flight.index[whole]
+        ids = blocks.ids[index] * per_block  # past a list's count its ids are 0
+        rows[whole, 0] = ids
+        ids += np.arange(width) < blocks.count[index, None]  # V: one further, where held
+        rows[whole, 1] = ids
+    if g.grown:
+        count, item = flight.blocks.count, flight.blocks.ids.item
+        for row, before in g.grown:
+            r = int(flight.index[n_ctx + row])
+            at = o + row * stride
+            for col in range(before, int(count[r])):
+                v = item(r, col) * per_block
+                out[at + col] = v
+                out[at + width + col] = v + 1
+    return n * stride

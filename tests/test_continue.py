@@ -1,0 +1,214 @@
+"""Steps that continue the last one in place (requests in flight whose context rows repeat the
+last step's layout): the continue forms against the full step, which the other in-flight tests
+hold to the stateless step and the reference.
+
+Two RuntimeBuffers of one family take the same calls, one continuing such steps, the other
+running every step in full; after each step every tensor (at capacity, pads included), the
+step's sizes, scalars and views must be equal. The traffic is serving churn: each step some
+generation requests finish (their rows refilled by the last), as many prompts of one length
+arrive (so the context layout repeats), the last step's prompts join the generation rows, every
+sequence gets its sampled token and, where it needs one, a new KV block; now and then a step
+breaks the layout (another number of prompts, or a chunked one) and runs in full.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from fuzz_configs import make_buffers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bufc.requests import step as request_step
+from bufc.runtime import BatchError, Request
+
+FAMILIES = ("llama", "gpt")
+
+
+def _pair(name: str, tokens_per_block: int):
+    kw = dict(
+        max_batch_size=12, max_beam_width=1, tokens_per_block=tokens_per_block, num_kv_blocks=0
+    )
+    if name == "llama":
+        kw["max_attention_window"] = 32 * tokens_per_block  # sequences may fill the window
+    ours, full = make_buffers(name, **kw), make_buffers(name, **kw)
+    full._continuing = False
+    assert ours._continuing
+    return ours, full
+
+
+class Churn:
+    """The caller's side: slots, each sequence's tokens and block lists, its row order."""
+
+    def __init__(self, rng: random.Random, config, paged: bool) -> None:
+        self.rng, self.c, self.paged = rng, config, paged
+        self.tpb = getattr(config, "tokens_per_block", 1)
+        self.width = getattr(config, "max_blocks_per_seq", 0)
+        self.next_id = 1
+        self.tokens: dict[int, int] = {}  # slot -> tokens after the last step (0: waiting)
+        self.prompt: dict[int, int] = {}
+        self.blocks: dict[int, int] = {}  # slot -> blocks held
+        self.decoding: list[int] = []  # slots that produce a token in the next step
+
+    def _ids(self, n: int) -> list[int]:
+        out = list(range(self.next_id, self.next_id + n))
+        self.next_id += n
+        return out
+
+    def arrive(self, slot: int, length: int) -> Request:
+        self.prompt[slot], self.tokens[slot] = length, 0
+        n = min(-(-length // self.tpb), self.width) if self.paged else 0
+        self.blocks[slot] = n + self.rng.randint(0, 1) if self.paged and n < self.width else n
+        ids = [self._ids(self.blocks[slot])] if self.paged else None
+        prompt = [self.rng.randrange(self.c.vocab_size) for _ in range(length)]
+        return Request(seq_slot=slot, prompt=prompt, kv_block_ids=ids)
+
+    def grow(self) -> dict[int, list[int]]:
+        """The blocks each decoding sequence needs for its next token."""
+        out = {}
+        for slot in self.decoding:
+            need = -(-(self.tokens[slot] + 1) // self.tpb)
+            if self.paged and self.blocks[slot] < min(need, self.width):
+                k = min(need, self.width) - self.blocks[slot]
+                out[slot] = self._ids(k)
+                self.blocks[slot] += k
+        return out
+
+
+def _same(ours, full, a, b, where) -> None:
+    assert a.sizes == b.sizes, where
+    assert a.scalars == b.scalars, where
+    for name, view in a.inputs.items():
+        assert torch.equal(view, b.inputs[name]), (name, where)
+    for name, t in ours.tensors.items():
+        assert torch.equal(t, full.tensors[name]), (name, where)
+
+
+def run_churn(name: str, seed: int, steps: int = 30) -> int:
+    """The churn through both buffers; returns the steps that continued in place."""
+    rng = random.Random(seed)
+    ours, full = _pair(name, rng.choice((1, 2, 4)))
+    c = ours.config
+    traffic = Churn(rng, c, paged=hasattr(c, "max_blocks_per_seq"))
+    length, per_step = rng.randint(1, 6), rng.randint(1, 2)
+    plans: list = []
+    waiting: list[int] = []
+    computed: dict[int, int] = {}  # prompt tokens computed of each waiting request
+    for i in range(steps):
+        free = [s for s in range(c.max_batch_size) if s not in traffic.tokens]
+        # finishes: some decoding requests leave
+        for slot in list(traffic.decoding):
+            if rng.random() < 0.15:
+                for b in (ours, full):
+                    b.finish(slot)
+                traffic.decoding.remove(slot)
+                del traffic.tokens[slot]
+                free.append(slot)
+        k = per_step if rng.random() < 0.8 else rng.randint(0, 2)  # else the layout breaks
+        chunks = None
+        for slot in rng.sample(free, min(k, len(free))):
+            r = traffic.arrive(slot, length)
+            for b in (ours, full):
+                b.add(r)
+            waiting.append(slot)
+        left = {s: traffic.prompt[s] - computed.get(s, 0) for s in waiting}
+        if waiting and rng.random() < 0.1:  # a chunked prompt: another layout
+            chunks = dict(left)
+            chunks[waiting[0]] = rng.randint(1, left[waiting[0]])
+        tokens = None
+        if traffic.decoding:
+            tokens = np.array([rng.randrange(c.vocab_size) for _ in range(c.max_batch_size)])
+        blocks = traffic.grow()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(request_step, "_continued", _recording(plans))
+            a = ours.step(tokens, chunks=chunks, blocks=dict(blocks))
+        b = full.step(tokens, chunks=chunks, blocks=dict(blocks))
+        _same(ours, full, a, b, (seed, i))
+        for slot in traffic.decoding:
+            traffic.tokens[slot] += 1
+        ran = left if chunks is None else chunks
+        for s in waiting:
+            computed[s] = computed.get(s, 0) + ran[s]
+        done = [s for s in waiting if computed[s] == traffic.prompt[s]]
+        for s in done:
+            traffic.tokens[s] = traffic.prompt[s]
+            traffic.decoding.append(s)
+            del computed[s]
+        waiting = [s for s in waiting if s not in done]
+    return sum(plan is not None for plan in plans)
+
+
+def _recording(plans: list):
+    """request_step._continued, each plan it returns (None: not continued) kept in `plans`."""
+    real = request_step._continued
+
+    def record(*args, **kwargs):
+        plans.append(real(*args, **kwargs))
+        return plans[-1]
+
+    return record
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_a_continued_step_equals_the_full_step(name: str, seed: int) -> None:
+    run_churn(name, seed)
+
+
+def test_the_churn_continues_most_steps_in_place() -> None:
+    """The test traffic itself: most of its steps take the continue path."""
+    continued = sum(run_churn(name, seed) for name in FAMILIES for seed in range(6))
+    assert continued >= 150, continued
+
+
+def _churning():
+    """Buffers two steps in (two tokens a block): three decoding requests of 4 tokens (slot 1
+    finished, its row refilled), slot 4's prompt done in the last step, and slot 5 arriving
+    with a prompt as long: the next step can continue the last in place."""
+    b, _ = _pair("llama", 2)
+    ids = iter(range(1, 10_000))
+    for s in range(4):
+        b.add(Request(seq_slot=s, prompt=[1, 2, 3], kv_block_ids=[[next(ids), next(ids)]]))
+    b.step()
+    tokens = np.full(b.config.max_batch_size, 7)
+    b.add(Request(seq_slot=4, prompt=[4, 5, 6], kv_block_ids=[[next(ids), next(ids)]]))
+    b.step(tokens)
+    b.finish(1)
+    b.add(Request(seq_slot=5, prompt=[8, 9, 1], kv_block_ids=[[next(ids), next(ids)]]))
+    return b, tokens, ids
+
+
+def test_a_refused_continued_step_changes_nothing_and_the_next_one_runs() -> None:
+    b, tokens, ids = _churning()
+    before = {k: v.clone() for k, v in b.tensors.items()}
+    bad = tokens.copy()
+    bad[4] = b.config.vocab_size
+    with pytest.raises(BatchError, match=r"token 1000 of a request in flight is outside"):
+        b.step(bad)
+    with pytest.raises(BatchError, match=r"generation request in seq_slot 0: its token 5 needs"):
+        b.step(tokens)  # the decoding sequences' fifth tokens need a third block
+    with pytest.raises(BatchError, match=r"blocks\[1\]: that seq slot holds no request"):
+        b.step(tokens, blocks={0: [next(ids)], 1: [next(ids)]})
+    assert all(torch.equal(before[k], v) for k, v in b.tensors.items())
+    plans: list = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(request_step, "_continued", _recording(plans))
+        step = b.step(tokens, blocks={s: [next(ids)] for s in (0, 2, 3)})
+    assert plans[-1] is not None  # it continued the last step
+    n = step.sizes.num_sequences
+    assert b.tensors["host_seq_slots"][:n].tolist() == [5, 0, 3, 2, 4]
+    assert b.tensors["host_sequence_lengths"][:n].tolist() == [3, 5, 5, 5, 4]
+
+
+def test_a_family_continues_only_where_every_rule_has_a_continue_form() -> None:
+    assert make_buffers("llama", max_beam_width=1)._continuing
+    assert make_buffers("gpt", max_beam_width=1)._continuing
+    # beam search tensors have no continue form; nor does a second KV pool lead its rows
+    assert not make_buffers("llama", max_beam_width=2)._continuing
+    assert not make_buffers("llama", max_beam_width=1, kv_heads_per_layer=(2, 4))._continuing
+    # medusa's fixed-drafts check has no continue check to stand in for it
+    assert not make_buffers("medusa")._continuing
