@@ -131,19 +131,26 @@ def calls(
                     ("the device mirror", "the decode step"),
                 )
             )
+        cc = r.continue_check
         if r.continues is not None:
-            positional = ("out", "the last step's values", "the continued step")
+            passed = ("the result of its continue check",) if cc is not None and cc.result else ()
+            positional = ("out", "the last step's values", "the continued step", *passed)
             out.append(
                 Call("continue", r.name, r.continues, positional, r.advance_reads, "advance_reads")
             )
-        if r.continue_check is not None:
+        if cc is not None:
+            state = (
+                (f"the state of request check '{check.name}'",)
+                if check is not None and check.state is not None
+                else ()
+            )
             out.append(
                 Call(
                     "continue_check",
                     r.name,
-                    r.continue_check.impl,
-                    ("the continued step",),
-                    r.continue_check.reads,
+                    cc.impl,
+                    ("the continued step", *state),
+                    cc.reads,
                     "continue_check.reads",
                 )
             )

@@ -11,13 +11,13 @@ from __future__ import annotations
 import ast
 import functools
 import shlex
-import textwrap
 from collections.abc import Sequence
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 import jinja2
 
+from . import emit_lines as L
 from . import expr as E
 from . import vocab
 from .contract import ROLES, describe
@@ -29,7 +29,7 @@ from .plan import FamilyPlan, PlannedFill, PlannedIndexSet, PlannedTensor, StepP
 if TYPE_CHECKING:
     from .pipeline import Compiled
 
-FORMAT_VERSION = 4  # the runtime API the generated modules are written against
+FORMAT_VERSION = 5  # the runtime API the generated modules are written against
 MARKER = "@" + "generated"  # split so that grep finds only outputs
 # the headers name no path, so the output does not depend on how --spec and --out were spelled;
 # `bufc check` prints the exact command
@@ -57,8 +57,8 @@ def _scalars_and_captures(program: StepProgram, sizes: set[str]) -> dict[str, An
     return {
         "scalars": [
             {
-                "doc": _wrapped(f"{x.name}: {_comment(x.doc)}"),
-                "lines": _under(
+                "doc": L.wrapped(f"{x.name}: {L.comment(x.doc)}"),
+                "lines": L.under(
                     x.guard,
                     _assign(f"scalars[{x.name!r}]", scalar_source(x.value, sizes), x.guard),
                 ),
@@ -67,8 +67,8 @@ def _scalars_and_captures(program: StepProgram, sizes: set[str]) -> dict[str, An
         ],
         "captures": [
             {
-                "doc": _wrapped(f"{x.tensor}: {_comment(x.doc)}"),
-                "lines": _guarded(
+                "doc": L.wrapped(f"{x.tensor}: {L.comment(x.doc)}"),
+                "lines": L.guarded(
                     x.guard,
                     "rt.write_all",
                     [f"t.{x.tensor}", capture_source(x.value, sizes, names)],
@@ -99,21 +99,11 @@ def _index_set(x: PlannedIndexSet) -> dict[str, str]:
         args = f"first=lambda c: {construct_source(x.first)}, count=lambda c: {construct_source(x.count)}"
         if x.where is not None:
             args += f", where=lambda c, index: {construct_source(x.where)}"
-    return {"var": _set_var(x.name), "name": x.name, "doc": _comment(x.doc), "args": args}
+    return {"var": _set_var(x.name), "name": x.name, "doc": L.comment(x.doc), "args": args}
 
 
 def _tuple(items: list[str]) -> str:
     return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
-
-
-def _comment(text: str) -> str:
-    """Text safe inside a ``#`` comment or a triple-quoted docstring.
-
-    Docs are one line of printable ASCII (the schema); control characters are dropped anyway,
-    and backslashes and quotes are escaped so a doc can never close its docstring.
-    """
-    text = "".join(ch for ch in text if " " <= ch <= "~")
-    return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
 def _file_label(file: str) -> str:
@@ -128,7 +118,7 @@ def check_message(c: Check, file: str) -> str:
     """What a Config says when its check `c` fails (`file`: the spec's file name); `bufc
     report` says the same. Named by its condition, not its line: moving the spec's lines
     changes nothing."""
-    return f"{_comment(c.message)} ({_file_label(file)}: {_comment(c.require.text)})"
+    return f"{L.comment(c.message)} ({_file_label(file)}: {L.comment(c.require.text)})"
 
 
 def _tensor_context(pt: PlannedTensor, sizes: set[str], rules: dict[str, str]) -> dict[str, Any]:
@@ -157,7 +147,7 @@ def _tensor_context(pt: PlannedTensor, sizes: set[str], rules: dict[str, str]) -
         binds.append((b.direction, f"rt.Bind({', '.join(args)})"))
     return {
         "name": pt.name,
-        "doc": _comment(pt.doc),
+        "doc": L.comment(pt.doc),
         "dtype": dtype,
         "memory": f"rt.{vocab.MEMORY_KINDS[pt.memory]}",
         "capacity": f"lambda c: {_tuple([construct_source(e) for e in pt.capacity])}",
@@ -173,7 +163,7 @@ def _tensor_context(pt: PlannedTensor, sizes: set[str], rules: dict[str, str]) -
 
 
 def _parameter(p: Parameter, dtype_values: dict[str, tuple[str, ...]]) -> dict[str, Any]:
-    doc = _comment(p.doc)
+    doc = L.comment(p.doc)
     if p.kind == "dtype":
         default = f"torch.{vocab.DTYPES[str(p.default)]}" if p.default is not None else None
         allowed = tuple(d for d in dtype_values.get(p.name, ()) if d in vocab.DTYPES)
@@ -231,12 +221,12 @@ def _derived(d: Derived, alias: _Aliases) -> dict[str, str]:
             name=lambda n: f"self.{n}",
             call=lambda f: f"rt.{f}" if f == "cdiv" else f,
         )
-        return {"name": d.name, "doc": _comment(d.doc), "type": "int", "value": value}
+        return {"name": d.name, "doc": L.comment(d.doc), "type": "int", "value": value}
     assert d.derive is not None
-    call = _call(alias(d.derive), [f"{n}=self.{n}" for n in d.reads])
+    call = L.call(alias(d.derive), [f"{n}=self.{n}" for n in d.reads])
     return {
         "name": d.name,
-        "doc": _comment(d.doc),
+        "doc": L.comment(d.doc),
         "type": "int" if d.kind == "int" else "tuple[int, ...]",
         "value": f"rt.derived(self, {d.name!r}, {call}, {d.kind!r})",
     }
@@ -341,7 +331,7 @@ def _project(plan: FamilyPlan, alias: _Aliases, file: str) -> tuple[list[str], l
         kind = "class" if role == "state" else "function"
         where = f"{file}:{impl.loc.line}:{impl.loc.col}: {describe(role, owner)}"
         names.setdefault(impl.module, {}).setdefault(
-            impl.name, _call("", [repr(impl.name), repr(kind), repr(where)])
+            impl.name, L.call("", [repr(impl.name), repr(kind), repr(where)])
         )
     imports = []
     for module in sorted(names):
@@ -359,37 +349,9 @@ def _project(plan: FamilyPlan, alias: _Aliases, file: str) -> tuple[list[str], l
     entries = []
     for role, owner, impl in dict.fromkeys((r, o, i) for r, o, i in roles if r != "state"):
         args = [repr(ROLES[role][0]), repr(describe(role, owner)), repr(impl.text), alias(impl)]
-        lines = _lines("rt.ProjectImpl", args, 8)
+        lines = L.lines("rt.ProjectImpl", args, 8)
         entries += [*lines[:-1], lines[-1] + ","]
     return imports, entries
-
-
-def _kwargs(reads: tuple[str, ...]) -> list[str]:
-    return [f"{n}=c.{n}" for n in reads]
-
-
-def _call(fn: str, args: list[str]) -> str:
-    return f"{fn}({', '.join(args)})"
-
-
-def _lines(fn: str, args: list[str], indent: int) -> list[str]:
-    """The call as one line, or with one argument a line where that would pass 100 columns."""
-    one = _call(fn, args)
-    if indent + len(one) <= 100:
-        return [one]
-    return [f"{fn}(", *(f"    {a}," for a in args), ")"]
-
-
-def _under(cond: E.Expr | None, lines: list[str]) -> list[str]:
-    """`lines`, under a construct-time condition where there is one."""
-    if cond is None:
-        return lines
-    return [f"if {construct_source(cond)}:", *(f"    {x}" for x in lines)]
-
-
-def _guarded(cond: E.Expr | None, fn: str, args: list[str]) -> list[str]:
-    """The call, under the tensor's construct-time condition where it has one."""
-    return _under(cond, _lines(fn, args, 8 if cond is None else 12))
 
 
 def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, Any]:
@@ -407,7 +369,7 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
         line
         for pt in plan.tensors
         if pt.checked and pt.fill_kind != "mirror"
-        for line in _guarded(
+        for line in L.guarded(
             pt.when,
             "self.check_shape",
             [repr(pt.name), _tuple([step_source(e, sizes) for e in pt.shape])],
@@ -416,14 +378,14 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
     checks = []
     results = []
     for chk in program.checks:
-        args = ["b", *([f"state.{chk.name}"] if chk.state else []), *_kwargs(chk.reads)]
+        args = ["b", *([f"state.{chk.name}"] if chk.state else []), *L.kwargs(chk.reads)]
         if chk.result:
             results.append(
                 {
                     "name": chk.name,
                     "lines": [
-                        *(f"# {x}" for x in _wrapped(_comment(chk.doc))),
-                        *_value(chk.name, alias(chk.impl), args, chk.guard),
+                        *(f"# {x}" for x in L.wrapped(L.comment(chk.doc))),
+                        *L.value(chk.name, alias(chk.impl), args, chk.guard),
                     ],
                     "guarded": chk.guard is not None,
                 }
@@ -431,14 +393,14 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
         else:
             checks.append(
                 {
-                    "doc": _wrapped(_comment(chk.doc)),
-                    "lines": _guarded(chk.guard, alias(chk.impl), args),
+                    "doc": L.wrapped(L.comment(chk.doc)),
+                    "lines": L.guarded(chk.guard, alias(chk.impl), args),
                 }
             )
     admits = [
         {
-            "doc": _wrapped(_comment(chk.doc)),
-            "lines": _guarded(chk.guard, alias(chk.admit.impl), ["r", *_kwargs(chk.admit.reads)]),
+            "doc": L.wrapped(L.comment(chk.doc)),
+            "lines": L.guarded(chk.guard, alias(chk.admit.impl), ["r", *L.kwargs(chk.admit.reads)]),
         }
         for chk in program.checks
         if chk.admit is not None
@@ -450,9 +412,9 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
             f"t.{f.tensor}.out",
             "b",
             *([f"k.{f.check}"] if f.check else []),
-            *_kwargs(f.reads),
+            *L.kwargs(f.reads),
         ]
-        fills.append({"doc": _fill_doc(f), "lines": _write(f, args)})
+        fills.append({"doc": L.fill_doc(f), "lines": L.write(f, args)})
     advance = not program.no_advance
     advance_checks, advance_results, advances = [], [], []
     for f in program.fills if advance else ():
@@ -460,19 +422,19 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
             args = [
                 "d",
                 *([f"state.{f.advance_check_state}"] if f.advance_check_state else []),
-                *_kwargs(f.advance_check_reads),
+                *L.kwargs(f.advance_check_reads),
             ]
             if f.advance_check_result:
                 advance_results.append(
                     {
                         "name": f.tensor,
-                        "lines": _value(f.tensor, alias(f.advance_check), args, f.guard),
+                        "lines": L.value(f.tensor, alias(f.advance_check), args, f.guard),
                         "guarded": f.guard is not None,
                     }
                 )
             else:
-                advance_checks.extend(_guarded(f.guard, alias(f.advance_check), args))
-        advances.append({"doc": _fill_doc(f), "lines": _advance_lines(f, alias)})
+                advance_checks.extend(L.guarded(f.guard, alias(f.advance_check), args))
+        advances.append({"doc": L.fill_doc(f), "lines": _advance_lines(f, alias)})
     device = _device_advances(plan, alias) if advance else None
     return {
         "device_advances": device,
@@ -485,25 +447,16 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
         "request_checks": checks,
         "admits": admits,
         "results": results,
-        "checked_lines": _construction("Checked", "b", results),
+        "checked_lines": L.construction("Checked", "b", results),
         "fills": fills,
         "advance": advance,
         "advance_checks": advance_checks,
         "advance_results": advance_results,
-        "advancing_lines": _construction("Advancing", "d", advance_results),
+        "advancing_lines": L.construction("Advancing", "d", advance_results),
         "advances": advances,
         "sampled_tokens": program.sampled_tokens,
         **_scalars_and_captures(program, sizes),
-        **continue_program(
-            plan,
-            alias,
-            sizes,
-            kwargs=_kwargs,
-            lines=_lines,
-            under=_under,
-            write=_write,
-            doc=_fill_doc,
-        ),
+        **continue_program(plan, alias, sizes),
         "no_advance": program.no_advance,
         "state": [
             {"name": chk.name, "type": alias(chk.state)}
@@ -511,52 +464,6 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
             if chk.state is not None
         ],
     }
-
-
-def _value(name: str, fn: str, args: list[str], guard: E.Expr | None) -> list[str]:
-    """`name=CALL,` (or `CALL if GUARD else None`) as lines of a constructor call."""
-    one = f"{name}={_call(fn, args)}"
-    if guard is not None:
-        one += f" if {construct_source(guard)} else None"
-    if 12 + len(one) < 100:
-        return [one + ","]
-    head = [f"{name}={fn}(", *(f"    {a}," for a in args)]
-    return [
-        *head,
-        f"){' if ' + construct_source(guard) + ' else None' if guard is not None else ''},",
-    ]
-
-
-def _construction(cls: str, first: str, results: list[dict[str, Any]]) -> list[str]:
-    """`return CLS(first, name=value, ...)`, one value a line when there are any."""
-    if not results:
-        return [f"return {cls}({first})"]
-    return [
-        f"return {cls}(",
-        f"    {first},",
-        *(f"    {x}" for r in results for x in r["lines"]),
-        ")",
-    ]
-
-
-def _wrapped(text: str) -> list[str]:
-    """A comment's lines inside a method body (at most 100 columns)."""
-    return textwrap.wrap(text, width=90, break_long_words=False, break_on_hyphens=False)
-
-
-def _fill_doc(f: PlannedFill) -> list[str]:
-    """The comment above a tensor's fill: its name and doc."""
-    return _wrapped(f"{f.tensor}: {_comment(f.doc)}")
-
-
-def _write(f: PlannedFill, call: list[str]) -> list[str]:
-    """`t.TENSOR.wrote(RULE(t.TENSOR.out, ...))` (the rule returns the elements it wrote),
-    under the tensor's construct-time condition where it has one."""
-    indent = 8 if f.guard is None else 12
-    inner = _lines(call[0], call[1:], indent + len(f"t.{f.tensor}.wrote("))
-    if len(inner) == 1:
-        return _under(f.guard, [f"t.{f.tensor}.wrote({inner[0]})"])
-    return _under(f.guard, [f"t.{f.tensor}.wrote(", *(f"    {x}" for x in inner), ")"])
 
 
 def _device_advances(plan: FamilyPlan, alias: _Aliases) -> list[dict[str, Any]] | None:
@@ -572,24 +479,24 @@ def _device_advances(plan: FamilyPlan, alias: _Aliases) -> list[dict[str, Any]] 
         m = mirrors.get(f.tensor)
         if m is None:
             continue
-        doc = _wrapped(f"{m.name}: {_comment(m.doc)}")
+        doc = L.wrapped(f"{m.name}: {L.comment(m.doc)}")
         if f.tensor == program.sampled_tokens:
-            doc += _wrapped("(gathered from the sampled tokens on the device, by step())")
+            doc += L.wrapped("(gathered from the sampled tokens on the device, by step())")
             lines: list[str] = []
         elif f.advance == "same":
-            doc += _wrapped("(the last step's values stay on the device)")
+            doc += L.wrapped("(the last step's values stay on the device)")
             lines = []
         elif f.device_advance is not None:
-            lines = _under(m.when, [_call(alias(f.device_advance), [f"v.{m.name}", "d"])])
+            lines = L.under(m.when, [L.call(alias(f.device_advance), [f"v.{m.name}", "d"])])
         else:
-            lines = _under(m.when, [_call("v.copy", [repr(f.tensor)])])
+            lines = L.under(m.when, [L.call("v.copy", [repr(f.tensor)])])
         out.append({"doc": doc, "lines": lines})
     return out
 
 
 def _advance_lines(f: PlannedFill, alias: _Aliases) -> list[str]:
     if f.advance == "same":
-        return _guarded(f.guard, f"t.{f.tensor}.keep", [f"p.{f.tensor}", "d.holds_run"])
+        return L.guarded(f.guard, f"t.{f.tensor}.keep", [f"p.{f.tensor}", "d.holds_run"])
     assert isinstance(f.advance, Impl)
     args = [
         alias(f.advance),
@@ -597,9 +504,9 @@ def _advance_lines(f: PlannedFill, alias: _Aliases) -> list[str]:
         f"p.{f.tensor}.out",
         "d",
         *([f"a.{f.tensor}"] if f.advance_check is not None and f.advance_check_result else []),
-        *_kwargs(f.advance_reads),
+        *L.kwargs(f.advance_reads),
     ]
-    return _write(f, args)
+    return L.write(f, args)
 
 
 def render_family(plan: FamilyPlan, file: str) -> str:
@@ -628,7 +535,7 @@ def render_family(plan: FamilyPlan, file: str) -> str:
         "file": file,
         "regenerate": REGENERATE,
         "family": plan.family.name,
-        "family_doc": _comment(plan.family.doc),
+        "family_doc": L.comment(plan.family.doc),
         "flags": flags,
         "flags_dict": "{" + ", ".join(f"{k!r}: {v!r}" for k, v in plan.flags) + "}",
         "format_version": FORMAT_VERSION,
@@ -642,7 +549,7 @@ def render_family(plan: FamilyPlan, file: str) -> str:
                     call=lambda f: f"rt.{f}" if f == "cdiv" else f,
                 ),
                 "message": check_message(c, spec_file),
-                "text": _comment(c.require.text),
+                "text": L.comment(c.require.text),
             }
             for c in plan.checks
         ],

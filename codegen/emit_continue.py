@@ -15,24 +15,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from . import emit_lines as L
 from . import expr as E
 from .emit_formulas import construct_source
 from .model import Impl
-from .plan import FamilyPlan, PlannedFill
-
-Lines = list[str]
+from .plan import FamilyPlan
 
 
 def continue_program(
-    plan: FamilyPlan,
-    alias: Callable[[Impl], str],
-    sizes: set[str],
-    *,
-    kwargs: Callable[[tuple[str, ...]], list[str]],
-    lines: Callable[[str, list[str], int], Lines],
-    under: Callable[[E.Expr | None, Lines], Lines],
-    write: Callable[[PlannedFill, list[str]], Lines],
-    doc: Callable[[PlannedFill], Lines],
+    plan: FamilyPlan, alias: Callable[[Impl], str], sizes: set[str]
 ) -> dict[str, Any]:
     """The template's context for the continue program: ``continues``, the lines of
     `_continues` (None where a rule tensor that every Config allocates has no continue form:
@@ -60,18 +51,36 @@ def continue_program(
             if chk.guard is None:
                 return {"continues": None}
             conditions.append(f"not ({construct_source(chk.guard)})")
-    checks: Lines = []
+    checks: list[str] = []
+    results: list[dict[str, Any]] = []
     fills = []
     for f in program.fills:
         if f.continues is None:
             continue
         if f.continue_check is not None:
-            args = ["g", *kwargs(f.continue_check_reads)]
-            checks += under(
-                f.guard, lines(alias(f.continue_check), args, 8 if f.guard is None else 12)
-            )
+            args = [
+                "g",
+                *([f"state.{f.continue_check_state}"] if f.continue_check_state else []),
+                *L.kwargs(f.continue_check_reads),
+            ]
+            if f.continue_check_result:
+                results.append(
+                    {
+                        "name": f.tensor,
+                        "lines": L.value(f.tensor, alias(f.continue_check), args, f.guard),
+                        "guarded": f.guard is not None,
+                    }
+                )
+            else:
+                checks += L.under(
+                    f.guard, L.lines(alias(f.continue_check), args, 8 if f.guard is None else 12)
+                )
         form = [alias(f.continues), f"t.{f.tensor}.out", f"p.{f.tensor}.out", "g"]
-        fills.append({"doc": doc(f), "lines": write(f, [*form, *kwargs(f.advance_reads)])})
+        if f.continue_check_result:
+            form.append(f"k.{f.tensor}")
+        fills.append(
+            {"doc": L.fill_doc(f), "lines": L.write(f, [*form, *L.kwargs(f.advance_reads)])}
+        )
     conditions = list(dict.fromkeys(conditions))
     one = " and ".join(conditions) or "True"
     return {
@@ -79,6 +88,8 @@ def continue_program(
         if len(one) <= 80
         else ["return (", f"    {conditions[0]}", *(f"    and {x}" for x in conditions[1:]), ")"],
         "continue_checks": checks,
+        "continue_results": results,
+        "continuing_lines": L.construction("Continuing", "g", results),
         "continue_fills": fills,
     }
 

@@ -520,6 +520,7 @@ class _Builder:
                     AdvanceCheck(
                         self.impl(cc["impl"], (*path, "continue_check", "impl")),
                         tuple(cc.get("reads", ())),
+                        bool(cc.get("result", False)),
                     )
                     if (cc := r.get("continue_check"))
                     else None,

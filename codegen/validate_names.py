@@ -37,6 +37,7 @@ RESERVED = frozenset(
         "rt",
         "config",
         "sizes",
+        "rows",  # the generated Continuing's first field, beside the tensors' results
     }
 )
 

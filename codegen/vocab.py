@@ -102,6 +102,7 @@ MODULE_NAMES: frozenset[str] = frozenset(
         "State",
         "Checked",
         "Advancing",
+        "Continuing",
         "RuntimeBuffers",
         # builtins (formulas call min, max and len)
         "object",

@@ -18,7 +18,7 @@ import dataclasses
 
 from bufc import runtime as rt  # first: without torch it says how to install it
 
-rt.check_format_version(4)  # before the imports a newer bufc may not have
+rt.check_format_version(5)  # before the imports a newer bufc may not have
 import typing
 from collections.abc import Sequence
 
@@ -558,6 +558,15 @@ class Advancing:
     host_kv_cache_block_offsets: typing.Any
 
 
+@dataclasses.dataclass(slots=True)
+class Continuing:
+    """A checked step that continues the last one in place, and what its checks hand on to
+    the continue forms."""
+
+    rows: decode.Continue
+    host_kv_cache_block_offsets: typing.Any
+
+
 class RuntimeBuffers(rt.RuntimeBuffers):
     """The llama family's buffers: allocated at capacity once, filled every step."""
 
@@ -804,10 +813,10 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         c = self.config
         return c.num_kv_pools == 1 and not (c.max_beam_width > 1)
 
-    def _continue_check(self, g: decode.Continue) -> None:
+    def _continue_check(self, g: decode.Continue) -> Continuing:
         """Every check of a step that continues the last one in place, in order: its sizes,
         then each continue check (in place of the request checks)."""
-        c = self.config
+        c, state = self.config, self.state
         s = g.sizes
         rt.check_size('num_context_requests', s.num_context_requests, c.max_batch_size)
         rt.check_size('num_context_tokens', s.num_context_tokens, c.max_num_tokens)
@@ -820,16 +829,20 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         rt.check_size('num_requests', s.num_requests, c.max_batch_size)
         rt.check_size('beam_width', s.beam_width, c.max_beam_width)
         self.check_shape('host_position_ids', (s.num_context_tokens + s.num_generation_sequences,))
-        continued.check_kv_continued(
+        return Continuing(
             g,
-            max_blocks_per_seq=c.max_blocks_per_seq,
-            tokens_per_block=c.tokens_per_block,
+            host_kv_cache_block_offsets=continued.check_kv_continued(
+                g,
+                state.kv_blocks,
+                max_blocks_per_seq=c.max_blocks_per_seq,
+                tokens_per_block=c.tokens_per_block,
+            ),
         )
 
-    def _continue(self, t: rt.Targets, p: rt.Targets, g: decode.Continue) -> None:
+    def _continue(self, t: rt.Targets, p: rt.Targets, k: Continuing) -> None:
         """Write the step that continues the last one in place, from its context requests and
         the last step's values `p` (every check has passed)."""
-        c = self.config
+        c, g = self.config, k.rows
         # host_input_ids: Token ids of the packed batch, staged on the host.
         t.host_input_ids.wrote(
             continued.continue_tokens(
@@ -899,6 +912,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 t.host_kv_cache_block_offsets.out,
                 p.host_kv_cache_block_offsets.out,
                 g,
+                k.host_kv_cache_block_offsets,
                 max_blocks_per_seq=c.max_blocks_per_seq,
                 kv_pool_layers=c.kv_pool_layers,
                 kv_pool_windows=c.kv_pool_windows,

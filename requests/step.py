@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from itertools import chain
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -449,18 +449,14 @@ def _continued(
         refilled = sorted(r for r in t.refilled if r < kept)
         at = np.concatenate((np.array(refilled, np.int64), np.arange(kept, n)))
         gen_tokens = t.prompt_len[rows] + t.generated[rows] + 1
-        flight, grown = None, cast(tuple[tuple[int, int], ...], ())
+        flight, grown = None, _EMPTY
         kv = t.kv
         if kv is not None:
             slots = np.concatenate((ctx_slots, rows)) if ctx_slots else rows
             flight = FlightLists(kv, slots if kv.lists == 1 else slots * kv.lists)
-            if undo:  # kept rows whose list grew get its new columns
-                whole = set(refilled)
-                grown = tuple(
-                    (r, before)
-                    for _, row, before in undo
-                    if 0 <= (r := int(t.row_of[row // kv.lists])) < kept and r not in whole
-                )
+            if undo:  # the kept rows whose list grew
+                grown = t.row_of[[row // kv.lists for _, row, _ in undo]]
+                grown = grown[(grown >= 0) & (grown < kept)]
         at_slots = rows[at]
         cont = Continue(
             sizes=step_sizes(

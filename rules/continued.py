@@ -16,6 +16,7 @@ import numpy as np
 from ..errors import BatchError
 from .core import chunk_positions
 from .decode import Continue
+from .kv_rows import _EMPTY, Held, KeptRows, SlotRows
 
 
 def continue_tokens(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
@@ -103,10 +104,12 @@ def _kept(out: np.ndarray, prev: np.ndarray, g: Continue, whole: np.ndarray) -> 
     return len(g.tokens)
 
 
-def check_kv_continued(g: Continue, *, max_blocks_per_seq: int, tokens_per_block: int) -> None:
+def check_kv_continued(
+    g: Continue, kept: KeptRows, *, max_blocks_per_seq: int, tokens_per_block: int
+) -> KeptRows:
     """Every row's block list, as the block table counts it (this step's appends included),
     covers its tokens after the step, or fills the window; the ids were checked when the
-    table took them."""
+    table took them. Hands the KV rows' state on to the continue form."""
     flight = g.flight
     assert flight is not None  # a family with a paged KV cache
     count = flight.blocks.count[flight.index]
@@ -122,45 +125,53 @@ def check_kv_continued(g: Continue, *, max_blocks_per_seq: int, tokens_per_block
             f"{(tokens - 1) // tokens_per_block}, which kv_block_ids does not hold; allocate "
             "the block before this step"
         )
+    return kept
 
 
 def continue_kv(
     out: np.ndarray,
     prev: np.ndarray,
     g: Continue,
+    kept: KeptRows,
     *,
     max_blocks_per_seq: int,
     kv_pool_layers: tuple[int, ...],
     kv_pool_windows: tuple[int, ...],
 ) -> int:
     """[rows, K/V, max_blocks_per_seq] of one pool (the generator continues a family only
-    with one): the context rows and the generation rows `g.at` whole from the block table
-    (K = id * 2 * layers, V = K + 1, 0 past the list), the other generation rows the last
-    step's with the new columns of the lists that grew."""
+    with one), each row its list from the block table (K = id * 2 * layers, V = K + 1, 0 past
+    the list). Where this half holds rows a continued step wrote (two steps back), only the
+    rows whose list is another one or changed since are rewritten; else the last step's rows
+    are copied from `prev` and the rows that differ from them rewritten (the context rows, the
+    rows `g.at` and those whose list grew)."""
     width, per_block = max_blocks_per_seq, 2 * kv_pool_layers[0]
-    stride = 2 * width
-    n_ctx, k = len(g.ctx_slots), g.kept
-    n = n_ctx + len(g.tokens)
     flight = g.flight
     assert flight is not None
+    blocks, index = flight.blocks, flight.index
+    n, stride = len(index), 2 * width
     rows = out[: n * stride].reshape(n, 2, width)
-    o = n_ctx * stride
-    out[o : o + k * stride] = prev[o : o + k * stride]
-    whole = np.concatenate((np.arange(n_ctx), g.at + n_ctx)) if n_ctx else g.at
-    if len(whole):
-        blocks = flight.blocks
-        index = flight.index[whole]
-        ids = blocks.ids[index] * per_block  # past a list's count its ids are 0
-        rows[whole, 0] = ids
-        ids += np.arange(width) < blocks.count[index, None]  # V: one further, where held
-        rows[whole, 1] = ids
-    if g.grown:
-        count, item = flight.blocks.count, flight.blocks.ids.item
-        for row, before in g.grown:
-            r = int(flight.index[n_ctx + row])
-            at = o + row * stride
-            for col in range(before, int(count[r])):
-                v = item(r, col) * per_block
-                out[at + col] = v
-                out[at + width + col] = v + 1
+    slots = kept.slots.get(id(blocks))
+    if slots is None or slots.blocks is not blocks:
+        slots = kept.slots[id(blocks)] = SlotRows(blocks)
+    key = (id(out), 0)
+    half = slots.halves.get(key)
+    version = blocks.version[index]
+    if half is not None and half.version is not None and half.out is out:
+        m = min(n, len(half.index))
+        stale = np.flatnonzero((half.index[:m] != index[:m]) | (half.version[:m] != version[:m]))
+        if n > m:
+            stale = np.concatenate((stale, np.arange(m, n)))
+    else:
+        n_ctx, k = len(g.ctx_slots), g.kept
+        o = n_ctx * stride
+        out[o : o + k * stride] = prev[o : o + k * stride]
+        stale = np.concatenate((np.arange(n_ctx), g.at + n_ctx, g.grown + n_ctx))
+    if len(stale):
+        table_rows = index[stale]
+        ids = blocks.ids[table_rows] * per_block  # past a list's count its ids are 0
+        rows[stale, 0] = ids
+        ids += np.arange(width) < blocks.count[table_rows, None]  # V: one further, where held
+        rows[stale, 1] = ids
+    held = slots.halves[key] = Held(out, index, blocks.log_end, _EMPTY)
+    held.version = version
     return n * stride

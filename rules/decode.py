@@ -54,9 +54,7 @@ class Continue:
     at_prompt_len: np.ndarray  # its prompt length
     at_tokens: np.ndarray  # its tokens after this step
     flight: FlightLists | None  # every row's block list, the context rows first (paged KV)
-    # (generation row, its list's length before this step) of each kept row whose block list
-    # grew in this step (its new columns; a row in `at` is written whole)
-    grown: tuple[tuple[int, int], ...] = ()
+    grown: np.ndarray  # the kept generation rows whose block list grew in this step
 
 
 class Sampled:

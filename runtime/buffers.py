@@ -152,10 +152,10 @@ class RuntimeBuffers:
     def _continues(self) -> bool:  # generated where the family has continue forms
         return False
 
-    def _continue_check(self, rows: Any) -> None:
+    def _continue_check(self, rows: Any) -> Any:
         raise NotImplementedError
 
-    def _continue(self, targets: Targets, prev: Targets, rows: Any) -> None:
+    def _continue(self, targets: Targets, prev: Targets, checked: Any) -> None:
         raise NotImplementedError
 
     def _scalars(self, targets: Targets, sizes: Any) -> Mapping[str, int]:
@@ -300,8 +300,7 @@ class RuntimeBuffers:
                 checked = self._check(batch())
                 s = checked.batch.sizes
             else:
-                self._continue_check(rows)
-                checked, s = None, rows.sizes
+                checked, s = self._continue_check(rows), rows.sizes
         except BatchError:
             raise
         except Exception as exc:  # a value a check could not even read (an odd type)
@@ -319,7 +318,7 @@ class RuntimeBuffers:
             if rows is None:
                 decode = self._fill(targets, checked)
             else:
-                self._continue(targets, self._targets[self._half], rows)
+                self._continue(targets, self._targets[self._half], checked)
                 decode = None  # advance() follows a full step
         except FillCountError:  # a rule returned a bad count: the error names the rule
             self._abandon_half(h)

@@ -73,13 +73,6 @@ class Target:
             self.out[n : w[0]] = self.pad
         w[0] = n
 
-    def context(self, n: int) -> int:
-        """A fill wrote the context rows of a continued step, the first `n` elements (checked
-        as ``wrote`` checks a count, nothing padded): where its generation rows start."""
-        if n.__class__ is not int or not 0 <= n <= self.size:
-            n = self._count(n)
-        return n
-
     def _repeat(self, n: int) -> None:
         """Every element past the first `n` holds the last of them (0 when there are none);
         written only when that count or value changed since this storage was last padded."""
