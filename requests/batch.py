@@ -189,6 +189,7 @@ class Batch:  # not slotted: cached_property needs __dict__
         return np.repeat(gen_values, self.gen_beam_width)
 
 
+@functools.lru_cache(maxsize=64)  # serving repeats a step's counts: one StepSizes for them
 def step_sizes(
     num_context_requests: int,
     context_tokens: int,

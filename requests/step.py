@@ -446,8 +446,7 @@ def _continued(
         _check_tokens(values, t.limits)
         _grow(t, blocks, undo)
         kept = min(len(t.produced), n_old)
-        refilled = sorted(r for r in t.refilled if r < kept)
-        at = np.concatenate((np.array(refilled, np.int64), np.arange(kept, n)))
+        at = np.array(sorted(r for r in t.refilled if r < kept) + list(range(kept, n)), np.int64)
         gen_tokens = t.prompt_len[rows] + t.generated[rows] + 1
         flight, grown = None, _EMPTY
         kv = t.kv
@@ -458,20 +457,14 @@ def _continued(
                 grown = t.row_of[[row // kv.lists for _, row, _ in undo]]
                 grown = grown[(grown >= 0) & (grown < kept)]
         at_slots = rows[at]
+        prompts: list[np.ndarray] = [t.prompt_arrays[s] for s in ctx_slots]  # type: ignore[misc]
+        longest = max(map(len, prompts), default=0)
         cont = Continue(
-            sizes=step_sizes(
-                len(context),
-                ctx_tokens,
-                0,
-                max((int(t.prompt_len[s]) for s in ctx_slots), default=0),
-                n,
-                n,
-                0,
-            ),
+            sizes=step_sizes(len(context), ctx_tokens, 0, longest, n, n, 0),
             ctx_slots=ctx_slots,
             ctx_begin=ctx_begin,
             ctx_chunk=ctx_chunk,
-            ctx_prompts=[t.prompt_arrays[s] for s in ctx_slots],  # type: ignore[misc]
+            ctx_prompts=prompts,
             tokens=values,
             seq_tokens=np.concatenate((ends, gen_tokens)) if ends else gen_tokens,
             kept=kept,

@@ -28,7 +28,7 @@ class Decode:
     holds_run: bool = False
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Continue:
     """A step of requests in flight that continues the last one in place (one beam each, no
     drafts, no explicit positions): its context rows have the last step's layout (as many

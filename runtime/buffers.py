@@ -593,7 +593,9 @@ class RuntimeBuffers:
 
     def _step(self, s: Any) -> Step:
         cached = self._step_views[self._half]
-        if cached is None or cached[0] != s:  # steady decoding repeats the sizes: reuse the views
+        # steady decoding and serving churn repeat the sizes (often the one StepSizes): reuse
+        # the views
+        if cached is None or (cached[0] is not s and cached[0] != s):
             cached = self._step_views[self._half] = (s, *self._views_at(s))
         inputs, outputs = dict(cached[1]), dict(cached[2])
         slots = {}
