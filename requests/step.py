@@ -117,12 +117,11 @@ def plan(
     if (
         last is not None
         and generation
-        and not on_device
         and not (drafts or accepted or t.drafted)
         and not (t.n_wide or t.n_explicit or t.encoder)
         and len(t.kvs) <= 1
     ):
-        continued = _continued(t, tokens, chunks, blocks, last)
+        continued = _continued(t, tokens, chunks, blocks, last, on_device)
         if continued is not None:
             return continued
     undo_blocks: list[tuple[BlockTable, int, int]] = []
@@ -408,13 +407,15 @@ def _continued(
     chunks: Mapping[int, int] | None,
     blocks: Mapping[int, Any] | None,
     last: StepSizes,
+    on_device: bool,
 ) -> Plan | None:
     """A step that continues the last one in place (one beam each, no drafts, no explicit
     positions): its context rows have the last step's layout (as many requests and tokens),
     so each tensor's generation rows start where the last step's did. Rows that held the same
     request in the last step continue; a row a finish refilled and the prompts the last step
-    finished are written whole. None where the step is not one (the full plan then runs, and
-    raises its own errors in its own order)."""
+    finished are written whole. Tokens that stay on the device (`on_device`) are gathered
+    into the generation rows there; the host writes the last ones it knows. None where the
+    step is not one (the full plan then runs, and raises its own errors in its own order)."""
     if len(t.produced) != last.num_generation_sequences:  # the last step's rows are the table's
         return None
     promoted = [s for s, serial in t.completing if t.serial[s] == serial]
@@ -441,9 +442,15 @@ def _continued(
     ctx_begin = [begin for _, begin, _ in context]
     ends = [b + k for b, k in zip(ctx_begin, ctx_chunk)]
     undo: list[tuple[BlockTable, int, int]] = []
+    gather, gathered = None, None
     try:
-        values = _token_table(tokens, t.limits)[:, 0][rows]
-        _check_tokens(values, t.limits)
+        if on_device:  # every row produced a token: each is gathered into its input position
+            values = t.last[:, 0][rows]
+            gather = TokenGather(rows * tokens.columns, np.arange(ctx_tokens, ctx_tokens + n))
+            gathered = (rows, np.zeros(n, np.int64))
+        else:
+            values = _token_table(tokens, t.limits)[:, 0][rows]
+            _check_tokens(values, t.limits)
         _grow(t, blocks, undo)
         kept = min(len(t.produced), n_old)
         at = np.array(sorted(r for r in t.refilled if r < kept) + list(range(kept, n)), np.int64)
@@ -490,6 +497,8 @@ def _continued(
         completing=completing,
         undo_blocks=undo,
         undo_drafts=[],
+        gather=gather,
+        gathered=gathered,
         rows=cont,
     )
 

@@ -28,13 +28,14 @@ from bufc.runtime import BatchError, Request
 FAMILIES = ("llama", "gpt")
 
 
-def _pair(name: str, tokens_per_block: int):
+def _pair(name: str, tokens_per_block: int, device_tokens: bool = False, device: str = "cpu"):
     kw = dict(
         max_batch_size=12, max_beam_width=1, tokens_per_block=tokens_per_block, num_kv_blocks=0
     )
     if name == "llama":
         kw["max_attention_window"] = 32 * tokens_per_block  # sequences may fill the window
-    ours, full = make_buffers(name, **kw), make_buffers(name, **kw)
+    ours = make_buffers(name, device, device_tokens=device_tokens, **kw)
+    full = make_buffers(name, device, device_tokens=False, **kw)
     full._continuing = False
     assert ours._continuing
     return ours, full
@@ -78,19 +79,23 @@ class Churn:
         return out
 
 
-def _same(ours, full, a, b, where) -> None:
+def _same(ours, full, a, b, where, host: bool = True) -> None:
     assert a.sizes == b.sizes, where
-    assert a.scalars == b.scalars, where
     for name, view in a.inputs.items():
-        assert torch.equal(view, b.inputs[name]), (name, where)
-    for name, t in ours.tensors.items():
-        assert torch.equal(t, full.tensors[name]), (name, where)
+        assert torch.equal(view.cpu(), b.inputs[name].cpu()), (name, where)
+    if host:  # (with device tokens, reading the host tensors takes the tokens back now)
+        assert a.scalars == b.scalars, where
+        for name, t in ours.tensors.items():
+            assert torch.equal(t, full.tensors[name]), (name, where)
 
 
-def run_churn(name: str, seed: int, steps: int = 30) -> int:
-    """The churn through both buffers; returns the steps that continued in place."""
+def run_churn(
+    name: str, seed: int, steps: int = 30, device_tokens: bool = False, device: str = "cpu"
+) -> int:
+    """The churn through both buffers on `device` (`device_tokens`: ours takes the sampled
+    tokens as a tensor there, gathered there); returns the steps that continued in place."""
     rng = random.Random(seed)
-    ours, full = _pair(name, rng.choice((1, 2, 4)))
+    ours, full = _pair(name, rng.choice((1, 2, 4)), device_tokens, device)
     c = ours.config
     traffic = Churn(rng, c, paged=hasattr(c, "max_blocks_per_seq"))
     length, per_step = rng.randint(1, 6), rng.randint(1, 2)
@@ -122,11 +127,14 @@ def run_churn(name: str, seed: int, steps: int = 30) -> int:
         if traffic.decoding:
             tokens = np.array([rng.randrange(c.vocab_size) for _ in range(c.max_batch_size)])
         blocks = traffic.grow()
+        given = tokens
+        if device_tokens and tokens is not None:
+            given = torch.as_tensor(tokens, device=device)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(request_step, "_continued", _recording(plans))
-            a = ours.step(tokens, chunks=chunks, blocks=dict(blocks))
+            a = ours.step(given, chunks=chunks, blocks=dict(blocks))
         b = full.step(tokens, chunks=chunks, blocks=dict(blocks))
-        _same(ours, full, a, b, (seed, i))
+        _same(ours, full, a, b, (seed, i), host=not device_tokens or i % 2 == 1)
         for slot in traffic.decoding:
             traffic.tokens[slot] += 1
         ran = left if chunks is None else chunks
@@ -159,10 +167,35 @@ def test_a_continued_step_equals_the_full_step(name: str, seed: int) -> None:
     run_churn(name, seed)
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",  # the CPU emulates the device path; on CUDA it runs there (by hand on the H200)
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_a_continued_step_with_tokens_on_the_device_equals_the_full_step(
+    device: str, seed: int
+) -> None:
+    """The sampled tokens as a tensor on the buffers' device: a continued step gathers them
+    into its generation rows there, and equals the full step with host tokens (on the same
+    device)."""
+    run_churn("llama", seed, device_tokens=True, device=device)
+
+
 def test_the_churn_continues_most_steps_in_place() -> None:
     """The test traffic itself: most of its steps take the continue path."""
     continued = sum(run_churn(name, seed) for name in FAMILIES for seed in range(6))
     assert continued >= 150, continued
+    assert sum(run_churn("llama", seed, device_tokens=True) for seed in range(3)) >= 40
 
 
 def _churning():
