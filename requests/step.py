@@ -436,7 +436,10 @@ def _continued(
     n_old = t.n_rows
     rows = np.concatenate((t.rows[:n_old], promoted)) if promoted else t.rows[:n_old]
     n = len(rows)
-    if not n:
+    kept = min(len(t.produced), n_old)
+    if not n or not (context or promoted or any(r < kept for r in t.refilled)):
+        # no row to write whole: a generation-only step of the last step's rows (fewer, if
+        # the last ones finished), which the full plan lays out for advance() to follow
         return None
     ctx_slots = [e.seq_slot for e, _, _ in context]
     ctx_begin = [begin for _, begin, _ in context]
@@ -452,7 +455,6 @@ def _continued(
             values = _token_table(tokens, t.limits)[:, 0][rows]
             _check_tokens(values, t.limits)
         _grow(t, blocks, undo)
-        kept = min(len(t.produced), n_old)
         at = np.array(sorted(r for r in t.refilled if r < kept) + list(range(kept, n)), np.int64)
         gen_tokens = t.prompt_len[rows] + t.generated[rows] + 1
         flight, grown = None, _EMPTY

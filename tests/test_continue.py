@@ -245,3 +245,37 @@ def test_a_family_continues_only_where_every_rule_has_a_continue_form() -> None:
     assert not make_buffers("llama", max_beam_width=1, kv_heads_per_layer=(2, 4))._continuing
     # medusa's fixed-drafts check has no continue check to stand in for it
     assert not make_buffers("medusa")._continuing
+
+
+def test_a_run_without_arrivals_returns_to_decode_steps() -> None:
+    """Finishes alone: a refilled row is one continued step; then (no row to write whole) a
+    full step lays the rows out and the steps after it advance (the decode steps that tokens
+    on the device replay as CUDA graphs)."""
+    b, _ = _pair("llama", 4)
+    for s in range(4):
+        b.add(Request(seq_slot=s, prompt=[1, 2, 3], kv_block_ids=[[10 + s, 20 + s, 30 + s]]))
+    b.step()
+    tokens = np.full(b.config.max_batch_size, 7)
+    log: list[str] = []
+    real_steady, real_continued = request_step._steady, request_step._continued
+
+    def steady(*args, **kwargs):
+        log.append("steady")
+        return real_steady(*args, **kwargs)
+
+    def continued(*args, **kwargs):
+        plan = real_continued(*args, **kwargs)
+        log.append("continued" if plan is not None else "full")
+        return plan
+
+    kinds = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(request_step, "_steady", steady)
+        mp.setattr(request_step, "_continued", continued)
+        for finish in (None, 1, None, None, 2, None, None):  # 2: the last row, by then
+            if finish is not None:
+                b.finish(finish)
+            log.clear()
+            b.step(tokens)
+            kinds.append(log[0] if log else "full")
+    assert kinds == ["full", "continued", "full", "steady", "full", "steady", "steady"]
