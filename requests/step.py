@@ -460,7 +460,9 @@ def _continued(
         flight, grown = None, _EMPTY
         kv = t.kv
         if kv is not None:
-            slots = np.concatenate((ctx_slots, rows)) if ctx_slots else rows
+            # its own array: the KV form keeps it as the layout a half holds, and the table's
+            # rows (which `rows` may view) change with the next finish
+            slots = np.concatenate((ctx_slots, rows)) if ctx_slots else rows.copy()
             flight = FlightLists(kv, slots if kv.lists == 1 else slots * kv.lists)
             if undo:  # the kept rows whose list grew
                 grown = t.row_of[[row // kv.lists for _, row, _ in undo]]

@@ -279,3 +279,25 @@ def test_a_run_without_arrivals_returns_to_decode_steps() -> None:
             b.step(tokens)
             kinds.append(log[0] if log else "full")
     assert kinds == ["full", "continued", "full", "steady", "full", "steady", "steady"]
+
+
+def test_continued_steps_of_finishes_alone_equal_the_full_step() -> None:
+    """Steps without context rows whose finishes refill rows, one after another: each half's
+    KV rows are compared against the layout it was written with (not the table's rows as they
+    are now), and equal the full step's."""
+    ours, full = _pair("llama", 2)
+    n = ours.config.max_batch_size
+    for b in (ours, full):
+        for s in range(n):
+            ids = [[100 * s + k for k in range(8)]]
+            b.add(Request(seq_slot=s, prompt=[1, 2, 3], kv_block_ids=ids))
+        b.step()
+    tokens = np.arange(n) + 5
+    for b in (ours, full):  # every list grows in one append: their versions are one
+        b.step(tokens, blocks={s: [100 * s + 8] for s in range(n)})
+    for slot in (0, 2, 4, 6, 8):  # never the last row: each finish refills one
+        steps = []
+        for b in (ours, full):
+            b.finish(slot)
+            steps.append(b.step(tokens))
+        _same(ours, full, *steps, slot)
