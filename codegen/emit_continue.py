@@ -3,11 +3,10 @@ step of requests in flight whose context rows repeat the last step's layout.
 
 Each rule tensor is written by its continue form, which writes the whole step as its fill
 would, the generation rows from the last step's values. A family continues only where every
-rule tensor the Config
-allocates has a continue form and starts with its rows (its dimensions before the first that
-counts rows are 1), and every request check it runs is one a continue check stands in for (the
-continue check of the rule that takes its result, for context and generation rows alike): `_continues` says so for the
-Config, decided once.
+rule tensor the Config allocates has a continue form and starts with its rows (its dimensions
+before the first that counts rows are 1), and every request check it runs is one a continue
+check stands in for (the continue check of the rule that takes its result, for the context
+and generation rows alike): `_continues` says so for the Config, decided once.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ class Plan:
     # each value it copies back (their state entries once they land)
     gather: TokenGather | None = None
     gathered: tuple[np.ndarray, np.ndarray] | None = None
-    # a step that continues the last one in place: `batch` holds its context requests alone
+    # a step that continues the last one in place (no batch): what its continue forms write
     rows: Continue | None = None
 
     def undo(self) -> None:

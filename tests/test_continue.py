@@ -25,12 +25,18 @@ from hypothesis import strategies as st
 from bufc.requests import step as request_step
 from bufc.runtime import BatchError, Request
 
-FAMILIES = ("llama", "gpt")
+FAMILIES = ("llama", "gpt", "gpt_outputs", "gpt_pp")
+# Config values a family needs beyond the fuzz configs' (gpt_pp: the last of two ranks)
+EXTRA = {"gpt_outputs": dict(hidden_size=16), "gpt_pp": dict(hidden_size=16, pp_size=2, pp_rank=1)}
 
 
 def _pair(name: str, tokens_per_block: int, device_tokens: bool = False, device: str = "cpu"):
     kw = dict(
-        max_batch_size=12, max_beam_width=1, tokens_per_block=tokens_per_block, num_kv_blocks=0
+        max_batch_size=12,
+        max_beam_width=1,
+        tokens_per_block=tokens_per_block,
+        num_kv_blocks=0,
+        **EXTRA.get(name, {}),
     )
     if name == "llama":
         kw["max_attention_window"] = 32 * tokens_per_block  # sequences may fill the window
