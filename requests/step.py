@@ -110,7 +110,7 @@ def plan(
         steady
         and generation
         and not (t.changed or t.completing or t.waiting)
-        and not (drafts or accepted or t.drafted)
+        and not (drafts or accepted or t.drafted or chunks)  # (chunks: refused in full)
         and t.n_rows
     ):
         return _steady(t, tokens, blocks, on_device)
@@ -416,7 +416,8 @@ def _continued(
     finished are written whole. Tokens that stay on the device (`on_device`) are gathered
     into the generation rows there; the host writes the last ones it knows. None where the
     step is not one (the full plan then runs, and raises its own errors in its own order)."""
-    if len(t.produced) != last.num_generation_sequences:  # the last step's rows are the table's
+    if len(t.produced) != last.num_generation_sequences or t.n_rows > len(t.produced):
+        # the last step's rows are not the table's, or some sat it out (generation=False)
         return None
     promoted = [s for s, serial in t.completing if t.serial[s] == serial]
     if any(t.held(s).context_drafts for s in promoted):

@@ -261,6 +261,8 @@ class RequestTable:
             self.n_rows = last
             self.row_of[slot] = -1
         self.waiting.pop(slot, None)
+        if self.completing:  # a prompt the last step finished: it joins no rows now
+            self.completing = [(s, serial) for s, serial in self.completing if s != slot]
         self.entries[slot] = None
         self.prompt_arrays[slot] = None
         self._serials_pending()
