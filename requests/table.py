@@ -265,7 +265,8 @@ class RequestTable:
             self.completing = [(s, serial) for s, serial in self.completing if s != slot]
         self.entries[slot] = None
         self.prompt_arrays[slot] = None
-        self._serials_pending()
+        if self.pending is not None:
+            self._serials_pending()
         self.serial[slot] += 1
         entry.held(())
         for table in self.kvs:
@@ -273,8 +274,9 @@ class RequestTable:
         if slot in self.drafted:
             self.drafted.remove(slot)
             self.ndraft[slot] = 0
-        self.n_explicit -= self.explicit_last[slot] >= 0
-        self.explicit_last[slot] = -1
+        if self.n_explicit and self.explicit_last[slot] >= 0:  # (-1 everywhere without any)
+            self.n_explicit -= 1
+            self.explicit_last[slot] = -1
         self.n_wide -= entry.beam_width > 1
         self.bad.pop(slot, None)
         self.changed = True

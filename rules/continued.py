@@ -18,6 +18,12 @@ from .core import chunk_positions
 from .decode import Continue
 from .kv_rows import _EMPTY, Held, KeptRows, SlotRows
 
+# Kept KV rows past this many elements are not copied from the last step's half: the rows that
+# differ from what this half holds are found and rewritten instead (on the 2-core machine the
+# copy of 32k int32 costs about what the comparison of 1024 rows does)
+KEPT_COPY = 1 << 15
+FEW_ROWS = 32  # rewritten rows up to which V's zeros past each list are written row by row
+
 
 def continue_tokens(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
     """Each context chunk's prompt tokens, then each generation row's new token."""
@@ -140,10 +146,10 @@ def continue_kv(
 ) -> int:
     """[rows, K/V, max_blocks_per_seq] of one pool (the generator continues a family only
     with one), each row its list from the block table (K = id * 2 * layers, V = K + 1, 0 past
-    the list). Where this half holds rows a continued step wrote (two steps back), only the
-    rows whose list is another one or changed since are rewritten; else the last step's rows
-    are copied from `prev` and the rows that differ from them rewritten (the context rows, the
-    rows `g.at` and those whose list grew)."""
+    the list). The last step's rows are copied from `prev` and the rows that differ from them
+    rewritten (the context rows, the rows `g.at` and those whose list grew); past KEPT_COPY
+    elements, where this half holds rows a continued step wrote (two steps back), only the rows
+    whose list is another one or changed since are rewritten, without the copy."""
     width, per_block = max_blocks_per_seq, 2 * kv_pool_layers[0]
     flight = g.flight
     assert flight is not None
@@ -156,13 +162,13 @@ def continue_kv(
     key = (id(out), 0)
     half = slots.halves.get(key)
     version = blocks.version[index]
-    if half is not None and half.version is not None and half.out is out:
+    n_ctx, k = len(g.ctx_slots), g.kept
+    if k * stride > KEPT_COPY and half is not None and half.version is not None and half.out is out:
         m = min(n, len(half.index))
         stale = np.flatnonzero((half.index[:m] != index[:m]) | (half.version[:m] != version[:m]))
         if n > m:
             stale = np.concatenate((stale, np.arange(m, n)))
     else:
-        n_ctx, k = len(g.ctx_slots), g.kept
         o = n_ctx * stride
         out[o : o + k * stride] = prev[o : o + k * stride]
         stale = np.concatenate((np.arange(n_ctx), g.at + n_ctx, g.grown + n_ctx))
@@ -170,7 +176,12 @@ def continue_kv(
         table_rows = index[stale]
         ids = blocks.ids[table_rows] * per_block  # past a list's count its ids are 0
         rows[stale, 0] = ids
-        ids += np.arange(width) < blocks.count[table_rows, None]  # V: one further, where held
+        if len(stale) <= FEW_ROWS:  # V = K + 1 where a list holds ids, 0 past them
+            ids += 1
+            for i, held in enumerate(blocks.count[table_rows].tolist()):
+                ids[i, held:] = 0
+        else:
+            ids += np.arange(width) < blocks.count[table_rows, None]
         rows[stale, 1] = ids
     held = slots.halves[key] = Held(out, index, blocks.log_end, _EMPTY)
     held.version = version
