@@ -161,9 +161,10 @@ def continue_kv(
         slots = kept.slots[id(blocks)] = SlotRows(blocks)
     key = (id(out), 0)
     half = slots.halves.get(key)
-    version = blocks.version[index]
     n_ctx, k = len(g.ctx_slots), g.kept
-    if k * stride > KEPT_COPY and half is not None and half.version is not None and half.out is out:
+    large = k * stride > KEPT_COPY  # this half keeps its layout for the comparison
+    version = blocks.version[index] if large else _EMPTY
+    if large and half is not None and half.version is not None and half.out is out:
         m = min(n, len(half.index))
         stale = np.flatnonzero((half.index[:m] != index[:m]) | (half.version[:m] != version[:m]))
         if n > m:
@@ -183,6 +184,9 @@ def continue_kv(
         else:
             ids += np.arange(width) < blocks.count[table_rows, None]
         rows[stale, 1] = ids
-    held = slots.halves[key] = Held(out, index, blocks.log_end, _EMPTY)
-    held.version = version
+    if large:
+        held = slots.halves[key] = Held(out, index, blocks.log_end, _EMPTY)
+        held.version = version
+    else:  # no layout kept: what the half held before is no longer there
+        slots.halves.pop(key, None)
     return n * stride
