@@ -93,7 +93,12 @@ def calls(
         check = by_name.get(r.check or "")
         result = (f"the result of request check '{check.name}'",) if check and check.result else ()
         out.append(Call("fill", r.name, r.impl, ("out", "the batch", *result), r.reads))
-        ac = r.advance_check
+        ac, cc = r.advance_check, r.continue_check
+        state = (
+            (f"the state of request check '{check.name}'",)
+            if check is not None and check.state is not None
+            else ()
+        )
         if isinstance(r.advance, Impl):
             passed = ("the result of its advance check",) if ac is not None and ac.result else ()
             out.append(
@@ -107,11 +112,6 @@ def calls(
                 )
             )
         if ac is not None:
-            state = (
-                (f"the state of request check '{check.name}'",)
-                if check is not None and check.state is not None
-                else ()
-            )
             out.append(
                 Call(
                     "advance_check",
@@ -131,7 +131,6 @@ def calls(
                     ("the device mirror", "the decode step"),
                 )
             )
-        cc = r.continue_check
         if r.continues is not None:
             passed = ("the result of its continue check",) if cc is not None and cc.result else ()
             positional = ("out", "the last step's values", "the continued step", *passed)
@@ -139,11 +138,6 @@ def calls(
                 Call("continue", r.name, r.continues, positional, r.advance_reads, "advance_reads")
             )
         if cc is not None:
-            state = (
-                (f"the state of request check '{check.name}'",)
-                if check is not None and check.state is not None
-                else ()
-            )
             out.append(
                 Call(
                     "continue_check",

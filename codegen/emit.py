@@ -416,24 +416,21 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
         ]
         fills.append({"doc": L.fill_doc(f), "lines": L.write(f, args)})
     advance = not program.no_advance
-    advance_checks, advance_results, advances = [], [], []
+    advance_checks: list[str] = []
+    advance_results: list[dict[str, Any]] = []
+    advances = []
     for f in program.fills if advance else ():
         if f.advance_check is not None:
-            args = [
+            L.step_check(
+                f,
+                alias(f.advance_check),
                 "d",
-                *([f"state.{f.advance_check_state}"] if f.advance_check_state else []),
-                *L.kwargs(f.advance_check_reads),
-            ]
-            if f.advance_check_result:
-                advance_results.append(
-                    {
-                        "name": f.tensor,
-                        "lines": L.value(f.tensor, alias(f.advance_check), args, f.guard),
-                        "guarded": f.guard is not None,
-                    }
-                )
-            else:
-                advance_checks.extend(L.guarded(f.guard, alias(f.advance_check), args))
+                f.advance_check_state,
+                f.advance_check_reads,
+                f.advance_check_result,
+                advance_checks,
+                advance_results,
+            )
         advances.append({"doc": L.fill_doc(f), "lines": _advance_lines(f, alias)})
     device = _device_advances(plan, alias) if advance else None
     return {

@@ -57,23 +57,16 @@ def continue_program(
         if f.continues is None:
             continue
         if f.continue_check is not None:
-            args = [
+            L.step_check(
+                f,
+                alias(f.continue_check),
                 "g",
-                *([f"state.{f.continue_check_state}"] if f.continue_check_state else []),
-                *L.kwargs(f.continue_check_reads),
-            ]
-            if f.continue_check_result:
-                results.append(
-                    {
-                        "name": f.tensor,
-                        "lines": L.value(f.tensor, alias(f.continue_check), args, f.guard),
-                        "guarded": f.guard is not None,
-                    }
-                )
-            else:
-                checks += L.under(
-                    f.guard, L.lines(alias(f.continue_check), args, 8 if f.guard is None else 12)
-                )
+                f.continue_check_state,
+                f.continue_check_reads,
+                f.continue_check_result,
+                checks,
+                results,
+            )
         form = [alias(f.continues), f"t.{f.tensor}.out", f"p.{f.tensor}.out", "g"]
         if f.continue_check_result:
             form.append(f"k.{f.tensor}")

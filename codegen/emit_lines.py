@@ -93,3 +93,24 @@ def write(f: PlannedFill, call: list[str]) -> list[str]:
     if len(inner) == 1:
         return under(f.guard, [f"t.{f.tensor}.wrote({inner[0]})"])
     return under(f.guard, [f"t.{f.tensor}.wrote(", *(f"    {x}" for x in inner), ")"])
+
+
+def step_check(
+    f: PlannedFill,
+    fn: str,
+    first: str,
+    state: str | None,
+    reads: tuple[str, ...],
+    result: bool,
+    checks: list[str],
+    results: list[dict[str, Any]],
+) -> None:
+    """A rule's advance or continue check, `fn(first, [state.STATE], **reads)`: its lines
+    into `checks`, or, where the form takes what it returns, an entry of the record the
+    checks return into `results` (named by the tensor)."""
+    args = [first, *([f"state.{state}"] if state else []), *kwargs(reads)]
+    if result:
+        entry = {"name": f.tensor, "lines": value(f.tensor, fn, args, f.guard)}
+        results.append({**entry, "guarded": f.guard is not None})
+    else:
+        checks.extend(guarded(f.guard, fn, args))

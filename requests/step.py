@@ -383,6 +383,22 @@ def _steady(
     except BaseException:
         _undo(undo, [])
         raise
+    return _in_place(t, values, undo, gather, gathered)
+
+
+def _in_place(
+    t: RequestTable,
+    values: np.ndarray,
+    undo: list[tuple[BlockTable, int, int]],
+    gather: TokenGather | None,
+    gathered: tuple[np.ndarray, np.ndarray] | None,
+    continued: Continue | None = None,
+    context: tuple[list[tuple[int, int]], list[int], list[int]] = ([], [], []),
+) -> Plan:
+    """The plan of a steady or continued step (no batch: the generation rows, each one token
+    longer, take `values`; `context`: the prompt positions after the step, the prompts that
+    join the rows and those the step finishes)."""
+    positions, promoted, completing = context
     return Plan(
         batch=None,
         tokens=Sampled(values),
@@ -390,14 +406,14 @@ def _steady(
         last=None,
         ndraft=t.ndraft,
         drafted=[],
-        positions=[],
-        promoted=[],
-        completing=[],
+        positions=positions,
+        promoted=promoted,
+        completing=completing,
         undo_blocks=undo,
         undo_drafts=[],
-        generation=True,
         gather=gather,
         gathered=gathered,
+        rows=continued,
     )
 
 
@@ -490,22 +506,7 @@ def _continued(
     except BaseException:
         _undo(undo, [])
         raise
-    return Plan(
-        batch=None,
-        tokens=Sampled(values),
-        generated=None,
-        last=None,
-        ndraft=t.ndraft,
-        drafted=[],
-        positions=positions,
-        promoted=promoted,
-        completing=completing,
-        undo_blocks=undo,
-        undo_drafts=[],
-        gather=gather,
-        gathered=gathered,
-        rows=cont,
-    )
+    return _in_place(t, values, undo, gather, gathered, cont, (positions, promoted, completing))
 
 
 def _context(
