@@ -2,7 +2,9 @@
 step produced, accepted and new drafts, KV blocks appended, context chunks; each checked before
 anything is kept, the step's ``Batch`` laid out (``rows.step_view``), and a ``Plan`` that the
 table commits once the step has run (``Plan.undo`` restores the block lists and drafts a failed
-step set). A step where only the tokens changed is planned without a batch (``_steady``).
+step set). A step where only the tokens changed is planned without a batch (``_steady``), and
+so is one whose context rows repeat the last step's layout (``_continued``: a
+``decode.Continue`` for the family's continue forms).
 """
 
 from __future__ import annotations

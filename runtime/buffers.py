@@ -5,7 +5,8 @@ lays the mirrored host tensors out in the staging arena (``staging.Staging``) an
 half's fill targets, so a step allocates no tensor and decides nothing the generator decided.
 A step is the family's generated program: ``_check`` (every check, before a byte is written),
 ``_fill`` (every rule tensor), then the one host-to-device copy and the views; ``advance``
-runs the generated ``_advance_check`` and ``_advance``. Nothing here names a tensor or a rule:
+runs the generated ``_advance_check`` and ``_advance``, and an in-flight step whose context
+rows repeat the last step's layout the generated ``_continue_check`` and ``_continue``. Nothing here names a tensor or a rule:
 what a family has, and what its step does, is in its generated module.
 """
 
