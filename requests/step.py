@@ -65,7 +65,7 @@ class Plan:
     gather: TokenGather | None = None
     gathered: tuple[np.ndarray, np.ndarray] | None = None
     # a step that continues the last one in place (no batch): what its continue forms write
-    rows: Continue | None = None
+    continued: Continue | None = None
 
     def undo(self) -> None:
         """The step failed: the block lists and drafts it set are as they were."""
@@ -102,7 +102,7 @@ def plan(
 
     `steady`: the last step can be continued in place (generation only, no drafts); the
     plan then has no batch when nothing but the tokens changed. `last`: the sizes of the last
-    step, whose generation rows can be continued in place (``Plan.rows``) by a step whose
+    step, whose generation rows can be continued in place (``Plan.continued``) by a step whose
     context rows have its layout. `on_device`: `tokens` is ``OnDevice``, a tensor on the
     buffers' device gathered there (``Plan.gather``)."""
     _refuse_bad(
@@ -415,7 +415,7 @@ def _in_place(
         undo_drafts=[],
         gather=gather,
         gathered=gathered,
-        rows=continued,
+        continued=continued,
     )
 
 

@@ -334,7 +334,7 @@ class RequestTable:
                 self.last[:, 0][rows] = plan.tokens.values  # one axis: a cheaper scatter
             else:
                 self.last[_beam_index(rows, widths)] = plan.tokens.values
-            if plan.rows is None:  # steady: nothing else changed
+            if plan.continued is None:  # steady: nothing else changed
                 return
         else:
             assert plan.last is not None and plan.generated is not None

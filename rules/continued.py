@@ -16,13 +16,12 @@ import numpy as np
 from ..errors import BatchError
 from .core import chunk_positions
 from .decode import Continue
-from .kv_rows import _EMPTY, Held, KeptRows, SlotRows
+from .kv_rows import _EMPTY, Held, KeptRows, SlotRows, write_lists
 
 # Kept KV rows past this many elements are not copied from the last step's half: the rows that
 # differ from what this half holds are found and rewritten instead (on the 2-core machine the
 # copy of 32k int32 costs about what the comparison of 1024 rows does)
 KEPT_COPY = 1 << 15
-FEW_ROWS = 32  # rewritten rows up to which V's zeros past each list are written row by row
 
 
 def continue_tokens(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
@@ -174,16 +173,7 @@ def continue_kv(
         out[o : o + k * stride] = prev[o : o + k * stride]
         stale = np.concatenate((np.arange(n_ctx), g.at + n_ctx, g.grown + n_ctx))
     if len(stale):
-        table_rows = index[stale]
-        ids = blocks.ids[table_rows] * per_block  # past a list's count its ids are 0
-        rows[stale, 0] = ids
-        if len(stale) <= FEW_ROWS:  # V = K + 1 where a list holds ids, 0 past them
-            ids += 1
-            for i, held in enumerate(blocks.count[table_rows].tolist()):
-                ids[i, held:] = 0
-        else:
-            ids += np.arange(width) < blocks.count[table_rows, None]
-        rows[stale, 1] = ids
+        write_lists(rows, stale, blocks, index[stale], per_block)
     if large:
         held = slots.halves[key] = Held(out, index, blocks.log_end, _EMPTY)
         held.version = version

@@ -30,6 +30,7 @@ _EMPTY = np.zeros(0, np.int64)
 _EMPTY.flags.writeable = False
 FEW = 8  # stale rows past which from_slots rewrites whole rows in a few numpy calls
 FEW_CHANGED = 64  # changed lists past which a decode step rewrites whole rows at once
+FEW_ROWS = 32  # lists write_lists encodes V for row by row (past them, with a mask)
 
 
 def required_blocks(tokens: np.ndarray, tokens_per_block: int, width: int) -> np.ndarray:
@@ -347,12 +348,30 @@ def _write_changed(
         return
     at_rows = np.array([s for s, _ in pairs], np.int64)
     table_rows = np.array([r for _, r in pairs], np.int64)
-    n_ids = blocks.count[table_rows]
-    k_all = blocks.ids[table_rows] * per_block  # past a list's count its ids are 0
-    rows[at_rows, 0] = k_all
-    rows[at_rows, 1] = k_all + (np.arange(rows.shape[-1]) < n_ids[:, None])  # V where held
-    for (seq, _), held in zip(pairs, n_ids.tolist()):
+    n_ids = write_lists(rows, at_rows, blocks, table_rows, per_block)
+    for (seq, _), held in zip(pairs, n_ids):
         counts[seq] = held
+
+
+def write_lists(
+    rows: np.ndarray, at: np.ndarray, blocks: Any, table_rows: np.ndarray, per_block: int
+) -> list[int]:
+    """rows[at] = the block lists of `table_rows` of the block table `blocks`, encoded
+    (K = id * per_block, V = K + 1, 0 past each list), vectorised; returns each list's count.
+    Up to FEW_ROWS lists, V's zeros past a list are written row by row (cheaper than the mask
+    at those sizes, measured)."""
+    k = blocks.ids[table_rows] * per_block  # past a list's count its ids are 0
+    rows[at, 0] = k
+    held = blocks.count[table_rows]
+    counts = held.tolist()
+    if len(counts) <= FEW_ROWS:
+        k += 1
+        for i, n in enumerate(counts):
+            k[i, n:] = 0
+    else:
+        k += np.arange(k.shape[1]) < held[:, None]
+    rows[at, 1] = k
+    return counts
 
 
 def _refresh(slots: SlotRows, per_block: int) -> None:
@@ -373,10 +392,8 @@ def _refresh(slots: SlotRows, per_block: int) -> None:
         # of serving the first time many lists change at once
         stale = np.array(sorted(set(changed)), np.int64)
     if len(stale) > FEW:  # many: whole rows, vectorised
-        k = blocks.ids[stale] * per_block  # past a list's count its ids are 0
-        slots.rows[stale, 0] = k  # type: ignore[index]
-        k += np.arange(k.shape[1]) < blocks.count[stale, None]  # V: one further, where held
-        slots.rows[stale, 1] = k  # type: ignore[index]
+        assert slots.rows is not None
+        write_lists(slots.rows, stale, blocks, stale, per_block)
         slots.version[stale] = blocks.version[stale]
         slots.born[stale] = blocks.born[stale]
         slots.length[stale] = blocks.count[stale]

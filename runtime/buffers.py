@@ -6,8 +6,9 @@ half's fill targets, so a step allocates no tensor and decides nothing the gener
 A step is the family's generated program: ``_check`` (every check, before a byte is written),
 ``_fill`` (every rule tensor), then the one host-to-device copy and the views; ``advance``
 runs the generated ``_advance_check`` and ``_advance``, and an in-flight step whose context
-rows repeat the last step's layout the generated ``_continue_check`` and ``_continue``. Nothing here names a tensor or a rule:
-what a family has, and what its step does, is in its generated module.
+rows repeat the last step's layout the generated ``_continue_check`` and ``_continue``.
+Nothing here names a tensor or a rule: what a family has, and what its step does, is in its
+generated module.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ class RuntimeBuffers:
     def _continues(self) -> bool:  # generated where the family has continue forms
         return False
 
-    def _continue_check(self, rows: Any) -> Any:
+    def _continue_check(self, continued: Any) -> Any:
         raise NotImplementedError
 
     def _continue(self, targets: Targets, prev: Targets, checked: Any) -> None:
@@ -290,18 +291,18 @@ class RuntimeBuffers:
         return step
 
     def _prepare(
-        self, batch: Callable[[], Any] | None, gather: Gather | None = None, rows: Any = None
+        self, batch: Callable[[], Any] | None, gather: Gather | None = None, continued: Any = None
     ) -> Step:
         """Check and fill the step of the batch `batch()` reads, copy it (and gather the
-        sampled tokens of `gather` on the device), and hand out its views; or, with `rows`
+        sampled tokens of `gather` on the device), and hand out its views; or, with `continued`
         (a ``decode.Continue``, no batch), the step that continues the last one in place."""
         try:
-            if rows is None:
+            if continued is None:
                 assert batch is not None
                 checked = self._check(batch())
                 s = checked.batch.sizes
             else:
-                checked, s = self._continue_check(rows), rows.sizes
+                checked, s = self._continue_check(continued), continued.sizes
         except BatchError:
             raise
         except Exception as exc:  # a value a check could not even read (an odd type)
@@ -316,7 +317,7 @@ class RuntimeBuffers:
         self._staging.wait(h)
         targets = self._targets[h]
         try:
-            if rows is None:
+            if continued is None:
                 decode = self._fill(targets, checked)
             else:
                 self._continue(targets, self._targets[self._half], checked)
@@ -535,8 +536,8 @@ class RuntimeBuffers:
         if plan.gather is not None:  # the tokens stay on the device: gathered there
             gather = Gather(tensor, plan.gather.src, plan.gather.dst, self.limits.token_limit)
         try:
-            if plan.rows is not None:
-                step = self._prepare(None, gather, plan.rows)
+            if plan.continued is not None:
+                step = self._prepare(None, gather, plan.continued)
             elif plan.batch is not None:
                 step = self._prepare(lambda: plan.batch, gather)
             else:

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bufc.requests import step as request_step
-from bufc.rules import continued
+from bufc.rules import continued, kv_rows
 from bufc.runtime import BatchError, Request
 
 FAMILIES = ("llama", "gpt", "gpt_outputs", "gpt_pp")
@@ -315,8 +315,8 @@ def test_continued_steps_of_finishes_alone_equal_the_full_step() -> None:
 def test_the_kv_rows_by_comparison_or_by_copy_equal_the_full_step(monkeypatch, kept_copy, few):
     """The KV form's two ways: the rows that differ from what the half holds found by
     comparison (past KEPT_COPY elements; here always), or the kept rows copied from the last
-    step's half (here always); V's zeros written row by row or at once (FEW_ROWS)."""
+    step's half (here always); V's zeros written row by row or at once (kv_rows.FEW_ROWS)."""
     monkeypatch.setattr(continued, "KEPT_COPY", kept_copy)
-    monkeypatch.setattr(continued, "FEW_ROWS", few)
+    monkeypatch.setattr(kv_rows, "FEW_ROWS", few)
     assert sum(run_churn("llama", seed) for seed in range(4)) >= 20
     test_continued_steps_of_finishes_alone_equal_the_full_step()
