@@ -191,7 +191,7 @@ class BlockTable:
         if not all(type(v) is list for v in values):
             return False
         at = np.fromiter(slots, np.int64, len(slots))
-        if not bool((self.n_lists[at] == 1).all()):
+        if np.count_nonzero(self.n_lists[at] != 1):
             return False
         flat = list(itertools.chain.from_iterable(values))
         if not _ids_in(flat, self.limit[0]):
@@ -200,7 +200,7 @@ class BlockTable:
         rows = at * self.lists
         before = self.count[rows]
         after = before + counts
-        if bool((after > self.width).any()):
+        if np.count_nonzero(after > self.width):
             return False
         if len(flat) == len(values):  # one block each: one scatter
             self.ids[rows, before] = flat

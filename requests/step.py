@@ -471,7 +471,7 @@ def _continued(
             gather = TokenGather(rows * tokens.columns, np.arange(ctx_tokens, ctx_tokens + n))
             gathered = (rows, np.zeros(n, np.int64))
         else:
-            values = _token_table(tokens, t.limits)[:, 0][rows]
+            values = _row_tokens(tokens, rows, t.limits)
             _check_tokens(values, t.limits)
         _grow(t, blocks, undo)
         at = np.array(sorted(r for r in t.refilled if r < kept) + list(range(kept, n)), np.int64)
@@ -483,10 +483,11 @@ def _continued(
             # rows (which `rows` may view) change with the next finish
             slots = np.concatenate((ctx_slots, rows)) if ctx_slots else rows.copy()
             flight = FlightLists(kv, slots if kv.lists == 1 else slots * kv.lists)
-            if undo:  # the kept rows whose list grew
-                grown = t.row_of[[row // kv.lists for _, row, _ in undo]]
-                grown = grown[(grown >= 0) & (grown < kept)]
-        at_slots = rows[at]
+            if undo:  # the kept rows whose list grew (a step's few: one by one)
+                row_of, lists = t.row_of.item, kv.lists
+                grew = [r for r in (row_of(row // lists) for _, row, _ in undo) if 0 <= r < kept]
+                grown = np.array(grew, np.int64) if grew else _EMPTY
+        at_tokens = gen_tokens[at]
         prompts: list[np.ndarray] = [t.prompt_arrays[s] for s in ctx_slots]  # type: ignore[misc]
         longest = max(map(len, prompts), default=0)
         cont = Continue(
@@ -495,13 +496,15 @@ def _continued(
             ctx_begin=ctx_begin,
             ctx_chunk=ctx_chunk,
             ctx_prompts=prompts,
+            ctx_ends=ends,
+            rows=rows,
             tokens=values,
             seq_tokens=np.concatenate((ends, gen_tokens)) if ends else gen_tokens,
             kept=kept,
             at=at,
-            at_slots=at_slots,
-            at_prompt_len=t.prompt_len[at_slots],
-            at_tokens=gen_tokens[at],
+            at_prompt_len=t.prompt_len[rows[at]],
+            at_tokens=at_tokens,
+            at_past=at_tokens - 1,
             flight=flight,
             grown=grown,
         )
@@ -554,6 +557,18 @@ def _check_tokens(values: np.ndarray, L: Limits) -> None:
             f"step(): token {values[bad]} of a request in flight is outside 0 .. "
             f"{L.token_limit - 1} ({L.token_limit_text})"
         )
+
+
+def _row_tokens(tokens: Any, rows: np.ndarray, L: Limits) -> np.ndarray:
+    """The sampled token of each slot in `rows` (one beam each), not yet checked."""
+    if (
+        type(tokens) is np.ndarray
+        and tokens.ndim == 1
+        and tokens.dtype == np.int64
+        and len(tokens) >= L.max_batch_size
+    ):  # the common case: one column, indexed by slot
+        return tokens[rows]
+    return _token_table(tokens, L)[:, 0][rows]
 
 
 def _empty(tokens: Any) -> bool:

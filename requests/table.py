@@ -323,9 +323,12 @@ class RequestTable:
             self.pending = (slots, beams, None if one_beam else self.serial[slots])
         if in_place:  # the rows (and the promoted prompts), each one token longer
             assert plan.tokens is not None
-            rows = self.rows[: self.n_rows]
-            if plan.promoted:
-                rows = np.concatenate((rows, plan.promoted))
+            if plan.continued is not None:  # its rows, the promoted prompts included
+                rows = plan.continued.rows
+            else:
+                rows = self.rows[: self.n_rows]
+                if plan.promoted:
+                    rows = np.concatenate((rows, plan.promoted))
             self.generated[rows] += 1
             widths = self.beam_width[rows] if self.n_wide else None
             if plan.gathered is not None:

@@ -39,21 +39,23 @@ def continue_positions(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
     """Each chunk's positions; a generation row one more than the last step, or (written
     whole) its tokens - 1."""
     o = chunk_positions(out, g.ctx_begin, g.ctx_chunk)
-    return o + _plus_one(out[o:], prev[o:], g, g.at_tokens - 1)
+    return o + _plus_one(out[o:], prev[o:], g, g.at_past)
 
 
 def continue_sequence_lengths(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
     """A chunk's tokens through this step; a generation row one more than the last step, or
     its tokens."""
-    n_ctx = _context_ends(out, g)
+    n_ctx = len(g.ctx_ends)
+    out[:n_ctx] = g.ctx_ends
     return n_ctx + _plus_one(out[n_ctx:], prev[n_ctx:], g, g.at_tokens)
 
 
 def continue_past_key_value_lengths(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
     """A chunk's tokens through this step; a generation row one more than the last step, or
     its tokens - 1 (past_key_value_lengths' convention)."""
-    n_ctx = _context_ends(out, g)
-    return n_ctx + _plus_one(out[n_ctx:], prev[n_ctx:], g, g.at_tokens - 1)
+    n_ctx = len(g.ctx_ends)
+    out[:n_ctx] = g.ctx_ends
+    return n_ctx + _plus_one(out[n_ctx:], prev[n_ctx:], g, g.at_past)
 
 
 def continue_context_lengths(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
@@ -64,10 +66,13 @@ def continue_context_lengths(out: np.ndarray, prev: np.ndarray, g: Continue) -> 
 
 
 def continue_seq_slots(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
-    """Each request's seq slot, context requests first."""
+    """Each request's seq slot, context requests first: the generation rows are the step's
+    rows (``g.rows``), written whole."""
     n_ctx = len(g.ctx_slots)
     out[:n_ctx] = g.ctx_slots
-    return n_ctx + _kept(out[n_ctx:], prev[n_ctx:], g, g.at_slots)
+    n = n_ctx + len(g.rows)
+    out[n_ctx:n] = g.rows
+    return n
 
 
 def continue_request_types(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
@@ -87,12 +92,6 @@ def continue_last_token_ids(out: np.ndarray, prev: np.ndarray, g: Continue) -> i
     n_ctx, n = len(g.ctx_chunk), g.sizes.num_logits
     out[n_ctx:n] = np.arange(o + 1, o + 1 + n - n_ctx)
     return n
-
-
-def _context_ends(out: np.ndarray, g: Continue) -> int:
-    n_ctx = len(g.ctx_chunk)
-    out[:n_ctx] = [b + k for b, k in zip(g.ctx_begin, g.ctx_chunk)]
-    return n_ctx
 
 
 def _plus_one(out: np.ndarray, prev: np.ndarray, g: Continue, whole: np.ndarray) -> int:
@@ -118,8 +117,9 @@ def check_kv_continued(
     flight = g.flight
     assert flight is not None  # a family with a paged KV cache
     count = flight.blocks.count[flight.index]
-    short = (count * tokens_per_block < g.seq_tokens) & (count < max_blocks_per_seq)
-    if short.any():
+    below = count * tokens_per_block < g.seq_tokens  # short, unless the list fills the window
+    short = below & (count < max_blocks_per_seq) if np.count_nonzero(below) else None
+    if short is not None and np.count_nonzero(short):
         row = int(np.flatnonzero(short)[0])
         n_ctx = len(g.ctx_slots)
         kind = "context" if row < n_ctx else "generation"

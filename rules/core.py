@@ -590,7 +590,7 @@ def _check_flight_cover(d: Decode, flight: FlightLists, width: int, tpb: int) ->
     for k, table in enumerate(flight.per_window()):
         lengths = table.count[flight.index]
         below = lengths * tpb < d.seq_tokens
-        short = np.flatnonzero(below & (lengths < width)) if below.any() else below[:0]
+        short = np.flatnonzero(below & (lengths < width)) if np.count_nonzero(below) else below[:0]
         if short.size:
             b, seq = d.batch, int(short[0])
             req = int(b.seq_request[seq])

@@ -46,13 +46,15 @@ class Continue:
     ctx_begin: list[int]  # the first prompt token of its chunk
     ctx_chunk: list[int]  # the chunk's tokens
     ctx_prompts: list[np.ndarray]  # its prompt (int64)
+    ctx_ends: list[int]  # its prompt tokens through this step (begin + chunk)
+    rows: np.ndarray  # each generation row's seq slot
     tokens: np.ndarray  # each generation row's new input token, its last sampled one (checked)
     seq_tokens: np.ndarray  # every row's tokens after this step, the context rows first
     kept: int
     at: np.ndarray  # ascending
-    at_slots: np.ndarray  # the seq slot of each row in `at`
-    at_prompt_len: np.ndarray  # its prompt length
+    at_prompt_len: np.ndarray  # the prompt length of each row in `at`
     at_tokens: np.ndarray  # its tokens after this step
+    at_past: np.ndarray  # its tokens before this step (at_tokens - 1)
     flight: FlightLists | None  # every row's block list, the context rows first (paged KV)
     grown: np.ndarray  # the kept generation rows whose block list grew in this step
 
