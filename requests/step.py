@@ -105,9 +105,8 @@ def plan(
     step, whose generation rows can be continued in place (``Plan.continued``) by a step whose
     context rows have its layout. `on_device`: `tokens` is ``OnDevice``, a tensor on the
     buffers' device gathered there (``Plan.gather``)."""
-    _refuse_bad(
-        t,
-    )
+    if t.bad:
+        _refuse_bad(t)
     if (
         steady
         and generation
@@ -348,8 +347,11 @@ def _steady(
     L = t.limits
     rows = t.rows[: t.n_rows]
     widths = t.beam_width[rows] if t.n_wide else _EMPTY
+    values = None
     if on_device:
         k = tokens.columns
+    elif not t.n_wide:  # one beam each: the slots' first column
+        values, k = _row_tokens(tokens, rows, L), 1
     else:
         tok = _token_table(tokens, L)
         k = tok.shape[1]
@@ -360,7 +362,8 @@ def _steady(
         )
     gather, gathered = None, None
     if not on_device:
-        values = _sequence_values(tok, rows, widths, t.n_wide)
+        if values is None:
+            values = _sequence_values(tok, rows, widths, t.n_wide)
         _check_tokens(values, L)
     else:  # the host writes the last tokens it knows; the device then writes the new
         values = _sequence_values(t.last, rows, widths, t.n_wide)

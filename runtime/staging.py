@@ -91,9 +91,12 @@ class Target:
         """The last step's values, from the other half `prev` (unless this half already holds
         them: it was written two steps back in the same run of decode steps)."""
         n = prev.written[0]
-        if not holds_run:
-            self.out[:n] = prev.out[:n]
         w = self.written
+        if holds_run:
+            if w[0] == n and not self.repeat:  # a decode run: this half holds it, padded
+                return
+        else:
+            self.out[:n] = prev.out[:n]
         if self.repeat:
             self._repeat(n)
         elif self.pad is not None and w[0] > n:
@@ -105,7 +108,7 @@ def written_max(target: Target) -> int:
     """The largest element the last fill of `target` wrote (0 when it wrote none): what a step
     scalar's ``max_of(tensor)`` reads."""
     n = target.written[0]
-    return int(target.out[:n].max()) if n else 0
+    return int(np.maximum.reduce(target.out[:n])) if n else 0  # (no ndarray.max wrapper)
 
 
 def write_all(target: Target, value: int) -> None:
