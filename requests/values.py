@@ -56,14 +56,9 @@ def int_array(values: Any) -> np.ndarray | None:
         return None
     kind = a.dtype.kind
     if kind == "i":
-        # a bool reads as 0 or 1: the types are walked only where such a value is (token
-        # ids, block ids and positions are rarely that small, and the walk is most of the cost)
-        if (
-            a is not values
-            and a.size
-            and int(a.min()) <= 1
-            and not BOOLS.isdisjoint(frozenset(map(type, values)))
-        ):
+        # a bool reads as 0 or 1: only the values read as 0 or 1 are looked at (a llama
+        # prompt starts with token 1, BOS: walking all of its types would double the cost)
+        if a is not values and a.size and int(np.minimum.reduce(a)) <= 1 and _has_bool(values, a):
             return None
         return a.astype(np.int64, copy=False)
     if kind == "u":
@@ -71,6 +66,18 @@ def int_array(values: Any) -> np.ndarray | None:
     if not a.size:
         return np.zeros(0, np.int64)
     return None
+
+
+def _has_bool(values: Any, a: np.ndarray) -> bool:
+    """A bool among `values` (read by numpy as the int array `a`): among the elements that
+    read as 0 or 1, or, where those are many or `values` cannot be indexed, among all."""
+    small = np.flatnonzero(a <= 1)
+    if 4 * len(small) <= len(a):
+        try:
+            return any(type(values[i]) in BOOLS for i in small.tolist())
+        except (TypeError, KeyError, IndexError):  # not indexable as a sequence
+            pass
+    return not BOOLS.isdisjoint(frozenset(map(type, values)))
 
 
 def in_range(a: np.ndarray, low: int, high: int) -> bool:

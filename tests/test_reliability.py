@@ -42,6 +42,11 @@ BAD_ARRIVALS = {
         dict(kv_block_ids=[[3]], prompt=[True, 5]),
         r"request \(seq_slot 2\): prompt\[0\] must be an integer, got True",
     ),
+    "a bool in a long prompt that starts with token 1 (BOS)": (
+        "llama",
+        dict(kv_block_ids=[[3]], prompt=[1] + [7] * 40 + [False] + [9] * 20),
+        r"request \(seq_slot 2\): prompt\[41\] must be an integer, got False",
+    ),
     "a bool among the drafts": (
         "llama",
         dict(kv_block_ids=[[3]], draft_tokens=[4, True]),
