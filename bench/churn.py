@@ -285,8 +285,9 @@ def _time(fn, *args) -> float:
 def churn_case(buffers, floor, device: str, batch: int, changes: int, steps: int) -> dict:
     traffic = Traffic(batch, changes, seed=batch * 10 + changes)
     drivers = _drivers(device)
-    ours, low, ref, lean = [], [], [], []
+    ours, low, ref = [], [], []
     flight: list[list[float]] = [[] for _ in drivers]
+    lean: list[list[float]] = [[] for _ in drivers]
     where = f"B={batch}, {changes} changes"
     for i in range(steps + 3):
         ctx, gen = traffic.step()
@@ -296,9 +297,9 @@ def churn_case(buffers, floor, device: str, batch: int, changes: int, steps: int
         t_ref = _time(plain, ctx, gen, buffers.config, device) if i % 8 == 3 else None
         if i >= 3:  # warm-up
             ours.append(t_ours)
-            for times, (t, _) in zip(flight, t_flight):
+            for times, lean_times, (t, t_lean) in zip(flight, lean, t_flight):
                 times.append(t)
-            lean.append(t_flight[0][1])
+                lean_times.append(t_lean)
             low.append(t_low)
             if t_ref is not None:
                 ref.append(t_ref)
@@ -306,10 +307,13 @@ def churn_case(buffers, floor, device: str, batch: int, changes: int, steps: int
 
 
 def _drivers(device: str) -> list[InFlightDriver]:
-    """The in-flight drivers of a case: host tokens (with the lean step beside it), and on
-    CUDA tokens on the device."""
-    buffers = bench_buffers(device)
-    drivers = [InFlightDriver(buffers, lean=LeanLlama(buffers.config, device))]
+    """The in-flight drivers of a case: host tokens (with the lean step beside it), the same
+    with one staging half (double_buffered=False, with a lean step of its own beside it), and
+    on CUDA tokens on the device."""
+    drivers = [
+        InFlightDriver(buffers, lean=LeanLlama(buffers.config, device))
+        for buffers in (bench_buffers(device), bench_buffers(device, double_buffered=False))
+    ]
     if device.startswith("cuda"):
         drivers.append(InFlightDriver(bench_buffers(device), on_device=True))
     return drivers
@@ -346,13 +350,18 @@ def _drive(
     return t, t_lean
 
 
-def _with_flight(row: dict, flight: list[list[float]], lean: list[float]) -> dict:
+def _with_flight(row: dict, flight: list[list[float]], lean: list[list[float]]) -> dict:
     row["in_flight_us"] = statistics.median(flight[0])
     row["in_flight_vs_floor"] = row["in_flight_us"] / row["floor_us"]
-    row["lean_us"] = statistics.median(lean)
+    row["lean_us"] = statistics.median(lean[0])
     row["in_flight_vs_lean"] = row["in_flight_us"] / row["lean_us"]
-    if len(flight) > 1:
-        row["in_flight_device_us"] = statistics.median(flight[1])
+    row["in_flight_one_half_us"] = statistics.median(flight[1])
+    row["lean_beside_one_half_us"] = statistics.median(lean[1])
+    row["in_flight_one_half_vs_lean"] = (
+        row["in_flight_one_half_us"] / row["lean_beside_one_half_us"]
+    )
+    if len(flight) > 2:
+        row["in_flight_device_us"] = statistics.median(flight[2])
         row["in_flight_device_vs_floor"] = row["in_flight_device_us"] / row["floor_us"]
     return row
 
@@ -360,8 +369,9 @@ def _with_flight(row: dict, flight: list[list[float]], lean: list[float]) -> dic
 def steady_case(buffers, floor, device: str, batch: int, steps: int) -> dict:
     traffic = Traffic(batch, 0, seed=batch)
     drivers = _drivers(device)
-    ours, adv, low, ref, lean = [], [], [], [], []
+    ours, adv, low, ref = [], [], [], []
     flight: list[list[float]] = [[] for _ in drivers]
+    lean: list[list[float]] = [[] for _ in drivers]
     for i in range(steps + 3):
         ctx, gen = traffic.step()
         t_ours = _time(buffers.prepare_step, ctx, gen)
@@ -376,9 +386,9 @@ def steady_case(buffers, floor, device: str, batch: int, steps: int) -> dict:
             ours.append(t_ours)
             adv.append(t_adv)
             low.append(t_low)
-            for times, (t, _) in zip(flight, t_flight):
+            for times, lean_times, (t, t_lean) in zip(flight, lean, t_flight):
                 times.append(t)
-            lean.append(t_flight[0][1])
+                lean_times.append(t_lean)
             if t_ref is not None:
                 ref.append(t_ref)
     row = _with_flight(_row(ours, low, ref), flight, lean)
@@ -512,6 +522,13 @@ def main() -> None:
                 f"{r['floor_us']:9.1f} {r['in_flight_vs_floor']:9.2f}x {'':10} {'':9} "
                 f"{r['lean_us']:9.1f} {r['in_flight_vs_lean']:10.2f}x"
             )
+        if "in_flight_one_half_us" in r:
+            print(
+                f"{'  in flight, one staging half':34} {r['in_flight_one_half_us']:9.1f} "
+                f"{r['floor_us']:9.1f} {r['in_flight_one_half_us'] / r['floor_us']:9.2f}x "
+                f"{'':10} {'':9} {r['lean_beside_one_half_us']:9.1f} "
+                f"{r['in_flight_one_half_vs_lean']:10.2f}x"
+            )
         if "in_flight_device_us" in r:
             print(
                 f"{'  in flight, tokens on the device':34} {r['in_flight_device_us']:9.1f} "
@@ -521,8 +538,8 @@ def main() -> None:
             print(
                 f"{'  host-to-device bytes per step':34} "
                 + " / ".join(str(x) for x in r["in_flight_bytes_per_step"])
-                + " (in flight"
-                + (", tokens on the device)" if len(r["in_flight_bytes_per_step"]) > 1 else ")")
+                + " (in flight: two halves / one half"
+                + (" / tokens on the device)" if len(r["in_flight_bytes_per_step"]) > 2 else ")")
             )
     loaded = {}
     if args.busy:

@@ -75,8 +75,9 @@ def mixed() -> tuple[list, list]:
     return ctx, decode(248)[1]
 
 
-def bench_buffers(device: str) -> llama.RuntimeBuffers:
-    """The benchmarked configuration: a 7B-class Llama, up to 1024 requests and 8192 tokens."""
+def bench_buffers(device: str, double_buffered: bool = True) -> llama.RuntimeBuffers:
+    """The benchmarked configuration: a 7B-class Llama, up to 1024 requests and 8192 tokens
+    (`double_buffered`: the staging arena's two halves, the default)."""
     config = llama.Config(
         max_batch_size=1024,
         max_num_tokens=8192,
@@ -85,7 +86,7 @@ def bench_buffers(device: str) -> llama.RuntimeBuffers:
         max_attention_window=4096,
         tokens_per_block=64,
     )
-    return llama.RuntimeBuffers(config, device=device)
+    return llama.RuntimeBuffers(config, device=device, double_buffered=double_buffered)
 
 
 def plain(ctx, gen, config, device) -> int:

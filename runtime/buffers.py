@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -27,12 +26,12 @@ from ..errors import BatchError, ConfigError, FillCountError, RuleError
 from ..requests import step as request_step
 from ..requests.values import INT32_MAX, check_int
 from .bindings import bindings, prefix_layout, step_sizes
-from .decl import DEVICE, Mirror, Rule, Static, TensorDecl
+from .decl import Mirror, Static, TensorDecl
 from .guards import exclusive as _exclusive
 from .project import ProjectImpl, culprit
 from .staging import HALVES, DeviceStep, Targets
 from .step import NO_SCALARS, Step
-from .storage import allocate, records, static_values
+from .storage import allocate, check_allocatable, records, static_values
 from .tokens import Gather, tokens_on_device, tokens_on_host
 from .transfer import Transfer
 
@@ -62,12 +61,19 @@ class RuntimeBuffers:
         static_inputs: dict[str, Any] | None = None,
         *,
         device_tokens: bool | None = None,
+        double_buffered: bool = True,
     ) -> None:
         """Allocate every tensor of the family for `config` on `device` (staging in pinned
         memory on CUDA). `static_inputs` gives the values of the static tensors (tensor name
         -> array-like broadcastable to its capacity shape; see ``set_static``).
         `device_tokens`: ``step(tokens)`` with the tokens a tensor on `device` gathers them
-        there, without reading them on the host (default: on CUDA)."""
+        there, without reading them on the host (default: on CUDA).
+        `double_buffered` (default): each step writes the other half of the staging arena,
+        so the host may write a step while the last one's copy is in flight, and the last
+        step's host views keep their values meanwhile. False: one half, written in place (a
+        step first waits for the last copy; the last step's host views change with the next
+        step; a fill or device failure after the checks leaves the next step to be prepared
+        in full): half the memory, and only this step's changes to write."""
         if not isinstance(config, self.config_type):
             raise TypeError(
                 f"expected {self.config_type.__module__}.Config, got {type(config).__name__}"
@@ -79,13 +85,14 @@ class RuntimeBuffers:
         decls = [d for d in self.tensor_decls if d.when is None or d.when(c)]
         self.decls: dict[str, TensorDecl] = {d.name: d for d in decls}
         self._t = records(decls, c)  # one record per tensor: storage, targets, views
-        self._check_allocatable(decls)
+        check_allocatable(self._t, decls, self.device, double_buffered)
         self.limits = self._limits()
         if device_tokens is None:
             device_tokens = self.device.type == "cuda"
         sampled, mirror = self._sampled_tokens(decls) if device_tokens else (None, None)
         gather_rows = self.limits.max_batch_size * self.limits.max_beam_width
-        storage = allocate(self._t, c, self.device, gather_rows if mirror else 0)
+        storage = allocate(self._t, c, self.device, gather_rows if mirror else 0, double_buffered)
+        self.double_buffered = double_buffered
         self._staging = storage.staging
         self._targets = [
             Targets({t.name: t.targets[h] for t in self._t.values() if t.targets})
@@ -170,33 +177,6 @@ class RuntimeBuffers:
         raise NotImplementedError
 
     # ------------------------------------------------------------------------- helpers
-    def _check_allocatable(self, decls: list[TensorDecl]) -> None:
-        """A ConfigError with the bytes needed when the Config asks for more memory than the
-        machine has (instead of a failure deep inside torch, or an out-of-memory kill while
-        the pads are written)."""
-        device = sum(self._t[d.name].nbytes for d in decls if d.memory == DEVICE)
-        host = sum(
-            (HALVES if isinstance(d.fill, Rule) else 1) * self._t[d.name].nbytes
-            for d in decls
-            if d.memory != DEVICE
-        )
-        try:
-            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
-            physical = None
-        if self.device.type == "cuda":
-            total = torch.cuda.mem_get_info(self.device)[1]
-            needs = [("device", device, total), ("host", host, physical)]
-        else:
-            needs = [("host", device + host, physical)]
-        for where, nbytes, available in needs:
-            if available is not None and nbytes > available:
-                raise ConfigError(
-                    f"these buffers need {nbytes:,} bytes of {where} memory, more than the "
-                    f"{available:,} bytes the machine has; lower the Config's capacities "
-                    f"(`bufc report` shows each tensor's share)"
-                )
-
     def _rule_error(self, exc: Exception, where: str = "") -> RuleError | None:
         """The RuleError naming the spec's own implementation whose call by the generated
         step raised `exc` (None when bufc's own code raised it)."""
@@ -322,19 +302,21 @@ class RuntimeBuffers:
             else:
                 self._continue(targets, self._targets[self._half], checked)
                 decode = None  # advance() follows a full step
-        except FillCountError:  # a rule returned a bad count: the error names the rule
+        except FillCountError as exc:  # a rule returned a bad count: the error names it
             self._abandon_half(h)
-            raise
+            raise self._noted(exc) from None
         except Exception as exc:  # a fill raised although every check passed: a bug
             self._abandon_half(h)
             named = self._rule_error(exc)
             if named is not None:  # a project's fill raised: the error names it
-                raise named from exc
-            raise BatchError(
-                f"a fill failed after the checks passed ({type(exc).__name__}: {exc}); the "
-                "step was abandoned and the last step stays current (host buffers as they were; "
-                "a device tensor a fill copies request tensors into may be partly written). "
-                "Please report this batch."
+                raise self._noted(named) from exc
+            raise self._noted(
+                BatchError(
+                    f"a fill failed after the checks passed ({type(exc).__name__}: {exc}); the "
+                    "step was abandoned and the last step stays current (host buffers as they were; "
+                    "a device tensor a fill copies request tensors into may be partly written). "
+                    "Please report this batch."
+                )
             ) from exc
         self._to_device(h, lambda: self._io.copy(h, targets, gather))
         self._half = h
@@ -396,15 +378,17 @@ class RuntimeBuffers:
             self._advance(targets, self._targets[prev], advancing)
         except FillCountError as exc:  # an advance form returned a bad count: named
             self._abandon_half(h)
-            raise exc.in_advance() from None
+            raise self._noted(exc.in_advance()) from None
         except Exception as exc:  # a bug: the checks passed
             self._abandon_half(h)
             named = self._rule_error(exc)
             if named is not None:  # a project's advance form raised
-                raise named from exc
-            raise BatchError(
-                f"advance() failed after its checks passed ({type(exc).__name__}: {exc}); the "
-                "buffers are as they were after the last step. Please report this step."
+                raise self._noted(named) from exc
+            raise self._noted(
+                BatchError(
+                    f"advance() failed after its checks passed ({type(exc).__name__}: {exc}); the "
+                    "buffers are as they were after the last step. Please report this step."
+                )
             ) from exc
         if gather is not None and self.advances_on_device:
             # the tokens stay on the device: so does the step (the mirrors updated in place,
@@ -561,11 +545,26 @@ class RuntimeBuffers:
         """Half h was partly written by a step that failed: the current half stays the last
         step's, h holds no run any more, and every row of h is re-padded when it is next
         written (its high-water marks at capacity, no repeated tail known). Rule state is
-        rebuilt from the requests."""
+        rebuilt from the requests. Without double buffering h is the last step's half too: no
+        half holds a run and nothing continues from it (the next step is prepared in full)."""
         self._half_run[h] = None
         for name, target in vars(self._targets[h]).items():
             target.written[:] = [self._t[name].numel, None]
         self.state = self.state_type()
+        if not self.double_buffered:
+            self._half_run[:] = [None] * HALVES
+            self._decode = None
+
+    def _noted(self, error: BatchError) -> BatchError:
+        """A failure after the step started writing, as raised: without double buffering it
+        says what the one staging half lost."""
+        if not self.double_buffered:
+            error.add_note(
+                "with one staging half (double_buffered=False) the host buffers hold part of "
+                "the failed step; the device keeps the last step, and the next step is "
+                "prepared in full"
+            )
+        return error
 
     def _tokens_back(self) -> None:
         """The sampled tokens the last step gathered on the device are back on the host: the
@@ -583,14 +582,19 @@ class RuntimeBuffers:
         try:
             work()
         except Exception as exc:
-            self._io.restore(h, high_water)
+            if self.double_buffered:
+                self._io.restore(h, high_water)
+            else:  # no other half: the device is sent everything with the next step
+                self._io.forget()
             self._abandon_half(h)
             named = self._rule_error(exc, ", on the host and the device")
             if named is not None:  # a project's device advance form raised
-                raise named from exc
-            raise BatchError(
-                f"the step's device work failed ({type(exc).__name__}: {exc}); the step was "
-                "abandoned and the last step stays current, on the host and the device"
+                raise self._noted(named) from exc
+            raise self._noted(
+                BatchError(
+                    f"the step's device work failed ({type(exc).__name__}: {exc}); the step "
+                    "was abandoned and the last step stays current, on the host and the device"
+                )
             ) from exc
 
     def _step(self, s: Any) -> Step:
@@ -685,3 +689,5 @@ class RuntimeBuffers:
         self._capture(self._targets[self._half], s, self._scalars_now, int(max_sequence_length))
         self._decode = None  # the captured values no longer follow the tokens
         self._half_run[self._half] = None
+        if not self.double_buffered:  # the other half is this one
+            self._half_run[:] = [None] * HALVES

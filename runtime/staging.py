@@ -139,19 +139,29 @@ class Staging:
     """The double-buffered host staging arena and the device arena it is copied into.
 
     `layout` gives each member's (offset, bytes); members are laid out smallest first, so the
-    step's copy ends inside the last, largest one."""
+    step's copy ends inside the last, largest one. `double_buffered` False: both halves are
+    one host arena (and one event), written in place: a step waits for the last step's copy
+    before writing, as a single-arena implementation does, and touches half the memory."""
 
-    def __init__(self, nbytes: int, device: torch.device) -> None:
+    def __init__(self, nbytes: int, device: torch.device, double_buffered: bool = True) -> None:
         pin = device.type == "cuda"
         self.nbytes = nbytes
-        self.host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(HALVES)]
+        self.double_buffered = double_buffered
+        self.host = [
+            torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            for _ in range(HALVES if double_buffered else 1)
+        ]
+        self.host *= HALVES // len(self.host)
         self.device = torch.empty(nbytes, dtype=torch.uint8, device=device)
         # a CPU "device": the copy is a numpy memcpy on the calling thread (torch's copy_
         # hands a large copy to its intra-op thread pool, which stalls on a loaded host)
         self._numpy = (
             (self.device.numpy(), [a.numpy() for a in self.host]) if device.type == "cpu" else None
         )
-        self._done = [torch.cuda.Event() for _ in range(HALVES)] if pin else None
+        self._done: list[torch.cuda.Event] | None = None
+        if pin:  # one event per host arena
+            events = [torch.cuda.Event() for _ in range(HALVES if double_buffered else 1)]
+            self._done = events * (HALVES // len(events))
         self.bytes_up = 0  # copied host to device so far (the pads at the start not counted)
         self._streams: dict[tuple, torch.cuda.Stream] = {}  # by the current stream's identity
 

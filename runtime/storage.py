@@ -5,13 +5,16 @@ staging arena (smallest first, so the step's one copy can stop inside the last, 
 the gather indices of device tokens lead it), and gives every tensor its storage: a mirror its
 slice of the device arena, a staged host tensor one slice per half, a host tensor a rule fills
 one storage per half (so a step that fails half-way never touches the last step's values), a
-device tensor or a constant one storage. Every storage starts at its pad or constant value.
+device tensor or a constant one storage. Without double buffering both halves are one: each
+staged tensor has one slice and each rule tensor one storage. Every storage starts at its pad or
+constant value. ``check_allocatable`` refuses a Config the machine's memory cannot hold.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -84,10 +87,16 @@ def records(decls: list[TensorDecl], config: Any) -> dict[str, Stored]:
 
 
 def allocate(
-    tensors: dict[str, Stored], config: Any, device: torch.device, gather_rows: int
+    tensors: dict[str, Stored],
+    config: Any,
+    device: torch.device,
+    gather_rows: int,
+    double_buffered: bool = True,
 ) -> Storage:
     """Lay out the arena and give each record its storage, at its pad or constant value;
-    `gather_rows` > 0 reserves the gather indices of device tokens at the arena's start."""
+    `gather_rows` > 0 reserves the gather indices of device tokens at the arena's start.
+    Without `double_buffered`, each rule tensor has one storage (and one fill target) that
+    both halves name."""
     pin = device.type == "cuda"
     mirror_of = {t.decl.fill.source for t in tensors.values() if isinstance(t.decl.fill, Mirror)}
     sources = sorted((tensors[n] for n in mirror_of), key=lambda t: t.nbytes)
@@ -95,7 +104,8 @@ def allocate(
     for t in sources:
         t.offset = end
         end += -(-t.nbytes // ALIGN) * ALIGN
-    staging = Staging(end, device)
+    staging = Staging(end, device, double_buffered)
+    halves = HALVES if double_buffered else 1
     for t in tensors.values():
         d = t.decl
         if isinstance(d.fill, Mirror):  # same dtype and capacity as its source (generator)
@@ -103,13 +113,14 @@ def allocate(
             assert source.offset is not None
             flats = [staging.view(None, source.offset, t.nbytes, t.dtype)] * HALVES
         elif t.offset is not None:
-            flats = [staging.view(h, t.offset, t.nbytes, t.dtype) for h in range(HALVES)]
+            flats = [staging.view(h, t.offset, t.nbytes, t.dtype) for h in range(halves)]
+            flats *= HALVES // halves
         elif d.memory == DEVICE:
             flats = [torch.empty(t.numel, dtype=t.dtype, device=device)] * HALVES
         else:
             one = [
                 torch.empty(t.numel, dtype=t.dtype, pin_memory=pin and d.memory == PINNED)
-                for _ in range(HALVES if isinstance(d.fill, Rule) else 1)
+                for _ in range(halves if isinstance(d.fill, Rule) else 1)
             ]
             flats = one * (HALVES // len(one))
         held = isinstance(d.fill, (Constant, Static)) and d.fill.value is not None
@@ -123,7 +134,7 @@ def allocate(
     staging.start()  # mirrors start with their pads
     for t in tensors.values():
         if isinstance(t.decl.fill, Rule):
-            t.targets = _targets(t)
+            t.targets = _targets(t, double_buffered)
     return Storage(tensors, staging, sources, end)
 
 
@@ -141,13 +152,24 @@ def _listed(name: str, values: tuple[int, ...], numel: int, dtype: torch.dtype) 
     return torch.tensor(values, dtype=dtype)
 
 
-def _targets(t: Stored) -> tuple[Target, ...]:
+def _targets(t: Stored, double_buffered: bool = True) -> tuple[Target, ...]:
     """The fill target of rule tensor `t` in each half: host rules write numpy views of their
     storage, device rules the torch tensor (copies of request tensors, enqueued on the current
     stream). The elements the last fill of a storage wrote are counted per storage (shared by
-    the halves where the storage is), so rows past a shorter step are re-padded."""
+    the halves where the storage is), so rows past a shorter step are re-padded. Without
+    double buffering both halves have the one target (a rule's state keyed by its target, such
+    as the KV rows a half holds, then follows every step)."""
     d = t.decl
     shared = written()
+    if not double_buffered:
+        one = Target(
+            t.flat[0] if d.memory == DEVICE else t.flat[0].numpy(),
+            d.pad,
+            shared,
+            d.name,
+            d.fill.impl,  # type: ignore[union-attr]
+        )
+        return (one,) * HALVES
     return tuple(
         Target(
             t.flat[h] if d.memory == DEVICE else t.flat[h].numpy(),
@@ -187,3 +209,37 @@ def static_values(name: str, values: Any, dtype: torch.dtype) -> torch.Tensor:
             + (f" from {flat.min()} to {flat.max()}" if flat is not None else "")
         )
     return torch.as_tensor(flat.reshape(a.shape), dtype=dtype)
+
+
+def check_allocatable(
+    tensors: dict[str, Stored],
+    decls: list[TensorDecl],
+    device: torch.device,
+    double_buffered: bool = True,
+) -> None:
+    """A ConfigError with the bytes needed when the Config asks for more memory than the
+    machine has (instead of a failure deep inside torch, or an out-of-memory kill while
+    the pads are written)."""
+    halves = HALVES if double_buffered else 1
+    on_device = sum(tensors[d.name].nbytes for d in decls if d.memory == DEVICE)
+    host = sum(
+        (halves if isinstance(d.fill, Rule) else 1) * tensors[d.name].nbytes
+        for d in decls
+        if d.memory != DEVICE
+    )
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        physical = None
+    if device.type == "cuda":
+        total = torch.cuda.mem_get_info(device)[1]
+        needs = [("device", on_device, total), ("host", host, physical)]
+    else:
+        needs = [("host", on_device + host, physical)]
+    for where, nbytes, available in needs:
+        if available is not None and nbytes > available:
+            raise ConfigError(
+                f"these buffers need {nbytes:,} bytes of {where} memory, more than the "
+                f"{available:,} bytes the machine has; lower the Config's capacities "
+                f"(`bufc report` shows each tensor's share)"
+            )

@@ -156,6 +156,14 @@ class Transfer:
         if self.tokens is not None:
             self.tokens.sent = None  # the arena holds the last half's indices now
 
+    def forget(self) -> None:
+        """The device work of a step failed with no other half to restore from: the device
+        arena holds no known step, so the next copy sends the whole last member."""
+        if self.tokens is not None:
+            self.tokens.settle()
+            self.tokens.sent = None
+        self.high_water = self._last.numel if self._last is not None else 0
+
     def tokens_back(self) -> np.ndarray | None:
         """The values the last step gathered on the device, once they have landed (None if
         it gathered none)."""

@@ -55,10 +55,15 @@ def make_config(name: str, **overrides):
     return mod.Config(**{**{k: v for k, v in base.items() if k in fields}, **overrides})
 
 
-def make_buffers(name: str, device: str = "cpu", static_inputs=None, **overrides):
+def make_buffers(
+    name: str, device: str = "cpu", static_inputs=None, double_buffered: bool = True, **overrides
+):
     mod = family(name)
     return mod.RuntimeBuffers(
-        make_config(name, **overrides), device=device, static_inputs=static_inputs
+        make_config(name, **overrides),
+        device=device,
+        static_inputs=static_inputs,
+        double_buffered=double_buffered,
     )
 
 

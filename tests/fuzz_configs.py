@@ -62,9 +62,18 @@ def make_config(name: str, **overrides):
     return mod.Config(**{k: v for k, v in values.items() if k in fields})
 
 
-def make_buffers(name: str, device: str = "cpu", device_tokens: bool | None = None, **overrides):
+def make_buffers(
+    name: str,
+    device: str = "cpu",
+    device_tokens: bool | None = None,
+    double_buffered: bool = True,
+    **overrides,
+):
     return family(name).RuntimeBuffers(
-        make_config(name, **overrides), device=device, device_tokens=device_tokens
+        make_config(name, **overrides),
+        device=device,
+        device_tokens=device_tokens,
+        double_buffered=double_buffered,
     )
 
 

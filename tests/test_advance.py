@@ -38,17 +38,18 @@ def decode_case(draw):
     tokens = draw(
         st.lists(st.integers(0, BASE["vocab_size"] - 1), min_size=steps * 32, max_size=steps * 32)
     )
-    return name, reqs, steps, tokens
+    return name, reqs, steps, tokens, draw(st.booleans())
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(decode_case())
 def test_advance_equals_a_full_step(case):
-    name, reqs, steps, tokens = case
+    """With the staging arena double-buffered or not (one half, advanced in place)."""
+    name, reqs, steps, tokens, double_buffered = case
     for r in reqs:
         r.kv_block_ids = need_blocks(r)
     extra = {"tokens_per_block": TPB} if name == "llama" else {}
-    b = make_buffers(name, max_attention_window=512, **extra)
+    b = make_buffers(name, max_attention_window=512, double_buffered=double_buffered, **extra)
     kv = (b.config.max_blocks_per_seq, b.config.num_local_layers) if name == "llama" else None
     # two runs (a full step, then advances), the second in reverse order: neither half may
     # keep values of the first run that the second does not write

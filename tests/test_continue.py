@@ -31,7 +31,13 @@ FAMILIES = ("llama", "gpt", "gpt_outputs", "gpt_pp")
 EXTRA = {"gpt_outputs": dict(hidden_size=16), "gpt_pp": dict(hidden_size=16, pp_size=2, pp_rank=1)}
 
 
-def _pair(name: str, tokens_per_block: int, device_tokens: bool = False, device: str = "cpu"):
+def _pair(
+    name: str,
+    tokens_per_block: int,
+    device_tokens: bool = False,
+    device: str = "cpu",
+    double_buffered: bool = True,
+):
     kw = dict(
         max_batch_size=12,
         max_beam_width=1,
@@ -41,7 +47,9 @@ def _pair(name: str, tokens_per_block: int, device_tokens: bool = False, device:
     )
     if name == "llama":
         kw["max_attention_window"] = 32 * tokens_per_block  # sequences may fill the window
-    ours = make_buffers(name, device, device_tokens=device_tokens, **kw)
+    ours = make_buffers(
+        name, device, device_tokens=device_tokens, double_buffered=double_buffered, **kw
+    )
     full = make_buffers(name, device, device_tokens=False, **kw)
     full._continuing = False
     assert ours._continuing
@@ -97,12 +105,18 @@ def _same(ours, full, a, b, where, host: bool = True) -> None:
 
 
 def run_churn(
-    name: str, seed: int, steps: int = 30, device_tokens: bool = False, device: str = "cpu"
+    name: str,
+    seed: int,
+    steps: int = 30,
+    device_tokens: bool = False,
+    device: str = "cpu",
+    double_buffered: bool = True,
 ) -> int:
     """The churn through both buffers on `device` (`device_tokens`: ours takes the sampled
-    tokens as a tensor there, gathered there); returns the steps that continued in place."""
+    tokens as a tensor there, gathered there; `double_buffered` False: ours has one staging
+    half, written in place); returns the steps that continued in place."""
     rng = random.Random(seed)
-    ours, full = _pair(name, rng.choice((1, 2, 4)), device_tokens, device)
+    ours, full = _pair(name, rng.choice((1, 2, 4)), device_tokens, device, double_buffered)
     c = ours.config
     traffic = Churn(rng, c, paged=hasattr(c, "max_blocks_per_seq"))
     length, per_step = rng.randint(1, 6), rng.randint(1, 2)
@@ -172,6 +186,34 @@ def _recording(plans: list):
 @given(seed=st.integers(0, 2**32 - 1))
 def test_a_continued_step_equals_the_full_step(name: str, seed: int) -> None:
     run_churn(name, seed)
+
+
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    ],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("name", FAMILIES)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), device_tokens=st.booleans())
+def test_a_step_continued_in_one_staging_half_equals_the_full_step(
+    device: str, name: str, seed: int, device_tokens: bool
+) -> None:
+    """double_buffered=False: the continue forms overwrite the values they continue from (the
+    kept rows in place, the KV rows changed since the last step only); on CUDA each step waits
+    for the last one's copy and the tokens it copied back."""
+    run_churn(
+        name,
+        seed,
+        device_tokens=device_tokens and name == "llama",
+        device=device,
+        double_buffered=False,
+    )
 
 
 @pytest.mark.parametrize(

@@ -250,16 +250,27 @@ def _diff(a, b) -> list[str]:
 
 
 def run_traffic(
-    name: str, seed: int, steps: int = 40, device: str = "cpu", device_tokens: bool = False
+    name: str,
+    seed: int,
+    steps: int = 40,
+    device: str = "cpu",
+    device_tokens: bool = False,
+    double_buffered: bool = True,
 ) -> Counter:
     """Drive both paths (the requests in flight on `device`, with the sampled tokens as a
-    tensor there off the CPU, or with `device_tokens`, gathered there); returns what the
-    traffic exercised."""
+    tensor there off the CPU, or with `device_tokens`, gathered there; with one staging half
+    unless `double_buffered`); returns what the traffic exercised."""
     rng = random.Random(seed)
     name, _, beams = name.partition(":")
     overrides = {"max_beam_width": int(beams)} if beams else {}
     traffic = Traffic(name, rng, **overrides)
-    flight = make_buffers(name, device=device, device_tokens=device_tokens or None, **overrides)
+    flight = make_buffers(
+        name,
+        device=device,
+        device_tokens=device_tokens or None,
+        double_buffered=double_buffered,
+        **overrides,
+    )
     stateless = make_buffers(name, **overrides)
     seen: Counter = Counter()
     in_place = flight._advance_step
@@ -332,6 +343,18 @@ def run_traffic(
 @given(seed=st.integers(0, 2**32 - 1))
 def test_in_flight_equals_stateless_steps(name: str, seed: int) -> None:
     run_traffic(name, seed)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), device_tokens=st.booleans())
+def test_one_staging_half_in_flight_equals_stateless_steps(
+    name: str, seed: int, device_tokens: bool
+) -> None:
+    """double_buffered=False: every step written in place into the one staging half (the
+    continue, advance and KV forms read the values they overwrite) equals the stateless step,
+    with tokens on the host or gathered on the device."""
+    run_traffic(name, seed, device_tokens=device_tokens, double_buffered=False)
 
 
 @pytest.mark.parametrize("name", ("llama", "llama:1", "medusa", "mamba"))
