@@ -478,7 +478,8 @@ def _continued(
             _check_tokens(values, t.limits)
         _grow(t, blocks, undo)
         at = np.array(sorted(r for r in t.refilled if r < kept) + list(range(kept, n)), np.int64)
-        gen_tokens = t.prompt_len[rows] + t.generated[rows] + 1
+        gen_prompt_len = t.prompt_len[rows]
+        gen_tokens = gen_prompt_len + t.generated[rows] + 1
         flight, grown = None, _EMPTY
         kv = t.kv
         if kv is not None:
@@ -490,7 +491,6 @@ def _continued(
                 row_of, lists = t.row_of.item, kv.lists
                 grew = [r for r in (row_of(row // lists) for _, row, _ in undo) if 0 <= r < kept]
                 grown = np.array(grew, np.int64) if grew else _EMPTY
-        at_tokens = gen_tokens[at]
         prompts: list[np.ndarray] = [t.prompt_arrays[s] for s in ctx_slots]  # type: ignore[misc]
         longest = max(map(len, prompts), default=0)
         cont = Continue(
@@ -505,9 +505,7 @@ def _continued(
             seq_tokens=np.concatenate((ends, gen_tokens)) if ends else gen_tokens,
             kept=kept,
             at=at,
-            at_prompt_len=t.prompt_len[rows[at]],
-            at_tokens=at_tokens,
-            at_past=at_tokens - 1,
+            gen_prompt_len=gen_prompt_len,
             flight=flight,
             grown=grown,
         )

@@ -3,10 +3,12 @@ the last step's layout continues the last step's buffers in place (``decode.Cont
 
 A continue form writes the whole step into ``out`` (this step's buffer half) and returns the
 elements written, as the rule's fill would: the context rows from the step's few context
-requests, and the generation rows, which start where the last step's did, from ``prev`` (the
-last step's half): the kept rows one token longer, the rows ``g.at`` whole from their columns.
-One call per tensor and a constant number of numpy calls, whatever the batch size, beyond the
-rows that changed. A continue check runs before anything is written.
+requests, and the generation rows, which start where the last step's did. A per-sequence value
+is written whole from the columns the plan computed for every row anyway (its tokens after the
+step, its prompt length): one numpy call, as cheap as continuing it; the KV rows, [rows,
+K/V, max_blocks_per_seq], continue from ``prev`` (the last step's half), only the rows that
+changed rewritten. One call per tensor and a constant number of numpy calls, whatever the batch
+size, beyond the rows that changed. A continue check runs before anything is written.
 """
 
 from __future__ import annotations
@@ -36,33 +38,36 @@ def continue_tokens(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
 
 
 def continue_positions(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
-    """Each chunk's positions; a generation row one more than the last step, or (written
-    whole) its tokens - 1."""
+    """Each chunk's positions; a generation row's one position, its tokens before this step."""
     o = chunk_positions(out, g.ctx_begin, g.ctx_chunk)
-    return o + _plus_one(out[o:], prev[o:], g, g.at_past)
+    n = len(g.tokens)
+    np.subtract(g.seq_tokens[len(g.ctx_chunk) :], 1, out=out[o : o + n])
+    return o + n
 
 
 def continue_sequence_lengths(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
-    """A chunk's tokens through this step; a generation row one more than the last step, or
-    its tokens."""
-    n_ctx = len(g.ctx_ends)
-    out[:n_ctx] = g.ctx_ends
-    return n_ctx + _plus_one(out[n_ctx:], prev[n_ctx:], g, g.at_tokens)
+    """Each row's tokens after this step (a chunk's through it)."""
+    n = len(g.seq_tokens)
+    out[:n] = g.seq_tokens
+    return n
 
 
 def continue_past_key_value_lengths(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
-    """A chunk's tokens through this step; a generation row one more than the last step, or
-    its tokens - 1 (past_key_value_lengths' convention)."""
-    n_ctx = len(g.ctx_ends)
+    """A chunk's tokens through this step; a generation row's tokens before it (tokens - 1,
+    past_key_value_lengths' convention)."""
+    n, n_ctx = len(g.seq_tokens), len(g.ctx_ends)
     out[:n_ctx] = g.ctx_ends
-    return n_ctx + _plus_one(out[n_ctx:], prev[n_ctx:], g, g.at_past)
+    np.subtract(g.seq_tokens[n_ctx:], 1, out=out[n_ctx:n])
+    return n
 
 
 def continue_context_lengths(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
     """A chunk's tokens; a generation row its prompt length (no drafts)."""
     n_ctx = len(g.ctx_chunk)
     out[:n_ctx] = g.ctx_chunk
-    return n_ctx + _kept(out[n_ctx:], prev[n_ctx:], g, g.at_prompt_len)
+    n = n_ctx + len(g.gen_prompt_len)
+    out[n_ctx:n] = g.gen_prompt_len
+    return n
 
 
 def continue_seq_slots(out: np.ndarray, prev: np.ndarray, g: Continue) -> int:
@@ -92,20 +97,6 @@ def continue_last_token_ids(out: np.ndarray, prev: np.ndarray, g: Continue) -> i
     n_ctx, n = len(g.ctx_chunk), g.sizes.num_logits
     out[n_ctx:n] = np.arange(o + 1, o + 1 + n - n_ctx)
     return n
-
-
-def _plus_one(out: np.ndarray, prev: np.ndarray, g: Continue, whole: np.ndarray) -> int:
-    k = g.kept
-    np.add(prev[:k], 1, out=out[:k])
-    out[g.at] = whole
-    return len(g.tokens)
-
-
-def _kept(out: np.ndarray, prev: np.ndarray, g: Continue, whole: np.ndarray) -> int:
-    k = g.kept
-    out[:k] = prev[:k]
-    out[g.at] = whole
-    return len(g.tokens)
 
 
 def check_kv_continued(
@@ -170,7 +161,8 @@ def continue_kv(
             stale = np.concatenate((stale, np.arange(m, n)))
     else:
         o = n_ctx * stride
-        out[o : o + k * stride] = prev[o : o + k * stride]
+        if prev is not out:  # (with one staging half the kept rows are in place)
+            out[o : o + k * stride] = prev[o : o + k * stride]
         stale = np.concatenate((np.arange(n_ctx), g.at + n_ctx, g.grown + n_ctx))
     if len(stale):
         write_lists(rows, stale, blocks, index[stale], per_block)

@@ -39,7 +39,8 @@ class Continue:
     held the same requests in the last step and continue from its values (one token longer),
     except the rows ``at``, written whole from their columns: a row that a finish refilled
     with the last row's request, and every row from ``kept`` on (the prompts the last step
-    finished, which join the generation rows now)."""
+    finished, which join the generation rows now). Per-sequence values come whole from the
+    columns (``seq_tokens``, ``gen_prompt_len``); ``kept`` and ``at`` say which KV rows continue."""
 
     sizes: StepSizes  # the whole step's
     ctx_slots: list[int]  # each context request's seq slot
@@ -52,9 +53,7 @@ class Continue:
     seq_tokens: np.ndarray  # every row's tokens after this step, the context rows first
     kept: int
     at: np.ndarray  # ascending
-    at_prompt_len: np.ndarray  # the prompt length of each row in `at`
-    at_tokens: np.ndarray  # its tokens after this step
-    at_past: np.ndarray  # its tokens before this step (at_tokens - 1)
+    gen_prompt_len: np.ndarray  # each generation row's prompt length
     flight: FlightLists | None  # every row's block list, the context rows first (paged KV)
     grown: np.ndarray  # the kept generation rows whose block list grew in this step
 
