@@ -72,8 +72,8 @@ class RuntimeBuffers:
         so the host may write a step while the last one's copy is in flight, and the last
         step's host views keep their values meanwhile. False: one half, written in place (a
         step first waits for the last copy; the last step's host views change with the next
-        step; a fill or device failure after the checks leaves the next step to be prepared
-        in full): half the memory, and only this step's changes to write."""
+        step; after a fill or device failure past the checks, a bug, the next step is prepared
+        in full): half the host memory, and only this step's changes to write."""
         if not isinstance(config, self.config_type):
             raise TypeError(
                 f"expected {self.config_type.__module__}.Config, got {type(config).__name__}"
@@ -560,9 +560,8 @@ class RuntimeBuffers:
         says what the one staging half lost."""
         if not self.double_buffered:
             error.add_note(
-                "with one staging half (double_buffered=False) the host buffers hold part of "
-                "the failed step; the device keeps the last step, and the next step is "
-                "prepared in full"
+                "with one staging half (double_buffered=False) the last step's buffers hold "
+                "part of the failed step: the next step is prepared in full"
             )
         return error
 

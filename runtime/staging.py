@@ -89,7 +89,8 @@ class Target:
 
     def keep(self, prev: Target, holds_run: bool) -> None:
         """The last step's values, from the other half `prev` (unless this half already holds
-        them: it was written two steps back in the same run of decode steps)."""
+        them: it was written two steps back in the same run of decode steps, or `prev` is this
+        target, with one staging half)."""
         n = prev.written[0]
         w = self.written
         if holds_run:
@@ -146,7 +147,6 @@ class Staging:
     def __init__(self, nbytes: int, device: torch.device, double_buffered: bool = True) -> None:
         pin = device.type == "cuda"
         self.nbytes = nbytes
-        self.double_buffered = double_buffered
         self.host = [
             torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
             for _ in range(HALVES if double_buffered else 1)
