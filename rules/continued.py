@@ -136,10 +136,11 @@ def continue_kv(
 ) -> int:
     """[rows, K/V, max_blocks_per_seq] of one pool (the generator continues a family only
     with one), each row its list from the block table (K = id * 2 * layers, V = K + 1, 0 past
-    the list). The last step's rows are copied from `prev` and the rows that differ from them
-    rewritten (the context rows, the rows `g.at` and those whose list grew); past KEPT_COPY
-    elements, where this half holds rows a continued step wrote (two steps back), only the rows
-    whose list is another one or changed since are rewritten, without the copy."""
+    the list). The last step's rows are copied from `prev` (in place already with one staging
+    half) and the rows that differ from them rewritten (the context rows, the rows `g.at` and
+    those whose list grew); past KEPT_COPY elements, where this half holds rows a continued step
+    wrote (two steps back), only the rows whose list is another one or changed since are
+    rewritten, without the copy."""
     width, per_block = max_blocks_per_seq, 2 * kv_pool_layers[0]
     flight = g.flight
     assert flight is not None
@@ -152,7 +153,9 @@ def continue_kv(
     key = (id(out), 0)
     half = slots.halves.get(key)
     n_ctx, k = len(g.ctx_slots), g.kept
-    large = k * stride > KEPT_COPY  # this half keeps its layout for the comparison
+    # this half keeps its layout for the comparison (with one staging half the kept rows are
+    # the last step's, in place: no copy to save)
+    large = prev is not out and k * stride > KEPT_COPY
     version = blocks.version[index] if large else _EMPTY
     if large and half is not None and half.version is not None and half.out is out:
         m = min(n, len(half.index))
@@ -163,7 +166,8 @@ def continue_kv(
         o = n_ctx * stride
         if prev is not out:  # (with one staging half the kept rows are in place)
             out[o : o + k * stride] = prev[o : o + k * stride]
-        stale = np.concatenate((np.arange(n_ctx), g.at + n_ctx, g.grown + n_ctx))
+        stale = np.concatenate((np.arange(-n_ctx, 0), g.at, g.grown))
+        stale += n_ctx
     if len(stale):
         write_lists(rows, stale, blocks, index[stale], per_block)
     if large:

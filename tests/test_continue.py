@@ -352,13 +352,18 @@ def test_continued_steps_of_finishes_alone_equal_the_full_step() -> None:
         _same(ours, full, *steps, slot)
 
 
+@pytest.mark.parametrize("double_buffered", (True, False))
 @pytest.mark.parametrize("few", (0, 1000))
 @pytest.mark.parametrize("kept_copy", (0, 1 << 40))
-def test_the_kv_rows_by_comparison_or_by_copy_equal_the_full_step(monkeypatch, kept_copy, few):
+def test_the_kv_rows_by_comparison_or_by_copy_equal_the_full_step(
+    monkeypatch, kept_copy, few, double_buffered
+) -> None:
     """The KV form's two ways: the rows that differ from what the half holds found by
     comparison (past KEPT_COPY elements; here always), or the kept rows copied from the last
-    step's half (here always); V's zeros written row by row or at once (kv_rows.FEW_ROWS)."""
+    step's half (here always; with one staging half they are in place); V's zeros written row
+    by row or at once (kv_rows.FEW_ROWS)."""
     monkeypatch.setattr(continued, "KEPT_COPY", kept_copy)
     monkeypatch.setattr(kv_rows, "FEW_ROWS", few)
-    assert sum(run_churn("llama", seed) for seed in range(4)) >= 20
+    runs = [run_churn("llama", seed, double_buffered=double_buffered) for seed in range(4)]
+    assert sum(runs) >= 20
     test_continued_steps_of_finishes_alone_equal_the_full_step()
