@@ -64,8 +64,10 @@ class Plan:
     # each value it copies back (their state entries once they land)
     gather: TokenGather | None = None
     gathered: tuple[np.ndarray, np.ndarray] | None = None
-    # a step that continues the last one in place (no batch): what its continue forms write
+    # a step that continues the last one in place (no batch): what its continue forms write,
+    # and each of its generation rows' generated count after it (scattered at commit)
     continued: Continue | None = None
+    counts: np.ndarray | None = None
 
     def undo(self) -> None:
         """The step failed: the block lists and drafts it set are as they were."""
@@ -479,7 +481,8 @@ def _continued(
         _grow(t, blocks, undo)
         at = np.array(sorted(r for r in t.refilled if r < kept) + list(range(kept, n)), np.int64)
         gen_prompt_len = t.prompt_len[rows]
-        gen_tokens = gen_prompt_len + t.generated[rows] + 1
+        counts = t.generated[rows] + 1
+        gen_tokens = gen_prompt_len + counts
         flight, grown = None, _EMPTY
         kv = t.kv
         if kv is not None:
@@ -512,7 +515,9 @@ def _continued(
     except BaseException:
         _undo(undo, [])
         raise
-    return _in_place(t, values, undo, gather, gathered, cont, (positions, promoted, completing))
+    plan = _in_place(t, values, undo, gather, gathered, cont, (positions, promoted, completing))
+    plan.counts = counts
+    return plan
 
 
 def _context(
