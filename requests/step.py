@@ -401,10 +401,12 @@ def _in_place(
     gathered: tuple[np.ndarray, np.ndarray] | None,
     continued: Continue | None = None,
     context: tuple[list[tuple[int, int]], list[int], list[int]] = ([], [], []),
+    counts: np.ndarray | None = None,
 ) -> Plan:
     """The plan of a steady or continued step (no batch: the generation rows, each one token
     longer, take `values`; `context`: the prompt positions after the step, the prompts that
-    join the rows and those the step finishes)."""
+    join the rows and those the step finishes; `counts`: a continued step's generated count of
+    each of its rows after it)."""
     positions, promoted, completing = context
     return Plan(
         batch=None,
@@ -421,6 +423,7 @@ def _in_place(
         gather=gather,
         gathered=gathered,
         continued=continued,
+        counts=counts,
     )
 
 
@@ -515,9 +518,9 @@ def _continued(
     except BaseException:
         _undo(undo, [])
         raise
-    plan = _in_place(t, values, undo, gather, gathered, cont, (positions, promoted, completing))
-    plan.counts = counts
-    return plan
+    return _in_place(
+        t, values, undo, gather, gathered, cont, (positions, promoted, completing), counts
+    )
 
 
 def _context(

@@ -35,12 +35,13 @@ class Continue:
     requests and tokens), so every tensor's generation rows start where the last step's did,
     and a continue form writes the step from the last step's values.
 
-    Context rows (a step has few) are given as Python lists. Generation rows ``[0, kept)``
-    held the same requests in the last step and continue from its values (one token longer),
-    except the rows ``at``, written whole from their columns: a row that a finish refilled
-    with the last row's request, and every row from ``kept`` on (the prompts the last step
-    finished, which join the generation rows now). Per-sequence values come whole from the
-    columns (``seq_tokens``, ``gen_prompt_len``); ``kept`` and ``at`` say which KV rows continue."""
+    Context rows (a step has few) are given as Python lists, every generation row's values as
+    columns (``rows``, ``tokens``, ``seq_tokens``, ``gen_prompt_len``), which a form writes
+    whole. ``kept`` and ``at`` say which rows hold what they held in the last step, for a form
+    that continues rows rather than rewriting them (the KV rows): rows ``[0, kept)`` held the
+    same requests, except the rows ``at``: a row that a finish refilled with the last row's
+    request, and every row from ``kept`` on (the prompts the last step finished, which join
+    the generation rows now)."""
 
     sizes: StepSizes  # the whole step's
     ctx_slots: list[int]  # each context request's seq slot

@@ -161,16 +161,8 @@ def _targets(t: Stored, double_buffered: bool = True) -> tuple[Target, ...]:
     as the KV rows a half holds, then follows every step)."""
     d = t.decl
     shared = written()
-    if not double_buffered:
-        one = Target(
-            t.flat[0] if d.memory == DEVICE else t.flat[0].numpy(),
-            d.pad,
-            shared,
-            d.name,
-            d.fill.impl,  # type: ignore[union-attr]
-        )
-        return (one,) * HALVES
-    return tuple(
+    halves = HALVES if double_buffered else 1
+    targets = tuple(
         Target(
             t.flat[h] if d.memory == DEVICE else t.flat[h].numpy(),
             d.pad,
@@ -178,8 +170,9 @@ def _targets(t: Stored, double_buffered: bool = True) -> tuple[Target, ...]:
             d.name,
             d.fill.impl,  # type: ignore[union-attr]
         )
-        for h in range(HALVES)
+        for h in range(halves)
     )
+    return targets * (HALVES // halves)
 
 
 def static_values(name: str, values: Any, dtype: torch.dtype) -> torch.Tensor:
