@@ -64,10 +64,8 @@ class Plan:
     # each value it copies back (their state entries once they land)
     gather: TokenGather | None = None
     gathered: tuple[np.ndarray, np.ndarray] | None = None
-    # a step that continues the last one in place (no batch): what its continue forms write,
-    # and each of its generation rows' generated count after it (scattered at commit)
+    # a step that continues the last one in place (no batch): what its continue forms write
     continued: Continue | None = None
-    counts: np.ndarray | None = None
 
     def undo(self) -> None:
         """The step failed: the block lists and drafts it set are as they were."""
@@ -401,12 +399,10 @@ def _in_place(
     gathered: tuple[np.ndarray, np.ndarray] | None,
     continued: Continue | None = None,
     context: tuple[list[tuple[int, int]], list[int], list[int]] = ([], [], []),
-    counts: np.ndarray | None = None,
 ) -> Plan:
     """The plan of a steady or continued step (no batch: the generation rows, each one token
     longer, take `values`; `context`: the prompt positions after the step, the prompts that
-    join the rows and those the step finishes; `counts`: a continued step's generated count of
-    each of its rows after it)."""
+    join the rows and those the step finishes)."""
     positions, promoted, completing = context
     return Plan(
         batch=None,
@@ -423,7 +419,6 @@ def _in_place(
         gather=gather,
         gathered=gathered,
         continued=continued,
-        counts=counts,
     )
 
 
@@ -484,8 +479,7 @@ def _continued(
         _grow(t, blocks, undo)
         at = np.array(sorted(r for r in t.refilled if r < kept) + list(range(kept, n)), np.int64)
         gen_prompt_len = t.prompt_len[rows]
-        counts = t.generated[rows] + 1
-        gen_tokens = gen_prompt_len + counts
+        gen_tokens = gen_prompt_len + t.generated[rows] + 1
         flight, grown = None, _EMPTY
         kv = t.kv
         if kv is not None:
@@ -518,9 +512,7 @@ def _continued(
     except BaseException:
         _undo(undo, [])
         raise
-    return _in_place(
-        t, values, undo, gather, gathered, cont, (positions, promoted, completing), counts
-    )
+    return _in_place(t, values, undo, gather, gathered, cont, (positions, promoted, completing))
 
 
 def _context(

@@ -324,9 +324,11 @@ class RequestTable:
         if in_place:  # the rows (and the promoted prompts), each one token longer
             assert plan.tokens is not None
             if plan.continued is not None:  # its rows, the promoted prompts included
-                rows = plan.continued.rows
-                assert plan.counts is not None
-                self.generated[rows] = plan.counts  # (a scatter: cheaper than += on rows)
+                g = plan.continued
+                rows = g.rows
+                # each row's tokens after the step less its prompt, scattered (cheaper than +=
+                # on the rows' fancy index)
+                self.generated[rows] = g.seq_tokens[len(g.ctx_ends) :] - g.gen_prompt_len
             else:
                 rows = self.rows[: self.n_rows]
                 if plan.promoted:
