@@ -155,6 +155,61 @@ class _Slots:
         self.prefilling: dict[int, Job] = {}  # slots in their context phase, arrival order
 
 
+class _Arrivals:
+    """The jobs not yet admitted, taken in order, each from its arrival step on."""
+
+    def __init__(self, jobs: Iterable[Job]) -> None:
+        self.incoming: Iterator[Job] = iter(jobs)
+        self.ahead: deque[Job] = deque()
+        self.exhausted = False
+
+    def due(self, step: int) -> Job | None:
+        """The next job, if it has arrived by `step`."""
+        if not self.ahead and not self.exhausted:
+            nxt = next(self.incoming, None)
+            if nxt is None:
+                self.exhausted = True
+            else:
+                self.ahead.append(nxt)
+        if not self.ahead or self.ahead[0].arrival_step > step:
+            return None
+        return self.ahead.popleft()
+
+    @property
+    def done(self) -> bool:
+        return self.exhausted and not self.ahead
+
+
+def _advance(st: _Slots, decode: np.ndarray, chunks: dict[int, int]) -> tuple[int, list[int]]:
+    """The counts move on once a step is enqueued (its token values are read when they
+    land): each generation request one token longer, each chunk's prompt position on, a
+    prompt whose last chunk ran decodes from now on. Returns the context rows' KV tokens
+    after the step and the slots whose prompt completed."""
+    st.generated[decode] += 1
+    kv_tokens, completed = 0, []
+    for slot, n in chunks.items():
+        st.position[slot] += n
+        kv_tokens += int(st.position[slot])
+        if st.position[slot] == st.prompt_len[slot]:
+            del st.prefilling[slot]
+            st.generated[slot] = 1
+            st.decoding[slot] = True
+            completed.append(slot)
+    return kv_tokens, completed
+
+
+def _by_request(taken: list[tuple[np.ndarray, np.ndarray]]) -> dict[int, list[int]]:
+    """Each request's tokens in step order, from the (request ids, tokens) read per step."""
+    if not taken:
+        return {}
+    rids = np.concatenate([r for r, _ in taken])
+    values = np.concatenate([v for _, v in taken])
+    order = np.argsort(rids, kind="stable")
+    rids, values = rids[order], values[order]
+    cuts = np.flatnonzero(np.diff(rids)) + 1
+    return {int(r[0]): v.tolist() for r, v in zip(np.split(rids, cuts), np.split(values, cuts))}
+
+
 class Server:
     """FastLlama and its paged cache, served in flight through a feeder (module docstring)."""
 
@@ -211,8 +266,7 @@ class Server:
         `record` keeps them (`Served.tokens`)."""
         engine, feeder, device = self.engine, self.feeder, self.engine.device
         cuda = device.type == "cuda"
-        incoming: Iterator[Job] = iter(jobs)
-        ahead: deque[Job] = deque()
+        arrivals = _Arrivals(jobs)
         free = list(range(self.max_batch_size - 1, -1, -1))
         st = _Slots(self.max_batch_size)
         served = Served({}, [])
@@ -227,7 +281,6 @@ class Server:
         produced_last = False
         step_index = parity = 0
         last_loop = time.perf_counter()
-        exhausted = False
 
         def read(parity: int, slots: np.ndarray, rids: np.ndarray) -> None:
             event = landed[parity]
@@ -239,16 +292,8 @@ class Server:
         while max_steps is None or step_index < max_steps:
             t0 = time.perf_counter()
             arrived = 0
-            while free:  # admit what has arrived, while slots are free
-                if not ahead and not exhausted:
-                    nxt = next(incoming, None)
-                    if nxt is None:
-                        exhausted = True
-                    else:
-                        ahead.append(nxt)
-                if not ahead or ahead[0].arrival_step > step_index:
-                    break
-                job = ahead.popleft()
+            # admit what has arrived, while slots are free
+            while free and (job := arrivals.due(step_index)) is not None:
                 slot = free.pop()
                 st.prefilling[slot] = job
                 st.prompt_len[slot], st.position[slot] = len(job.prompt), 0
@@ -257,19 +302,11 @@ class Server:
                 arrived += 1
             decode = np.flatnonzero(st.decoding)
             if not st.prefilling and not len(decode):
-                if exhausted and not ahead:
+                if arrivals.done:
                     break
                 step_index += 1
                 continue
-            # the schedule: every generation request one token, prompts chunks of the rest
-            budget = self.token_budget - len(decode)
-            chunks: dict[int, int] = {}
-            for slot in st.prefilling:
-                n = min(int(st.prompt_len[slot] - st.position[slot]), self.chunk_size, budget)
-                if n <= 0:
-                    break
-                chunks[slot] = n
-                budget -= n
+            chunks = self._schedule(st, len(decode))
             lengths = st.prompt_len[decode] + st.generated[decode]  # KV after the step
             blocks = self._grow(st, decode, lengths, chunks)
             tokens = sampled if produced_last else None
@@ -298,31 +335,16 @@ class Server:
                 end.record()
                 events.append((start, end))
             # the counts move on now; the values are read when they land
-            kv_tokens = int(lengths.sum())
-            st.generated[decode] += 1
-            completed = []
-            for slot, n in chunks.items():
-                st.position[slot] += n
-                kv_tokens += int(st.position[slot])
-                if st.position[slot] == st.prompt_len[slot]:
-                    del st.prefilling[slot]
-                    st.generated[slot] = 1
-                    st.decoding[slot] = True
-                    completed.append(slot)
+            kv_context, completed = _advance(st, decode, chunks)
+            kv_tokens = int(lengths.sum()) + kv_context
             producers = (
                 np.concatenate((decode, completed)).astype(np.int64) if completed else decode
             )
             if unread is not None:  # the last step's tokens (model t runs meanwhile)
                 read(*unread)
             unread = (parity, producers, st.rid[producers])
-            done = producers[st.generated[producers] == st.max_new[producers]]
-            for slot in done.tolist():
-                st.decoding[slot] = False
-                feeder.finish(slot)
-                self.allocator.release(st.blocks[slot])
-                st.blocks[slot], st.held[slot] = [], 0
-                free.append(slot)
-            produced_last = len(done) < len(producers)
+            done = self._finish_done(st, producers, free)
+            produced_last = done < len(producers)
             now = time.perf_counter()
             rec = StepRecord(
                 len(chunks),
@@ -330,7 +352,7 @@ class Server:
                 n_tokens,
                 kv_tokens,
                 arrived,
-                len(done),
+                done,
                 graphed and self.graphs.enabled,
                 len(self.graphs.graphs) > captured_before,
                 t2 - t1,
@@ -344,17 +366,35 @@ class Server:
             step_index += 1
         if unread is not None:
             read(*unread)
-        if taken:
-            rids = np.concatenate([r for r, _ in taken])
-            values = np.concatenate([v for _, v in taken])
-            order = np.argsort(rids, kind="stable")  # each request's tokens in step order
-            rids, values = rids[order], values[order]
-            cuts = np.flatnonzero(np.diff(rids)) + 1
-            for r, v in zip(np.split(rids, cuts), np.split(values, cuts)):
-                served.tokens[int(r[0])] = v.tolist()
+        served.tokens.update(_by_request(taken))
         if events:
             served.gpu_s, served.idle_s = gpu_times(events)
         return served
+
+    def _finish_done(self, st: _Slots, producers: np.ndarray, free: list[int]) -> int:
+        """The requests that produced their last token in this step leave: their blocks and
+        slots are free at once. Returns how many left."""
+        done = producers[st.generated[producers] == st.max_new[producers]].tolist()
+        for slot in done:
+            st.decoding[slot] = False
+            self.feeder.finish(slot)
+            self.allocator.release(st.blocks[slot])
+            st.blocks[slot], st.held[slot] = [], 0
+            free.append(slot)
+        return len(done)
+
+    def _schedule(self, st: _Slots, n_decode: int) -> dict[int, int]:
+        """Every generation request one token, the waiting prompts (in arrival order) chunks
+        of what is left of the token budget."""
+        budget = self.token_budget - n_decode
+        chunks: dict[int, int] = {}
+        for slot in st.prefilling:
+            n = min(int(st.prompt_len[slot] - st.position[slot]), self.chunk_size, budget)
+            if n <= 0:
+                break
+            chunks[slot] = n
+            budget -= n
+        return chunks
 
     def _grow(
         self, st: _Slots, decode: np.ndarray, lengths: np.ndarray, chunks: dict[int, int]

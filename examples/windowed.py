@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
@@ -226,6 +227,78 @@ class Served:
     reused_slots: int
 
 
+def _grow(
+    active: dict[int, _Flight],
+    after: dict[int, int],
+    allocators: dict[int, BlockAllocator],
+    tokens_per_block: int,
+) -> dict[int, dict[int, list[int]]]:
+    """Every window's blocks cover each scheduled sequence's tokens after the step (`after`,
+    per slot): the blocks allocated, per slot and window."""
+    blocks: dict[int, dict[int, list[int]]] = {}
+    for slot, n in after.items():
+        need = -(-n // tokens_per_block)
+        for w, allocator in allocators.items():
+            held = active[slot].blocks[w]
+            if need > len(held):
+                new = allocator.allocate(need - len(held))
+                held += new
+                blocks.setdefault(slot, {})[w] = new
+    return blocks
+
+
+def _release_behind(
+    a: _Flight, sliding: Iterable[int], allocators: dict[int, BlockAllocator], tpb: int
+) -> None:
+    """The blocks that left each sliding window (before the next query's window) go back
+    to its allocator; their ids stay in the request's list."""
+    nxt = a.position + max(0, len(a.generated) - 1)  # the next query's position
+    for w in sliding:
+        gone = max(0, (nxt - w + 1) // tpb)
+        if gone > a.freed[w]:
+            allocators[w].release(a.blocks[w][a.freed[w] : gone])
+            a.freed[w] = gone
+
+
+def _kv_cache(
+    engine: PooledQwen2, flash: bool, config: Any, blocks_per_window: int
+) -> PooledKVCache | FlashKVCache:
+    """The KV storage the contract's engine reads: TensorRT-LLM's pools (one per window and
+    head count), or one FlashAttention cache of every layer ("flash")."""
+    tpb, heads, dim = config.tokens_per_block, engine.kv_heads, engine.head_dim
+    if not flash:
+        return PooledKVCache(
+            blocks_per_window, config.kv_pool_layers, tpb, heads, dim, torch.float64
+        )
+    return FlashKVCache(blocks_per_window, config.num_layers, tpb, heads, dim, torch.float64, "cpu")
+
+
+def _sample(
+    active: dict[int, _Flight],
+    rows: list[int],
+    chunks: dict[int, int],
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    served: Served,
+) -> list[int]:
+    """Each row's greedy token, but a middle chunk's (its prompt position moves on): kept as
+    the request's next input (`tokens[slot]`) and in `served`. Returns the slots sampled."""
+    producers = []
+    for row, slot in enumerate(rows):
+        a = active[slot]
+        if slot in chunks:
+            a.position += chunks[slot]
+            if a.position < len(a.job.prompt):
+                continue  # a middle chunk: its row is not sampled
+        token = int(logits[row].argmax())
+        tokens[slot] = token
+        producers.append(slot)
+        a.generated.append(token)
+        served.tokens[a.job.rid].append(token)
+        served.logits[a.job.rid].append(logits[row].clone())
+    return producers
+
+
 def serve(
     model: torch.nn.Module,
     jobs: Iterable[Job],
@@ -261,28 +334,10 @@ def serve(
     allocators = {w: BlockAllocator(blocks_per_window) for w in sizes}
     engine = PooledQwen2(model)
     flash = GroupedQwen2(model, windows, sizes) if contract == "flash" else None
-    cache: PooledKVCache | FlashKVCache
+    cache = _kv_cache(engine, flash is not None, config, blocks_per_window)
     if flash is None:
-        cache = PooledKVCache(
-            blocks_per_window,
-            config.kv_pool_layers,
-            tokens_per_block,
-            engine.kv_heads,
-            engine.head_dim,
-            torch.float64,
-        )
         statics = buffers.static_inputs
         windows_now = buffers.tensors["host_max_attention_window_sizes"]
-    else:
-        cache = FlashKVCache(
-            blocks_per_window,
-            len(windows),
-            tokens_per_block,
-            engine.kv_heads,
-            engine.head_dim,
-            torch.float64,
-            "cpu",
-        )
     pending = deque(sorted(jobs, key=lambda j: (j.arrival_step, j.rid)))
     waiting: deque[Job] = deque()
     active: dict[int, _Flight] = {}
@@ -309,58 +364,35 @@ def serve(
             step_index += 1
             produced = False
             continue
-        # every window's blocks cover each scheduled sequence's tokens after the step
-        blocks: dict[int, dict[int, list[int]]] = {}
         after = {a.slot: len(a.job.prompt) + len(a.generated) for a in generation}
         after.update((s, active[s].position + n) for s, n in chunks.items())
-        for slot, n in after.items():
-            need = -(-n // tokens_per_block)
-            for w in sizes:
-                held = active[slot].blocks[w]
-                if need > len(held):
-                    new = allocators[w].allocate(need - len(held))
-                    held += new
-                    blocks.setdefault(slot, {})[w] = new
+        blocks = _grow(active, after, allocators, tokens_per_block)
         for slot, n in chunks.items():
             begin = active[slot].position
             served.crossed += any(begin < w < begin + n for w in sizes[:-1])
         step = buffers.step(tokens if produced else None, chunks=chunks, blocks=blocks)
         inputs = dict(step.inputs)
+        if mutate is not None:
+            inputs = {k: v.clone() for k, v in inputs.items()}
         if flash is not None:
             if mutate is not None:
-                inputs = {k: v.clone() for k, v in inputs.items()}
                 mutate(inputs, {})
             logits = flash.forward(inputs, cache)  # type: ignore[arg-type]
         else:
-            mapping, sizes_now = statics["host_kv_cache_pool_mapping"], windows_now
+            fixed = {"mapping": statics["host_kv_cache_pool_mapping"], "windows": windows_now}
             if mutate is not None:
-                inputs = {k: v.clone() for k, v in inputs.items()}
-                fixed = {"mapping": mapping.clone(), "windows": sizes_now.clone()}
+                fixed = {k: v.clone() for k, v in fixed.items()}
                 mutate(inputs, fixed)
-                mapping, sizes_now = fixed["mapping"], fixed["windows"]
-            logits = engine.forward(inputs, mapping, sizes_now, cache)  # type: ignore[arg-type]
+            logits = engine.forward(
+                inputs,
+                fixed["mapping"],
+                fixed["windows"],
+                cache,  # type: ignore[arg-type]
+            )
         rows = buffers.tensors["host_seq_slots"][: step.sizes.num_requests].tolist()
-        producers = []
-        for row, slot in enumerate(rows):
-            a = active[slot]
-            if slot in chunks:
-                a.position += chunks[slot]
-                if a.position < len(a.job.prompt):
-                    continue  # a middle chunk: its row is not sampled
-            token = int(logits[row].argmax())
-            tokens[slot] = token
-            producers.append(slot)
-            a.generated.append(token)
-            served.tokens[a.job.rid].append(token)
-            served.logits[a.job.rid].append(logits[row].clone())
-        for slot in rows:  # blocks that left a sliding window go back to its allocator
-            a = active[slot]
-            nxt = a.position + max(0, len(a.generated) - 1)  # the next query's position
-            for w in sizes[:-1]:
-                gone = max(0, (nxt - w + 1) // tokens_per_block)  # blocks before its window
-                if gone > a.freed[w]:
-                    allocators[w].release(a.blocks[w][a.freed[w] : gone])
-                    a.freed[w] = gone
+        producers = _sample(active, rows, chunks, logits, tokens, served)
+        for slot in rows:
+            _release_behind(active[slot], sizes[:-1], allocators, tokens_per_block)
         for slot in rows:
             a = active[slot]
             if len(a.generated) == a.job.max_new_tokens:

@@ -21,34 +21,9 @@ def reference_step(
     kv: tuple[int, int] | None = None,
 ) -> dict:
     """`kv` = (max_blocks_per_seq, num_local_layers) for a paged-KV family."""
-    # ---- setBufferSizes
-    num_ctx = len(ctx)
-    ctx_logits = num_ctx
-    num_ctx_tokens = 0
-    max_context_length = 0
-    for r in ctx:
-        last_chunk = _begin(r) + _chunk(r) == len(r.prompt)
-        d = len(r.draft_tokens or ()) if last_chunk else 0
-        ctx_logits += d
-        num_ctx_tokens += _chunk(r) + d
-        max_context_length = max(max_context_length, len(r.prompt))
-    num_gen_seq = 0
-    num_gen_tokens = 0
-    for r in gen:
-        num_gen_seq += r.beam_width
-        num_gen_tokens += len(r.draft_tokens or ()) + r.beam_width
-    sizes = {
-        "num_context_requests": num_ctx,
-        "num_context_tokens": num_ctx_tokens,
-        "num_generation_requests": len(gen),
-        "num_generation_sequences": num_gen_seq,
-        "num_generation_tokens": num_gen_tokens,
-        "num_logits": ctx_logits + num_gen_tokens,
-        "num_sequences": num_ctx + num_gen_seq,
-        "num_tokens": num_ctx_tokens + num_gen_tokens,
-        "num_requests": num_ctx + len(gen),
-        "max_context_length": max_context_length,
-    }
+    sizes = _buffer_sizes(ctx, gen)
+    num_ctx, num_gen_seq = len(ctx), sizes["num_generation_sequences"]
+    max_context_length = sizes["max_context_length"]
 
     # ---- setFromInputs
     request_types = [0] * num_ctx + [1] * num_gen_seq
@@ -152,6 +127,37 @@ def reference_step(
     if kv is not None:
         out["kv_cache_block_offsets"] = [_kv_rows(ctx, gen, *kv)]
     return out
+
+
+def _buffer_sizes(ctx: list, gen: list) -> dict:
+    """setBufferSizes: the step's sizes, one request at a time."""
+    num_ctx = len(ctx)
+    ctx_logits = num_ctx
+    num_ctx_tokens = 0
+    max_context_length = 0
+    for r in ctx:
+        last_chunk = _begin(r) + _chunk(r) == len(r.prompt)
+        d = len(r.draft_tokens or ()) if last_chunk else 0
+        ctx_logits += d
+        num_ctx_tokens += _chunk(r) + d
+        max_context_length = max(max_context_length, len(r.prompt))
+    num_gen_seq = 0
+    num_gen_tokens = 0
+    for r in gen:
+        num_gen_seq += r.beam_width
+        num_gen_tokens += len(r.draft_tokens or ()) + r.beam_width
+    return {
+        "num_context_requests": num_ctx,
+        "num_context_tokens": num_ctx_tokens,
+        "num_generation_requests": len(gen),
+        "num_generation_sequences": num_gen_seq,
+        "num_generation_tokens": num_gen_tokens,
+        "num_logits": ctx_logits + num_gen_tokens,
+        "num_sequences": num_ctx + num_gen_seq,
+        "num_tokens": num_ctx_tokens + num_gen_tokens,
+        "num_requests": num_ctx + len(gen),
+        "max_context_length": max_context_length,
+    }
 
 
 def _kv_rows(ctx: list, gen: list, width: int, layers: int) -> list:
