@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
@@ -260,19 +259,6 @@ def _release_behind(
             a.freed[w] = gone
 
 
-def _kv_cache(
-    engine: PooledQwen2, flash: bool, config: Any, blocks_per_window: int
-) -> PooledKVCache | FlashKVCache:
-    """The KV storage the contract's engine reads: TensorRT-LLM's pools (one per window and
-    head count), or one FlashAttention cache of every layer ("flash")."""
-    tpb, heads, dim = config.tokens_per_block, engine.kv_heads, engine.head_dim
-    if not flash:
-        return PooledKVCache(
-            blocks_per_window, config.kv_pool_layers, tpb, heads, dim, torch.float64
-        )
-    return FlashKVCache(blocks_per_window, config.num_layers, tpb, heads, dim, torch.float64, "cpu")
-
-
 def _sample(
     active: dict[int, _Flight],
     rows: list[int],
@@ -334,10 +320,14 @@ def serve(
     allocators = {w: BlockAllocator(blocks_per_window) for w in sizes}
     engine = PooledQwen2(model)
     flash = GroupedQwen2(model, windows, sizes) if contract == "flash" else None
-    cache = _kv_cache(engine, flash is not None, config, blocks_per_window)
-    if flash is None:
+    per_block = (tokens_per_block, engine.kv_heads, engine.head_dim, torch.float64)
+    cache: PooledKVCache | FlashKVCache
+    if flash is None:  # TensorRT-LLM's pools: one per window and head count
+        cache = PooledKVCache(blocks_per_window, config.kv_pool_layers, *per_block)
         statics = buffers.static_inputs
         windows_now = buffers.tensors["host_max_attention_window_sizes"]
+    else:  # one FlashAttention cache of every layer
+        cache = FlashKVCache(blocks_per_window, config.num_layers, *per_block, "cpu")
     pending = deque(sorted(jobs, key=lambda j: (j.arrival_step, j.rid)))
     waiting: deque[Job] = deque()
     active: dict[int, _Flight] = {}
