@@ -64,6 +64,8 @@ class Config(rt.ConfigBase):
     """Attention window of each layer in tokens, in layer order, repeating when shorter than the layers; each distinct window has its own block lists and KV pools (empty, max_attention_window)."""
     sink_token_length: int = 0
     """Attention sink tokens kept at the start of the window."""
+    attention_layer_period: int = 1
+    """Every this-many-th layer is an attention layer (1 = all; RecurrentGemma 3)."""
     logits_dtype: torch.dtype = torch.float32
     """Dtype of the engine's logits output."""
     gather_context_logits: bool = False
@@ -82,10 +84,12 @@ class Config(rt.ConfigBase):
     """Layers held by this pipeline rank (the split is even)."""
     first_local_layer: int = dataclasses.field(init=False)
     """Global index of this rank's first layer."""
+    num_local_attention_layers: int = dataclasses.field(init=False)
+    """Attention layers on this rank (layer i is one when (i + 1) % attention_layer_period == 0)."""
     attention_window_sizes: tuple[int, ...] = dataclasses.field(init=False)
     """The distinct attention windows of this rank's layers, ascending; a request carries one set of block lists per window."""
     layer_windows: tuple[int, ...] = dataclasses.field(init=False)
-    """The attention window of each layer of this rank (host_max_attention_window_sizes)."""
+    """The attention window of each attention layer of this rank (host_max_attention_window_sizes)."""
     widest_attention_window: int = dataclasses.field(init=False)
     """The widest attention window of any layer."""
 
@@ -103,6 +107,7 @@ class Config(rt.ConfigBase):
         rt.check_int(self, 'max_attention_window', minimum=1, errors=errors)
         rt.check_ints(self, 'attention_windows', minimum=1, errors=errors)
         rt.check_int(self, 'sink_token_length', minimum=0, errors=errors)
+        rt.check_int(self, 'attention_layer_period', minimum=1, errors=errors)
         rt.check_dtype(self, 'logits_dtype', ('float16', 'bfloat16', 'float32', 'float64'), errors)
         rt.check_bool(self, 'gather_context_logits', errors)
         rt.check_bool(self, 'gather_generation_logits', errors)
@@ -113,8 +118,9 @@ class Config(rt.ConfigBase):
         object.__setattr__(self, 'max_num_logits', self.max_batch_size * max(1 + self.max_draft_tokens, self.max_beam_width))
         object.__setattr__(self, 'num_local_layers', self.num_layers // self.pp_size)
         object.__setattr__(self, 'first_local_layer', self.pp_rank * self.num_local_layers)
+        object.__setattr__(self, 'num_local_attention_layers', (self.first_local_layer + self.num_local_layers) // self.attention_layer_period - self.first_local_layer // self.attention_layer_period)
         object.__setattr__(self, 'attention_window_sizes', rt.derived(self, 'attention_window_sizes', pools.window_sizes(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'ints'))
-        object.__setattr__(self, 'layer_windows', rt.derived(self, 'layer_windows', pools.layer_windows(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'ints'))
+        object.__setattr__(self, 'layer_windows', rt.derived(self, 'layer_windows', pools.layer_windows(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers, attention_layer_period=self.attention_layer_period), 'ints'))
         object.__setattr__(self, 'widest_attention_window', rt.derived(self, 'widest_attention_window', pools.widest_window(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window), 'int'))
         rt.require(
             self,
@@ -123,6 +129,7 @@ class Config(rt.ConfigBase):
             (lambda: self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml: num_layers % pp_size == 0)'),
             (lambda: self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml: sink_token_length <= max_attention_window)'),
             (lambda: self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml: pp_size == 1)'),
+            (lambda: self.attention_layer_period == 1, 'only a recurrent family has layers without attention; leave attention_layer_period at 1 (buffers.yaml: attention_layer_period == 1)'),
             (lambda: self.widest_attention_window <= self.max_attention_window, "every attention window must be at most max_attention_window, the block table's capacity (buffers.yaml: widest_attention_window <= max_attention_window)"),
             (lambda: self.max_beam_width == 1 or len(self.attention_window_sizes) == 1, "layers with different attention windows need beam width 1 (TensorRT-LLM's detachFrontBlock) (buffers.yaml: max_beam_width == 1 or len(attention_window_sizes) == 1)"),
         )
@@ -389,13 +396,13 @@ TENSORS = (
         when=lambda c: c.max_beam_width > 1,
         inputs=(rt.Bind('host_beam_widths'),),
     ),
-    # Attention window of each layer on this pipeline rank.
+    # Attention window of each attention layer on this pipeline rank.
     rt.TensorDecl(
         'host_max_attention_window_sizes',
         dtype=torch.int32,
         memory=rt.HOST,
-        capacity=lambda c: (c.num_local_layers,),
-        shape=lambda c, s: (c.num_local_layers,),
+        capacity=lambda c: (c.num_local_attention_layers,),
+        shape=lambda c, s: (c.num_local_attention_layers,),
         fill=rt.Constant(lambda c: c.layer_windows),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),

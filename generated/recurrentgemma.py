@@ -96,13 +96,17 @@ class Config(rt.ConfigBase):
     max_blocks_per_seq: int = dataclasses.field(init=False)
     """KV-cache blocks one sequence can hold (its attention window, in blocks)."""
     num_kv_pools: int = dataclasses.field(init=False)
-    """KV-cache pools of this rank: one per distinct (window, KV heads) of its layers, window ascending, then heads (TensorRT-LLM's numPools)."""
+    """KV-cache pools of this rank: one per distinct (window, KV heads) of its attention layers, window ascending, then heads (TensorRT-LLM's numPools)."""
     kv_pool_layers: tuple[int, ...] = dataclasses.field(init=False)
-    """This rank's layers in each KV pool, what a block id of that pool is encoded with."""
+    """This rank's attention layers in each KV pool, what a block id of that pool is encoded with (a hybrid model's recurrent layers hold no KV)."""
+    kv_pool_mapping: tuple[int, ...] = dataclasses.field(init=False)
+    """(pool, layer index in the pool) of each attention layer of this rank, flat (host_kv_cache_pool_mapping)."""
     kv_pool_windows: tuple[int, ...] = dataclasses.field(init=False)
     """The window of each KV pool, as its index in attention_window_sizes (the block lists its ids come from)."""
     attention_window_sizes: tuple[int, ...] = dataclasses.field(init=False)
     """The distinct attention windows of this rank's layers, ascending; a request carries one set of block lists per window."""
+    layer_windows: tuple[int, ...] = dataclasses.field(init=False)
+    """The attention window of each attention layer of this rank (host_max_attention_window_sizes)."""
     widest_attention_window: int = dataclasses.field(init=False)
     """The widest attention window of any layer."""
 
@@ -136,10 +140,12 @@ class Config(rt.ConfigBase):
         object.__setattr__(self, 'first_local_layer', self.pp_rank * self.num_local_layers)
         object.__setattr__(self, 'num_local_attention_layers', (self.first_local_layer + self.num_local_layers) // self.attention_layer_period - self.first_local_layer // self.attention_layer_period)
         object.__setattr__(self, 'max_blocks_per_seq', rt.cdiv(self.max_attention_window, self.tokens_per_block))
-        object.__setattr__(self, 'num_kv_pools', rt.derived(self, 'num_kv_pools', pools.num_kv_pools(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'int'))
-        object.__setattr__(self, 'kv_pool_layers', rt.derived(self, 'kv_pool_layers', pools.kv_pool_layers(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'ints'))
-        object.__setattr__(self, 'kv_pool_windows', rt.derived(self, 'kv_pool_windows', pools.kv_pool_windows(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'ints'))
+        object.__setattr__(self, 'num_kv_pools', rt.derived(self, 'num_kv_pools', pools.num_kv_pools(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers, attention_layer_period=self.attention_layer_period), 'int'))
+        object.__setattr__(self, 'kv_pool_layers', rt.derived(self, 'kv_pool_layers', pools.kv_pool_layers(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers, attention_layer_period=self.attention_layer_period), 'ints'))
+        object.__setattr__(self, 'kv_pool_mapping', rt.derived(self, 'kv_pool_mapping', pools.kv_pool_mapping(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers, attention_layer_period=self.attention_layer_period), 'ints'))
+        object.__setattr__(self, 'kv_pool_windows', rt.derived(self, 'kv_pool_windows', pools.kv_pool_windows(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers, attention_layer_period=self.attention_layer_period), 'ints'))
         object.__setattr__(self, 'attention_window_sizes', rt.derived(self, 'attention_window_sizes', pools.window_sizes(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'ints'))
+        object.__setattr__(self, 'layer_windows', rt.derived(self, 'layer_windows', pools.layer_windows(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers, attention_layer_period=self.attention_layer_period), 'ints'))
         object.__setattr__(self, 'widest_attention_window', rt.derived(self, 'widest_attention_window', pools.widest_window(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window), 'int'))
         rt.require(
             self,
@@ -151,6 +157,7 @@ class Config(rt.ConfigBase):
             (lambda: self.max_beam_width == 1, 'recurrent state is kept per slot, so beam search is not supported (beam width 1) (buffers.yaml: max_beam_width == 1)'),
             (lambda: self.max_draft_tokens == 0, 'recurrent state cannot roll back rejected draft tokens (max_draft_tokens 0) (buffers.yaml: max_draft_tokens == 0)'),
             (lambda: len(self.kv_heads_per_layer) == 0 and len(self.attention_windows) == 0, 'the attention layers of a recurrent model share one KV pool; leave kv_heads_per_layer and attention_windows empty (buffers.yaml: len(kv_heads_per_layer) == 0 and len(attention_windows) == 0)'),
+            (lambda: self.num_local_attention_layers >= 1, 'this rank has no attention layer, so no KV cache; every rank needs at least one (layer g is one when (g + 1) % attention_layer_period == 0) (buffers.yaml: num_local_attention_layers >= 1)'),
             (lambda: self.widest_attention_window <= self.max_attention_window, "every attention window must be at most max_attention_window, the block table's capacity (buffers.yaml: widest_attention_window <= max_attention_window)"),
             (lambda: self.max_beam_width == 1 or len(self.attention_window_sizes) == 1, "layers with different attention windows need beam width 1 (TensorRT-LLM's detachFrontBlock) (buffers.yaml: max_beam_width == 1 or len(attention_window_sizes) == 1)"),
         )
@@ -386,14 +393,14 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_pointers'),),
     ),
-    # Static: (pool, layer in pool) of each attention layer of this rank (recurrent models).
+    # Static: (pool, layer in pool) of each attention layer of this rank (as kv_heads_per_layer and attention_windows lay the pools out, unless set).
     rt.TensorDecl(
-        'host_hybrid_kv_cache_pool_mapping',
+        'host_kv_cache_pool_mapping',
         dtype=torch.int32,
         memory=rt.HOST,
         capacity=lambda c: (c.num_local_attention_layers, 2),
         shape=lambda c, s: (c.num_local_attention_layers, 2),
-        fill=rt.STATIC,
+        fill=rt.Static(lambda c: c.kv_pool_mapping),
         inputs=(rt.Bind('host_kv_cache_pool_mapping'),),
     ),
     # Beam of each past token of each beam, written by the decoder ([batch, step beam width, window]).
@@ -406,14 +413,14 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('cache_indirection'),),
     ),
-    # Attention window of each attention layer on this pipeline rank (recurrent models).
+    # Attention window of each attention layer on this pipeline rank.
     rt.TensorDecl(
-        'host_hybrid_max_attention_window_sizes',
+        'host_max_attention_window_sizes',
         dtype=torch.int32,
         memory=rt.HOST,
         capacity=lambda c: (c.num_local_attention_layers,),
         shape=lambda c, s: (c.num_local_attention_layers,),
-        fill=rt.Constant(lambda c: c.max_attention_window),
+        fill=rt.Constant(lambda c: c.layer_windows),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),
     # Attention sink tokens.
@@ -574,6 +581,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             vocab_size=c.vocab_size,
             max_blocks_per_seq=c.max_blocks_per_seq,
             num_local_layers=c.num_local_layers,
+            kv_pool_layers=c.kv_pool_layers,
             num_kv_blocks=c.num_kv_blocks,
             attention_window_sizes=c.attention_window_sizes,
             encoder_only=False,
@@ -687,8 +695,6 @@ class RuntimeBuffers(rt.RuntimeBuffers):
                 state.kv_blocks,
                 max_blocks_per_seq=c.max_blocks_per_seq,
                 tokens_per_block=c.tokens_per_block,
-                num_local_layers=c.num_local_layers,
-                num_kv_blocks=c.num_kv_blocks,
                 kv_pool_layers=c.kv_pool_layers,
             ),
         )

@@ -70,6 +70,8 @@ class Config(rt.ConfigBase):
     """KV heads of each layer, in layer order, repeating when shorter than the layers; each distinct count is a KV pool of its own (empty, one pool)."""
     sink_token_length: int = 0
     """Attention sink tokens kept at the start of the window."""
+    attention_layer_period: int = 1
+    """Every this-many-th layer is an attention layer (1 = all; RecurrentGemma 3)."""
     model_dtype: torch.dtype = torch.float16
     """Activation dtype of the model (hidden states, embedding tables, encoder output)."""
     logits_dtype: torch.dtype = torch.float32
@@ -79,7 +81,7 @@ class Config(rt.ConfigBase):
     gather_generation_logits: bool = False
     """Keep generation logits in an 8-step ring on the device for the requests to read."""
     num_draft_paths: int
-    """Draft paths per request (ReDrafter beams, Eagle paths)."""
+    """Draft paths per request (ReDrafter beams; Eagle has max_decoding_tokens paths)."""
     max_draft_path_len: int
     """Draft tokens of the longest draft path (Eagle layers)."""
     world_size: int = dataclasses.field(init=False)
@@ -96,20 +98,22 @@ class Config(rt.ConfigBase):
     """Layers held by this pipeline rank (the split is even)."""
     first_local_layer: int = dataclasses.field(init=False)
     """Global index of this rank's first layer."""
+    num_local_attention_layers: int = dataclasses.field(init=False)
+    """Attention layers on this rank (layer i is one when (i + 1) % attention_layer_period == 0)."""
     max_blocks_per_seq: int = dataclasses.field(init=False)
     """KV-cache blocks one sequence can hold (its attention window, in blocks)."""
     num_kv_pools: int = dataclasses.field(init=False)
-    """KV-cache pools of this rank: one per distinct (window, KV heads) of its layers, window ascending, then heads (TensorRT-LLM's numPools)."""
+    """KV-cache pools of this rank: one per distinct (window, KV heads) of its attention layers, window ascending, then heads (TensorRT-LLM's numPools)."""
     kv_pool_layers: tuple[int, ...] = dataclasses.field(init=False)
-    """This rank's layers in each KV pool, what a block id of that pool is encoded with."""
+    """This rank's attention layers in each KV pool, what a block id of that pool is encoded with (a hybrid model's recurrent layers hold no KV)."""
     kv_pool_mapping: tuple[int, ...] = dataclasses.field(init=False)
-    """(pool, layer index in the pool) of each layer of this rank, flat (host_kv_cache_pool_mapping)."""
+    """(pool, layer index in the pool) of each attention layer of this rank, flat (host_kv_cache_pool_mapping)."""
     kv_pool_windows: tuple[int, ...] = dataclasses.field(init=False)
     """The window of each KV pool, as its index in attention_window_sizes (the block lists its ids come from)."""
     attention_window_sizes: tuple[int, ...] = dataclasses.field(init=False)
     """The distinct attention windows of this rank's layers, ascending; a request carries one set of block lists per window."""
     layer_windows: tuple[int, ...] = dataclasses.field(init=False)
-    """The attention window of each layer of this rank (host_max_attention_window_sizes)."""
+    """The attention window of each attention layer of this rank (host_max_attention_window_sizes)."""
     widest_attention_window: int = dataclasses.field(init=False)
     """The widest attention window of any layer."""
     spec_mask_words: int = dataclasses.field(init=False)
@@ -132,6 +136,7 @@ class Config(rt.ConfigBase):
         rt.check_ints(self, 'attention_windows', minimum=1, errors=errors)
         rt.check_ints(self, 'kv_heads_per_layer', minimum=1, errors=errors)
         rt.check_int(self, 'sink_token_length', minimum=0, errors=errors)
+        rt.check_int(self, 'attention_layer_period', minimum=1, errors=errors)
         rt.check_dtype(self, 'model_dtype', ('float16', 'bfloat16', 'float32', 'float64'), errors)
         rt.check_dtype(self, 'logits_dtype', ('float16', 'bfloat16', 'float32', 'float64'), errors)
         rt.check_bool(self, 'gather_context_logits', errors)
@@ -146,13 +151,14 @@ class Config(rt.ConfigBase):
         object.__setattr__(self, 'max_decoding_tokens', self.max_draft_tokens + 1)
         object.__setattr__(self, 'num_local_layers', self.num_layers // self.pp_size)
         object.__setattr__(self, 'first_local_layer', self.pp_rank * self.num_local_layers)
+        object.__setattr__(self, 'num_local_attention_layers', (self.first_local_layer + self.num_local_layers) // self.attention_layer_period - self.first_local_layer // self.attention_layer_period)
         object.__setattr__(self, 'max_blocks_per_seq', rt.cdiv(self.max_attention_window, self.tokens_per_block))
-        object.__setattr__(self, 'num_kv_pools', rt.derived(self, 'num_kv_pools', pools.num_kv_pools(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'int'))
-        object.__setattr__(self, 'kv_pool_layers', rt.derived(self, 'kv_pool_layers', pools.kv_pool_layers(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'ints'))
-        object.__setattr__(self, 'kv_pool_mapping', rt.derived(self, 'kv_pool_mapping', pools.kv_pool_mapping(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'ints'))
-        object.__setattr__(self, 'kv_pool_windows', rt.derived(self, 'kv_pool_windows', pools.kv_pool_windows(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'ints'))
+        object.__setattr__(self, 'num_kv_pools', rt.derived(self, 'num_kv_pools', pools.num_kv_pools(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers, attention_layer_period=self.attention_layer_period), 'int'))
+        object.__setattr__(self, 'kv_pool_layers', rt.derived(self, 'kv_pool_layers', pools.kv_pool_layers(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers, attention_layer_period=self.attention_layer_period), 'ints'))
+        object.__setattr__(self, 'kv_pool_mapping', rt.derived(self, 'kv_pool_mapping', pools.kv_pool_mapping(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers, attention_layer_period=self.attention_layer_period), 'ints'))
+        object.__setattr__(self, 'kv_pool_windows', rt.derived(self, 'kv_pool_windows', pools.kv_pool_windows(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, kv_heads_per_layer=self.kv_heads_per_layer, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers, attention_layer_period=self.attention_layer_period), 'ints'))
         object.__setattr__(self, 'attention_window_sizes', rt.derived(self, 'attention_window_sizes', pools.window_sizes(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'ints'))
-        object.__setattr__(self, 'layer_windows', rt.derived(self, 'layer_windows', pools.layer_windows(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers), 'ints'))
+        object.__setattr__(self, 'layer_windows', rt.derived(self, 'layer_windows', pools.layer_windows(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window, first_local_layer=self.first_local_layer, num_local_layers=self.num_local_layers, attention_layer_period=self.attention_layer_period), 'ints'))
         object.__setattr__(self, 'widest_attention_window', rt.derived(self, 'widest_attention_window', pools.widest_window(attention_windows=self.attention_windows, max_attention_window=self.max_attention_window), 'int'))
         object.__setattr__(self, 'spec_mask_words', rt.cdiv(self.max_decoding_tokens, 32))
         rt.require(
@@ -163,6 +169,7 @@ class Config(rt.ConfigBase):
             (lambda: self.sink_token_length <= self.max_attention_window, 'sink_token_length cannot exceed max_attention_window (buffers.yaml: sink_token_length <= max_attention_window)'),
             (lambda: self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml: pp_size == 1)'),
             (lambda: self.max_beam_width == 1, 'speculative decoding needs max_beam_width 1 (buffers.yaml: max_beam_width == 1)'),
+            (lambda: self.attention_layer_period == 1, 'only a recurrent family has layers without attention; leave attention_layer_period at 1 (buffers.yaml: attention_layer_period == 1)'),
             (lambda: self.widest_attention_window <= self.max_attention_window, "every attention window must be at most max_attention_window, the block table's capacity (buffers.yaml: widest_attention_window <= max_attention_window)"),
             (lambda: self.max_beam_width == 1 or len(self.attention_window_sizes) == 1, "layers with different attention windows need beam width 1 (TensorRT-LLM's detachFrontBlock) (buffers.yaml: max_beam_width == 1 or len(attention_window_sizes) == 1)"),
             (lambda: self.max_draft_tokens >= 1, 'speculative decoding needs max_draft_tokens of at least 1 (buffers.yaml: max_draft_tokens >= 1)'),
@@ -382,13 +389,13 @@ TENSORS = (
         fill=rt.STATIC,
         inputs=(rt.Bind('host_kv_cache_pool_pointers'),),
     ),
-    # Static: (pool, layer in pool) of each layer of this rank (as kv_heads_per_layer lays the pools out, unless set).
+    # Static: (pool, layer in pool) of each attention layer of this rank (as kv_heads_per_layer and attention_windows lay the pools out, unless set).
     rt.TensorDecl(
         'host_kv_cache_pool_mapping',
         dtype=torch.int32,
         memory=rt.HOST,
-        capacity=lambda c: (c.num_local_layers, 2),
-        shape=lambda c, s: (c.num_local_layers, 2),
+        capacity=lambda c: (c.num_local_attention_layers, 2),
+        shape=lambda c, s: (c.num_local_attention_layers, 2),
         fill=rt.Static(lambda c: c.kv_pool_mapping),
         inputs=(rt.Bind('host_kv_cache_pool_mapping'),),
     ),
@@ -402,13 +409,13 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('cache_indirection'),),
     ),
-    # Attention window of each layer on this pipeline rank.
+    # Attention window of each attention layer on this pipeline rank.
     rt.TensorDecl(
         'host_max_attention_window_sizes',
         dtype=torch.int32,
         memory=rt.HOST,
-        capacity=lambda c: (c.num_local_layers,),
-        shape=lambda c, s: (c.num_local_layers,),
+        capacity=lambda c: (c.num_local_attention_layers,),
+        shape=lambda c, s: (c.num_local_attention_layers,),
         fill=rt.Constant(lambda c: c.layer_windows),
         inputs=(rt.Bind('host_max_attention_window_sizes'),),
     ),
@@ -505,15 +512,16 @@ TENSORS = (
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_generation_lengths'),),
     ),
-    # Position offset of each decoding token (written by the drafter).
+    # Position offset of each decoding token, one row of max_generation_length per generation request (written by the drafter).
     rt.TensorDecl(
         'spec_position_offsets',
         dtype=torch.int32,
         memory=rt.DEVICE,
         capacity=lambda c: (c.max_batch_size, c.max_decoding_tokens),
-        shape=lambda c, s: (s.num_generation_requests, c.max_decoding_tokens),
+        shape=lambda c, s: (s.num_generation_requests, s.max_generation_length),
         fill=rt.EXTERNAL,
         inputs=(rt.Bind('spec_decoding_position_offsets'),),
+        checked=True,  # capacity not provable from the formulas: guarded every step
     ),
     # Inverse sampling temperature of each request (written by the drafter).
     rt.TensorDecl(
@@ -785,6 +793,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             vocab_size=c.vocab_size,
             max_blocks_per_seq=c.max_blocks_per_seq,
             num_local_layers=c.num_local_layers,
+            kv_pool_layers=c.kv_pool_layers,
             num_kv_blocks=c.num_kv_blocks,
             attention_window_sizes=c.attention_window_sizes,
             encoder_only=False,
@@ -818,6 +827,10 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         rt.check_size('num_requests', s.num_requests, c.max_batch_size)
         rt.check_size('beam_width', s.beam_width, c.max_beam_width)
         # the step shapes the generator could not prove within their capacities
+        self.check_shape(
+            'spec_position_offsets',
+            (s.num_generation_requests, s.max_generation_length),
+        )
         self.check_shape('redrafter_inverted_temperature', (s.num_sequences,))
         self.check_shape('host_device_request_types', (s.num_sequences,))
         self.check_shape('redrafter_rand_data_sample', (s.num_sequences,))

@@ -63,6 +63,7 @@ def limits(
     encoder_only: bool = False,
     max_blocks_per_seq: int = 0,
     num_local_layers: int = 1,
+    kv_pool_layers: tuple[int, ...] = (),
     num_kv_blocks: int = 0,
     attention_window_sizes: tuple[int, ...] = (),
 ) -> Limits:
@@ -85,7 +86,13 @@ def limits(
         max_encoder_length=max_encoder_length,
         encoder_engine=encoder_only,
         kv_width=max_blocks_per_seq,
-        kv_limit=id_limit(num_local_layers, num_kv_blocks) if max_blocks_per_seq else (0, ""),
+        # a block id is encoded with its pool's layers (TensorRT-LLM's offsets: the largest
+        # pool bounds it; a hybrid model's recurrent layers are in none), else the rank's
+        kv_limit=(
+            id_limit(max(kv_pool_layers, default=num_local_layers), num_kv_blocks)
+            if max_blocks_per_seq
+            else (0, "")
+        ),
         kv_windows=tuple(attention_window_sizes) if max_blocks_per_seq else (),
     )
 
@@ -199,10 +206,12 @@ def step_sizes(
     num_generation_sequences: int,
     generation_drafts: int,
     beam_width: int = 1,
+    max_generation_length: int = 1,
 ) -> StepSizes:
     """The reference's setBufferSizes from the step's counts (every builder's one formula):
     the context chunks' input tokens (drafts included) and the drafts on last chunks, the
-    longest context prompt, and the generation requests, sequences and draft tokens."""
+    longest context prompt, and the generation requests, sequences and draft tokens (the
+    longest request's tokens, `max_generation_length`, from ``generation_length``)."""
     n_ctx = num_context_requests
     gen_tokens = generation_drafts + num_generation_sequences
     return StepSizes(
@@ -215,9 +224,17 @@ def step_sizes(
         num_sequences=n_ctx + num_generation_sequences,
         num_tokens=context_tokens + gen_tokens,
         beam_width=beam_width,
+        max_generation_length=max_generation_length,
         num_requests=n_ctx + num_generation_requests,
         max_context_length=max_context_length,
     )
+
+
+def generation_length(requests: int, most_drafts: int, limits: Limits) -> int:
+    """The step's max_generation_length: 1 plus the most drafts of its `requests` generation
+    requests, or max_draft_tokens + 1 without any (TensorRT-LLM's Eagle and ReDrafter
+    fallback; its lookahead runtime binds 0 there, on a tensor of no rows either way)."""
+    return 1 + most_drafts if requests else limits.max_draft_tokens + 1
 
 
 def view(
@@ -250,6 +267,7 @@ def view(
     wide = len(last) != len(g_bw)
     seq_len = np.repeat(g_plen + g_max, g_bw) if wide else g_plen + g_max
     n_ctx = len(context)
+    gen_drafts = int(g_ndraft.sum())
     sizes = step_sizes(
         n_ctx,
         int(c_input.sum()),
@@ -257,8 +275,9 @@ def view(
         int(c_plen.max()) if n_ctx else 0,
         len(generation),
         len(last),
-        int(g_ndraft.sum()),
+        gen_drafts,
         int(g_bw.max()) if wide else 1,
+        generation_length(len(generation), int(g_ndraft.max()) if gen_drafts else 0, limits),
     )
     if encoder:
         sizes = dataclasses.replace(sizes, **encoder_sizes(context, generation, limits))

@@ -27,13 +27,13 @@ from .values import INT32_MAX, in_range, int_array, is_int, show
 LOG_KEEP = 1 << 14  # changed rows the log keeps (a reader behind by more compares versions)
 
 
-def id_limit(num_local_layers: int, num_kv_blocks: int) -> tuple[int, str]:
+def id_limit(layers: int, num_kv_blocks: int) -> tuple[int, str]:
     """Block ids lie in 0 .. limit - 1: the pool's blocks (0: unbounded), and at most what the
-    int32 index (id * num_local_layers * 2 + 1) can encode."""
-    encodable = (INT32_MAX - 1) // (2 * num_local_layers) + 1
+    int32 index (id * layers * 2 + 1) can encode, `layers` the most layers of one KV pool."""
+    encodable = (INT32_MAX - 1) // (2 * layers) + 1
     if num_kv_blocks and num_kv_blocks <= encodable:
         return num_kv_blocks, f"num_kv_blocks={num_kv_blocks}"
-    return encodable, f"the int32 block index with num_local_layers={num_local_layers}"
+    return encodable, f"the int32 block index of a {layers}-layer KV pool"
 
 
 class BlockTable:

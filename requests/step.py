@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import BatchError
 from ..rules.decode import Continue, Sampled
 from ..rules.sizes import StepSizes
-from .batch import Batch, FlightLists, Limits, step_sizes
+from .batch import Batch, FlightLists, Limits, generation_length, step_sizes
 from .blocks import BlockTable, window_lists
 from .rows import (
     TokenGather,
@@ -494,7 +494,9 @@ def _continued(
         prompts: list[np.ndarray] = [t.prompt_arrays[s] for s in ctx_slots]  # type: ignore[misc]
         longest = max(map(len, prompts), default=0)
         cont = Continue(
-            sizes=step_sizes(len(context), ctx_tokens, 0, longest, n, n, 0),
+            sizes=step_sizes(
+                len(context), ctx_tokens, 0, longest, n, n, 0, 1, generation_length(n, 0, t.limits)
+            ),
             ctx_slots=ctx_slots,
             ctx_begin=ctx_begin,
             ctx_chunk=ctx_chunk,

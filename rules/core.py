@@ -29,7 +29,6 @@ from .kv_rows import (
     check_block_lists,
     forget_halves,
     from_slots,
-    id_limit,
     sequence_keys,
     write_at,
     write_kv_rows,
@@ -316,7 +315,10 @@ def check_kv_blocks(
 ) -> BlockPlan:
     """Every sequence's kv_block_ids cover its tokens after the step, within
     max_blocks_per_seq, with ids in the pool; returns the converted lists for the fill (only
-    those that differ from the rows kept from the last step)."""
+    those that differ from the rows kept from the last step). The id bound is the request
+    table's, the one it checks appended ids against: ``b.limits.kv_limit``, made from
+    `num_kv_blocks` and the layers of the largest KV pool (`num_local_layers` in a family
+    with no pools)."""
     return check_block_lists(
         b,
         "kv_block_ids",
@@ -324,7 +326,7 @@ def check_kv_blocks(
         tokens_per_block=tokens_per_block,
         width=max_blocks_per_seq,
         width_name="max_blocks_per_seq",
-        limit=id_limit(num_local_layers, num_kv_blocks),
+        limit=b.limits.kv_limit,  # the request table's bound (batch.limits)
         what="KV",
         kept=kept,
     )
@@ -529,9 +531,7 @@ def check_kv_entered(
     *,
     max_blocks_per_seq: int,
     tokens_per_block: int,
-    num_local_layers: int,
     kv_pool_layers: tuple[int, ...],
-    num_kv_blocks: int = 0,
 ) -> KvEntered:
     """Find the sequences whose new token starts a KV block and read that block's id from
     their request (the only requests read in a decode step); raise before anything is
@@ -550,7 +550,7 @@ def check_kv_entered(
     values: list[tuple[int, int, int]] = []
     if not starting.size:
         return KvEntered(kept, values)
-    limit, limit_text = id_limit(num_local_layers, num_kv_blocks)
+    limit, limit_text = b.limits.kv_limit
 
     def where(req: int) -> str:  # formatted only for a message
         return f"generation request {req} (seq_slot {b.generation[req].seq_slot})"

@@ -2,10 +2,16 @@
 windows and KV head counts (``kvCacheManager.cpp``: ``BlockManager`` and
 ``WindowBlockManager``).
 
-- Local layer i (global layer ``first_layer + i``) attends over window
-  ``windows[(first_layer + i) % len(windows)]``: the list repeats when it is shorter than the
-  layers (``groupLayersByWindowSize``; ``host_max_attention_window_sizes`` reads it the same
-  way), and an empty list means one window for every layer. Head counts repeat the same way.
+- Only attention layers hold KV: in a hybrid model (RecurrentGemma) global layer g is one when
+  ``(g + 1) % attention_layer_period == 0``, and the pools, the mapping and the per-layer
+  windows cover the rank's attention layers alone (``createKvCacheManager`` takes
+  ``getNumKvHeadsPerLayerLocalRange``, which counts ``LayerType::kATTENTION`` layers).
+- The rank's attention layer i (attention layer ``first_attention + i`` of the model, where
+  ``first_attention`` counts the attention layers of the earlier ranks) attends over window
+  ``windows[(first_attention + i) % len(windows)]``: the list repeats when it is shorter than
+  the layers (``groupLayersByWindowSize``; ``host_max_attention_window_sizes`` reads it the
+  same way), and an empty list means one window for every layer. Head counts repeat the same
+  way.
 - A pool is one (window, KV head count) pair of the rank's layers: windows in ascending order
   (one block manager per window, a ``std::map``), and inside one window one pool per head
   count, in ascending order. A sequence's block ids are per window and span every pool of it.
@@ -32,8 +38,8 @@ class KvPools:
     windows: tuple[int, ...]  # each pool's attention window, ascending
     heads: tuple[int, ...]  # each pool's KV heads (0: not given, one count for all layers)
     layers: tuple[int, ...]  # the rank's layers in each pool
-    mapping: tuple[tuple[int, int], ...]  # each local layer's (pool, layer index in the pool)
-    layer_windows: tuple[int, ...]  # each local layer's attention window
+    mapping: tuple[tuple[int, int], ...]  # each local attention layer's (pool, index in it)
+    layer_windows: tuple[int, ...]  # each local attention layer's attention window
 
     @property
     def distinct_windows(self) -> tuple[int, ...]:
@@ -49,18 +55,26 @@ def per_layer(values: Sequence[int], default: int, first_layer: int, num_layers:
     return [values[(first_layer + i) % len(values)] for i in range(num_layers)]
 
 
+def attention_layers(first_layer: int, num_layers: int, period: int = 1) -> tuple[int, int]:
+    """(the model's attention layers before global layer `first_layer`, the attention layers
+    among `num_layers` layers from it): layer g holds attention when (g + 1) % period == 0."""
+    before = first_layer // period
+    return before, (first_layer + num_layers) // period - before
+
+
 def kv_pools(
     attention_windows: Sequence[int],
     kv_heads_per_layer: Sequence[int],
     max_attention_window: int,
     first_local_layer: int,
     num_local_layers: int,
+    attention_layer_period: int = 1,
 ) -> KvPools:
-    """The rank's pools, in TensorRT-LLM's order (window ascending, then head count)."""
-    windows = per_layer(
-        attention_windows, max_attention_window, first_local_layer, num_local_layers
-    )
-    heads = per_layer(kv_heads_per_layer, 0, first_local_layer, num_local_layers)
+    """The rank's pools over its attention layers, in TensorRT-LLM's order (window ascending,
+    then head count)."""
+    first, count = attention_layers(first_local_layer, num_local_layers, attention_layer_period)
+    windows = per_layer(attention_windows, max_attention_window, first, count)
+    heads = per_layer(kv_heads_per_layer, 0, first, count)
     pools = sorted(set(zip(windows, heads)))
     index = {pool: p for p, pool in enumerate(pools)}
     counts = [0] * len(pools)
@@ -97,6 +111,7 @@ def rank_pools(
     first_local_layer: int = 0,
     attention_windows: Sequence[int] = (),
     max_attention_window: int = 0,
+    attention_layer_period: int = 1,
 ) -> KvPools:
     """The pools of this rank from the Config values a derivation reads."""
     return kv_pools(
@@ -105,6 +120,7 @@ def rank_pools(
         max_attention_window,
         first_local_layer,
         num_local_layers,
+        attention_layer_period,
     )
 
 
@@ -114,12 +130,14 @@ def num_kv_pools(**config: Any) -> int:
 
 
 def kv_pool_layers(**config: Any) -> tuple[int, ...]:
-    """The rank's layers in each pool (what a block id is multiplied by, times the KV factor)."""
+    """The rank's attention layers in each pool (what a block id is multiplied by, times the
+    KV factor)."""
     return rank_pools(**config).layers
 
 
 def kv_pool_mapping(**config: Any) -> tuple[int, ...]:
-    """host_kv_cache_pool_mapping, flat: (pool, layer index in the pool) of each local layer."""
+    """host_kv_cache_pool_mapping, flat: (pool, layer index in the pool) of each local
+    attention layer."""
     return tuple(x for pair in rank_pools(**config).mapping for x in pair)
 
 
@@ -132,7 +150,7 @@ def kv_pool_windows(**config: Any) -> tuple[int, ...]:
 
 
 def layer_windows(**config: Any) -> tuple[int, ...]:
-    """host_max_attention_window_sizes: the attention window of each local layer."""
+    """host_max_attention_window_sizes: the attention window of each local attention layer."""
     return rank_pools(**config).layer_windows
 
 

@@ -30,6 +30,11 @@ class StepSizes:
     # the widest beam of the step's generation requests (1 without any): the beam dimension
     # TensorRT-LLM's runtime binds cache_indirection at
     beam_width: int = 1
+    # the most tokens one generation request feeds (1 plus its drafts; max_draft_tokens + 1
+    # without generation requests): the length TensorRT-LLM's Eagle and ReDrafter runtimes
+    # bind spec_decoding_position_offsets at, which the attention plugin reads as the
+    # generation input length
+    max_generation_length: int = 1
 
     def generation_bucket(self, rows: int) -> StepSizes:
         """The sizes of a generation-only step (one token per sequence) padded to `rows`

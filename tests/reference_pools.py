@@ -13,16 +13,27 @@ from __future__ import annotations
 
 
 def reference_pools(
-    windows: list[int], heads: list[int], default_window: int, first_layer: int, layers: int
+    windows: list[int],
+    heads: list[int],
+    default_window: int,
+    first_layer: int,
+    layers: int,
+    period: int = 1,
 ) -> dict:
-    """{"mapping": [(pool, layer in pool)] per local layer, "layers_in_pool": [...],
-    "pool_window": [...], "layer_window": [...]}"""
+    """{"mapping": [(pool, layer in pool)] per local attention layer, "layers_in_pool": [...],
+    "pool_window": [...], "layer_window": [...]}. Layer g is an attention layer when
+    (g + 1) % period == 0 (ModelConfig's layer types, RecurrentGemma's 3); the windows and head
+    counts are per attention layer of the model (getNumKvHeadsPerLayerLocalRange)."""
+    attention = [g for g in range(period - 1, first_layer + layers, period)]
+    first_attention = sum(1 for g in attention if g < first_layer)
+    local = [g for g in attention if g >= first_layer]
     layer_window = []
     layer_heads = []
-    for i in range(layers):
-        layer = first_layer + i
-        layer_window.append(windows[layer % len(windows)] if windows else default_window)
-        layer_heads.append(heads[layer % len(heads)] if heads else 0)
+    for i in range(len(local)):
+        a = first_attention + i  # the attention layer's index among the model's
+        layer_window.append(windows[a % len(windows)] if windows else default_window)
+        layer_heads.append(heads[a % len(heads)] if heads else 0)
+    layers = len(local)
     # groupLayersByWindowSize: window -> its layers, in layer order
     by_window: dict[int, list[int]] = {}
     for i in range(layers):

@@ -121,10 +121,10 @@ EXTRA = dict(
     num_medusa_heads=3,
     num_draft_paths=2,
     max_draft_path_len=3,
-    attention_layer_period=3,
     hidden_size=32,
 )
 ONE_BEAM = {"max_beam_width": 1}
+HYBRID = {"max_beam_width": 1, "attention_layer_period": 3}  # layer 2 of 4 holds attention
 
 
 def lora_names(layers):
@@ -204,7 +204,7 @@ CASES = [
     ),
     (
         "recurrentgemma",
-        ONE_BEAM,
+        HYBRID,
         PAGED | {"slot_mapping"},
         {"logits"},
         STATIC_TRANSFORMER
@@ -370,8 +370,11 @@ def test_capacities_equal_the_references(name, scale):
     c = config_for(name, overrides, scale)
     b = family(name).RuntimeBuffers(c)
     want = capacities(c, family(name).FLAGS)
-    if name == "eagle":  # Eagle's rand_data_validation is [B, K]
-        want["rand_data_validation"] = (c.max_batch_size, c.max_draft_tokens + 1)
+    if name == "eagle":  # Eagle's rand_data_validation is [B, K]; one path per decoding token
+        B, K = c.max_batch_size, c.max_draft_tokens + 1
+        want["rand_data_validation"] = (B, K)
+        for paths in ("draft_paths", "next_draft_tokens", "next_draft_paths"):
+            want[paths] = (B, K, c.max_draft_path_len + 1)
     got_in, got_out = b.views(one_of_each())
     checked = 0
     for engine_name in {**got_in, **got_out}:
@@ -418,7 +421,7 @@ def test_generated_modules_hold_only_their_familys_tensors():
 
 
 def test_static_inputs_are_bound_once_and_set_at_construction():
-    c = config_for("recurrentgemma", ONE_BEAM)
+    c = config_for("recurrentgemma", HYBRID)
     mod = family("recurrentgemma")
     b = mod.RuntimeBuffers(
         c,

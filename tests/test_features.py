@@ -231,7 +231,7 @@ def test_eagle_fills(case, thresholds):
     ctx, gen = case
     for r, t in zip(ctx + gen, thresholds):
         r.eagle_posterior_threshold = t
-    b = make_buffers("eagle", max_beam_width=1, num_draft_paths=2, max_draft_path_len=3)
+    b = make_buffers("eagle", max_beam_width=1, max_draft_path_len=3)
     step = b.prepare_step(ctx, gen)
     check_core(b, step, ctx, gen)
     want_t, want_a = R.posterior(ctx, gen)
@@ -435,7 +435,7 @@ def kv(**kw):
         ),
         (
             "eagle",
-            {"max_beam_width": 1, "num_draft_paths": 2, "max_draft_path_len": 3},
+            {"max_beam_width": 1, "max_draft_path_len": 3},
             Request(seq_slot=0, prompt=[1], **kv(eagle_posterior_threshold=-1.0)),
             "eagle_posterior_threshold -1.0 must be a number >= 0 (and finite in float32)",
         ),

@@ -22,11 +22,13 @@ def layouts(draw: st.DrawFn) -> tuple:
 
 
 @settings(max_examples=300, deadline=None)
-@given(layouts())
-def test_pools_match_the_reference(layout: tuple) -> None:
+@given(layouts(), st.sampled_from([1, 1, 2, 3]))
+def test_pools_match_the_reference(layout: tuple, period: int) -> None:
+    """Every layer attention (period 1) or a hybrid's attention layers (RecurrentGemma's
+    period 3): the pools hold the rank's attention layers alone."""
     windows, heads, default, first, local = layout
-    want = reference_pools(windows, heads, default, first, local)
-    got = kv_pools(windows, heads, default, first, local)
+    want = reference_pools(windows, heads, default, first, local, period)
+    got = kv_pools(windows, heads, default, first, local, period)
     assert list(got.mapping) == want["mapping"]
     assert list(got.layers) == want["layers_in_pool"]
     assert list(got.windows) == want["pool_window"]
@@ -302,3 +304,75 @@ def test_a_pipeline_rank_maps_its_own_layers_to_its_pools() -> None:
     ]
     # layer 4 + i: window windows[(4 + i) % 3], as host_max_attention_window_sizes says
     assert b.tensors["host_max_attention_window_sizes"].tolist() == [64, 64, 16, 64]
+
+
+# ------------------------------------------- a hybrid model: the pool holds its attention layers
+from bufc.errors import ConfigError  # noqa: E402
+from bufc.generated import recurrentgemma  # noqa: E402
+
+
+def _hybrid(**overrides) -> recurrentgemma.Config:
+    values = dict(
+        max_batch_size=2,
+        max_num_tokens=16,
+        vocab_size=256,
+        num_layers=3,
+        max_attention_window=8,
+        tokens_per_block=4,
+        num_kv_blocks=8,
+        attention_layer_period=3,
+    )
+    return recurrentgemma.Config(**{**values, **overrides})
+
+
+def test_a_hybrid_models_block_ids_are_encoded_with_its_attention_layers() -> None:
+    """RecurrentGemma with one attention layer in three: TensorRT-LLM's pool holds that one
+    layer (createKvCacheManager counts attention layers), so block b is b * 1 * 2 (+1 for V),
+    not b * 3 * 2 as when every layer was counted."""
+    b = recurrentgemma.RuntimeBuffers(_hybrid())
+    b.add(Request(seq_slot=0, prompt=[1, 2, 3, 4, 5], kv_block_ids=[[5, 7]]))
+    step = b.step(None, generation=False)
+    assert step.inputs["kv_cache_block_offsets"].tolist() == [[[[10, 14], [11, 15]]]]
+    stateless = recurrentgemma.RuntimeBuffers(_hybrid())
+    step = stateless.prepare_step([Request(0, [1, 2, 3, 4, 5], kv_block_ids=[[5, 7]])], [])
+    assert step.inputs["kv_cache_block_offsets"].tolist() == [[[[10, 14], [11, 15]]]]
+
+
+def test_a_hybrid_models_pool_mapping_and_windows_cover_its_attention_layers() -> None:
+    """Written at construction, as llama's: (0, a) for the a-th attention layer of the rank
+    (getLayerToPoolMapping), one window per attention layer; before, the hybrid mapping was a
+    static the caller had to set, and stayed zeros (both attention layers wrote layer 0)."""
+    c = _hybrid(num_layers=7)  # attention layers 2 and 5
+    b = recurrentgemma.RuntimeBuffers(c)
+    assert c.kv_pool_layers == (2,) and c.num_local_attention_layers == 2
+    assert b.static_inputs["host_kv_cache_pool_mapping"].tolist() == [[0, 0], [0, 1]]
+    assert b.tensors["host_max_attention_window_sizes"].tolist() == [8, 8]
+    b.add(Request(seq_slot=1, prompt=[1, 2, 3], kv_block_ids=[[3]]))
+    step = b.step(None, generation=False)
+    assert step.inputs["kv_cache_block_offsets"].tolist() == [[[[12, 0], [13, 0]]]]
+
+
+def test_a_pipeline_ranks_pools_hold_its_own_attention_layers() -> None:
+    """Eight layers, one attention layer in three (layers 2 and 5), over two ranks of four:
+    rank 0 holds layer 2, rank 1 layer 5; windows repeat per attention layer of the model."""
+    rank0 = kv_pools([16, 64], [], 64, 0, 4, 3)
+    rank1 = kv_pools([16, 64], [], 64, 4, 4, 3)
+    assert (rank0.layers, rank0.mapping, rank0.layer_windows) == ((1,), ((0, 0),), (16,))
+    assert (rank1.layers, rank1.mapping, rank1.layer_windows) == ((1,), ((0, 0),), (64,))
+
+
+def test_a_hybrid_models_block_ids_are_bounded_by_its_pool() -> None:
+    """The int32 index of a pool of one layer encodes ids below 2**30 (b * 2 + 1); the bound
+    once counted all three layers and refused ids from 2**31 // 6 up."""
+    b = recurrentgemma.RuntimeBuffers(_hybrid(num_kv_blocks=0))
+    b.add(Request(seq_slot=0, prompt=[1, 2, 3], kv_block_ids=[[2**30 - 1]]))
+    assert b.step(None, generation=False).inputs["kv_cache_block_offsets"][0, 0, 1, 0] == 2**31 - 1
+    with pytest.raises(BatchError, match="the int32 block index of a 1-layer KV pool"):
+        b.add(Request(seq_slot=1, prompt=[1, 2, 3], kv_block_ids=[[2**30]]))
+
+
+def test_attention_layer_period_is_a_recurrent_familys() -> None:
+    with pytest.raises(ConfigError, match="only a recurrent family has layers without attention"):
+        make_buffers("llama", attention_layer_period=2)
+    with pytest.raises(ConfigError, match="this rank has no attention layer"):
+        _hybrid(num_layers=2)

@@ -54,6 +54,7 @@ def test_config_is_frozen_and_has_exactly_the_family_parameters(family_name):
         "gather_context_logits",
         "gather_generation_logits",
         "attention_windows",
+        "attention_layer_period",  # held at 1: only recurrent families interleave layers
         *(
             ["tokens_per_block", "num_kv_blocks", "kv_heads_per_layer"]
             if family_name == "llama"
@@ -496,7 +497,7 @@ def test_odd_values_are_batch_errors_before_anything_is_written():
 
     pt = make_buffers("gpt_prompt_tuning", max_prompt_embedding_table_size=40, hidden_size=4)
     lang = make_buffers("gpt_language_adapter", num_languages=4)
-    eagle = make_buffers("eagle", max_beam_width=1, num_draft_paths=2, max_draft_path_len=3)
+    eagle = make_buffers("eagle", max_beam_width=1, max_draft_path_len=3)
     enc = make_buffers("encoder", max_input_length=16, max_encoder_length=16, encoder_hidden_size=8)
     table = torch.ones(2, 4, dtype=torch.float16)
     cases = [
@@ -565,7 +566,7 @@ def test_static_values_the_dtype_cannot_hold_are_config_errors():
         with pytest.raises(ConfigError):
             b.set_static("host_conv_state_pointers", bad)
     with pytest.raises(ConfigError, match="needs integers in -2147483648..2147483647"):
-        b.set_static("host_hybrid_kv_cache_pool_mapping", np.array([2**32 + 1, 2**32]))
+        b.set_static("host_kv_cache_pool_mapping", np.array([2**32 + 1, 2**32]))
     with pytest.raises(ConfigError, match="is not a static tensor"):
         make_buffers("gpt", static_inputs={"bogus": 1})
 
