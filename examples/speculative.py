@@ -24,7 +24,7 @@ every logit row must equal the Hugging Face model's logits at that position
 (tests/test_speculative_model.py). ``python -m bufc.examples.speculative`` runs a workload and
 prints the acceptance rate and the steps saved.
 
-Row layout the engine relies on (docs/spec.md, "Engine contract: speculative decoding"):
+Row layout the engine relies on (docs/contract.md, "Speculative decoding"):
 context requests first (chunk tokens, then drafts on a last chunk), then per generation request
 its last token followed by its drafts. ``position_ids`` holds one position per context token
 (drafts included) and one per generation request (its last token's); a generation request's

@@ -35,7 +35,13 @@ def test_the_page_is_generated_from_the_spec() -> None:
 
 
 def test_every_contract_has_a_worked_example() -> None:
-    assert set(examples()) == {"llama", "llama_flash", "llama_flashinfer"}
+    assert set(examples()) == {
+        "llama",
+        "llama_flash",
+        "llama_flashinfer",
+        "recurrentgemma",
+        "eagle",
+    }
 
 
 def _shown(name: str, value: list, want: object) -> object:
@@ -47,6 +53,18 @@ def _shown(name: str, value: list, want: object) -> object:
     if name == "paged_kv_indices":
         return value[: len(want)]  # type: ignore[arg-type]
     return value
+
+
+def _check(b, step, want: dict[str, object], skip: tuple[str, ...] = ()) -> None:
+    """Every value of `want` (a shape where the page names `TENSOR.shape`) as the step or the
+    buffers' statics hold it."""
+    for name, value in want.items():
+        tensor, _, attr = name.partition(".")
+        if tensor in skip:
+            continue
+        t = step.inputs[tensor] if tensor in step.inputs else b.static_inputs[tensor]
+        got = list(t.shape) if attr == "shape" else _shown(tensor, t.tolist(), value)
+        assert got == value, name
 
 
 @pytest.mark.parametrize("family", ["llama", "llama_flash", "llama_flashinfer"])
@@ -63,9 +81,62 @@ def test_the_worked_example_is_what_the_family_writes(family: str) -> None:
     tokens = [0] * 8
     tokens[1], tokens[2] = 24, 36
     step = b.step(tokens, chunks={0: 4}, blocks={1: [6]})
-    want = examples()[family]
-    for name, value in want.items():
-        assert _shown(name, step.inputs[name].tolist(), value) == value, name
+    _check(b, step, examples()[family])
+
+
+@pytest.mark.parametrize("family", ["recurrentgemma", "mamba"])
+def test_the_recurrent_worked_example_is_what_the_family_writes(family: str) -> None:
+    """Two prompts in a context step, then a decode step: the page's values, the hybrid pool
+    encoding block ids with its 2 attention layers (mamba binds no attention input)."""
+    hybrid = family == "recurrentgemma"
+    kv = dict(attention_layer_period=3, tokens_per_block=4, max_attention_window=8)
+    b = make_buffers(family, max_beam_width=1, num_layers=6, **(kv if hybrid else {}))
+    for slot, prompt, blocks in ((3, [11, 12, 13, 14, 15], [7, 3]), (1, [21, 22], [5])):
+        b.add(Request(slot, prompt, kv_block_ids=[blocks] if hybrid else None))
+    b.step(None, generation=False)
+    tokens = [0] * 8
+    tokens[3], tokens[1] = 16, 23
+    step = b.step(tokens)
+    attention = ("position_ids", "host_past_key_value_lengths", "kv_cache_block_offsets")
+    attention += ("host_kv_cache_pool_mapping", "host_max_attention_window_sizes")
+    _check(b, step, examples()["recurrentgemma"], skip=() if hybrid else attention)
+
+
+@pytest.mark.parametrize("family", ["eagle", "redrafter", "lookahead", "medusa"])
+def test_the_speculative_worked_example_is_what_the_family_writes(family: str) -> None:
+    """The first example's step with drafts: the page's values, for each tree family (their
+    own positions and Eagle's next tokens aside) and Medusa (three drafts each)."""
+    paths = {"eagle": {"max_draft_path_len": 2}, "medusa": {"num_medusa_heads": 3}}
+    paths["redrafter"] = {"num_draft_paths": 2, "max_draft_path_len": 2}
+    b = make_buffers(
+        family,
+        tokens_per_block=4,
+        max_beam_width=1,
+        num_layers=2,
+        max_attention_window=32,
+        max_draft_tokens=3,
+        **paths.get(family, {}),
+    )
+    b.add(Request(seq_slot=0, prompt=[11, 12, 13, 14, 15, 16], kv_block_ids=[[7, 3]]))
+    b.add(Request(seq_slot=1, prompt=[21, 22, 23], kv_block_ids=[[5, 6]]))
+    b.add(Request(seq_slot=2, prompt=[31, 32, 33, 34, 35], kv_block_ids=[[9, 2, 4]]))
+    b.step(chunks={1: 3, 2: 5})
+    tokens = [0] * 8
+    tokens[1], tokens[2] = 24, 36
+    medusa = family == "medusa"
+    drafts = {1: [25, 26, 27], 2: [37, 38, 39] if medusa else [37]}
+    step = b.step(tokens, chunks={0: 4}, drafts=drafts)
+    want = dict(examples()["eagle"])
+    if medusa:
+        want["input_ids"] = [11, 12, 13, 14, 24, 25, 26, 27, 36, 37, 38, 39]
+        want["host_context_lengths"], want["sequence_length"] = [4, 6, 8], [4, 7, 9]
+        want["last_token_ids"] = [4, 5, 6, 7, 8, 9, 10, 11, 12]
+    if family in ("redrafter", "lookahead"):
+        assert step.inputs["position_ids"][:4].tolist() == [0, 1, 2, 3]
+        assert step.inputs["position_ids"].shape == (10,)
+    skip = ("chunked_context_next_tokens",) if family != "eagle" else ()
+    skip += ("position_ids",) if family in ("redrafter", "lookahead") else ()
+    _check(b, step, want, skip)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
