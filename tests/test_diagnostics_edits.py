@@ -179,7 +179,8 @@ CASES = [
         [
             "buffers.yaml:11:3: name 'max_batch_size' is already declared at line 5; flags, parameters, derived values, sizes and scalars share one namespace",
             "buffers.yaml:11:3: unknown step size 'max_batch_size'; the runtime computes: num_context_requests, num_context_tokens, num_generation_requests, num_generation_sequences, num_generation_tokens, num_logits, num_sequences, num_tokens, num_requests, max_context_length, "
-            "num_encoder_tokens, num_encoder_input_tokens, max_encoder_input_length, beam_width",
+            "num_encoder_tokens, num_encoder_input_tokens, max_encoder_input_length, beam_width, "
+            "max_generation_length",
         ],
         id="dupsym",
     ),
@@ -188,7 +189,8 @@ CASES = [
         "  num_reqs: {doc",
         [
             "buffers.yaml:10:3: unknown step size 'num_reqs' (did you mean 'num_requests'?); the runtime computes: num_context_requests, num_context_tokens, num_generation_requests, num_generation_sequences, num_generation_tokens, num_logits, num_sequences, num_tokens, num_requests, max_context_length, "
-            "num_encoder_tokens, num_encoder_input_tokens, max_encoder_input_length, beam_width"
+            "num_encoder_tokens, num_encoder_input_tokens, max_encoder_input_length, beam_width, "
+            "max_generation_length"
         ],
         id="unknownsize",
     ),
