@@ -165,7 +165,7 @@ def _report(args: argparse.Namespace) -> int:
         spec = _spec(args.spec or "buffers.yaml")
 
         def build(s: dict[str, str]) -> Report:
-            return report(spec, args.family, s)
+            return report(spec, args.family, s, imports=args.imports)
 
     if sweep is not None:
         name, values = sweep
@@ -306,6 +306,13 @@ def parser() -> argparse.ArgumentParser:
         "--spec", default=None, help="the spec file (default: ./buffers.yaml if present)"
     )
     r.add_argument("--json", action="store_true", help="print the report as JSON")
+    r.add_argument(
+        "--import",
+        dest="imports",
+        action="store_true",
+        help="also run the spec's own derive: functions (their modules are imported: their "
+        "code runs); without it a value that needs one is an error naming it",
+    )
     r.add_argument(
         "--sweep",
         action="append",

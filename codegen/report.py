@@ -9,21 +9,27 @@ with its messages.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
+import os
+import sys
 import types
 from collections.abc import Callable
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
-from bufc import config_checks
+from bufc import config_checks, impls
 
 from . import emit, vocab
 from . import expr as E
 from .errors import did_you_mean
 
 if TYPE_CHECKING:
+    from .model import Derived
     from .pipeline import Compiled
+
+# bufc's own derivations (the KV pools), run without --import; any other module a `derive:`
+# names is the project's code, imported only when asked
+TRUSTED_DERIVATIONS = "bufc.rules."
 
 
 class ReportError(Exception):
@@ -211,9 +217,51 @@ def _evaluate(e: E.Expr, env: dict[str, int | bool | str], what: str) -> int | b
         raise ReportError(f"cannot evaluate {what}: {exc}") from None
 
 
-def report(compiled: Compiled, family_name: str, settings: dict[str, str]) -> Report:
+def _derived(d: Derived, env: dict[str, int | bool | str], imports: bool) -> object:
+    """The value of `d`'s `derive:` function, called as the generated Config calls it. A
+    project's function runs only with `imports` (else a ReportError saying to pass
+    --import); one that cannot be imported or raises is a ReportError at its line."""
+    impl = d.derive
+    assert impl is not None
+    where = f"{impl.loc}: derived value '{d.name}'"
+    if not impl.module.startswith(TRUSTED_DERIVATIONS) and not imports:
+        raise ReportError(
+            f"{where} comes from {impl.text}, the project's code, which report runs only "
+            "when asked: pass --import to evaluate it"
+        )
+    cwd = os.getcwd()  # imported as the project's code is (bufc.codegen.contract)
+    added = imports and cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        fn = impls.resolve(impl.module, impl.name)
+    except impls.Unresolved as exc:
+        raise ReportError(exc.where(where, impl.module, impl.name)) from None
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+    try:
+        value = fn(**{n: env[n] for n in d.reads})
+    except Exception as exc:  # noqa: BLE001 - the project's code: reported at its line
+        raise ReportError(f"{where}: {impl.text} raised {type(exc).__name__}: {exc}") from None
+    if d.kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, (tuple, list)) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        )
+    if not ok:
+        what = "an integer" if d.kind == "int" else "a list of integers"
+        raise ReportError(f"{where}: {impl.text} returned {value!r}, not {what}")
+    return tuple(value) if d.kind == "ints" else value
+
+
+def report(
+    compiled: Compiled, family_name: str, settings: dict[str, str], *, imports: bool = False
+) -> Report:
     """What `family_name` allocates for `settings` (parameter name -> text, as given to
-    ``--set``), evaluated from the compiled spec's plan of the family."""
+    ``--set``), evaluated from the compiled spec's plan of the family. A `derive:` function
+    of the project's own runs only with `imports` (bufc's own always)."""
     families = {p.family.name: p for p in compiled.plans}
     if family_name not in families:
         raise ReportError(
@@ -281,9 +329,7 @@ def report(compiled: Compiled, family_name: str, settings: dict[str, str]) -> Re
         if d.value is not None:
             env[d.name] = _evaluate(d.value.expr, env, f"derived value '{d.name}'")
         else:  # its function, as the generated Config calls it
-            assert d.derive is not None
-            fn = getattr(importlib.import_module(d.derive.module), d.derive.name)
-            env[d.name] = fn(**{n: env[n] for n in d.reads})
+            env[d.name] = _derived(d, env, imports)  # type: ignore[assignment]
     # then its checks over them, with its messages
     for c in plan.checks:
         message = emit.check_message(c, PurePath(c.loc.file).name)
