@@ -290,10 +290,15 @@ def report(
             if raw.lower() not in ("true", "false"):
                 raise ReportError(f"{key}: '{raw}' is not true or false")
             values[key] = raw.lower() == "true"
-        elif kind == "names":
-            values[key] = tuple(n for n in raw.split(",") if n)
-        elif kind == "ints":
-            values[key] = tuple(parse_int(key, n) for n in raw.split(",") if n)
+        elif kind in ("names", "ints"):
+            items = raw.split(",") if raw else []  # an empty value: an empty list
+            if any(not n.strip() for n in items):
+                raise ReportError(
+                    f"{key}: '{raw}' has an empty item; give the values comma-separated, "
+                    f"as {key}=a,b (or {key}= for none)"
+                )
+            read = str.strip if kind == "names" else (lambda n: parse_int(key, n.strip()))
+            values[key] = tuple(read(n) for n in items)
         else:
             values[key] = parse_int(key, raw)
     missing = [

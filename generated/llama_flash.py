@@ -124,6 +124,7 @@ class Config(rt.ConfigBase):
             (lambda: self.num_layers % self.pp_size == 0, 'num_layers must split evenly over the pipeline ranks (buffers.yaml: num_layers % pp_size == 0)'),
             (lambda: self.pp_size == 1, 'this family has no pipeline-parallel buffers; use its pipeline-parallel variant (buffers.yaml: pp_size == 1)'),
             (lambda: self.widest_attention_window <= self.max_attention_window, "every attention window must be at most max_attention_window, the block table's capacity (buffers.yaml: widest_attention_window <= max_attention_window)"),
+            (lambda: len(self.attention_windows) <= self.num_layers, 'attention_windows gives one window per layer at most (it repeats when shorter); a longer list would lose its extra values (buffers.yaml: len(attention_windows) <= num_layers)'),
             (lambda: self.max_beam_width == 1 or len(self.attention_window_sizes) == 1, "layers with different attention windows need beam width 1 (TensorRT-LLM's detachFrontBlock) (buffers.yaml: max_beam_width == 1 or len(attention_window_sizes) == 1)"),
         )
 

@@ -159,6 +159,8 @@ class Config(rt.ConfigBase):
             (lambda: len(self.kv_heads_per_layer) == 0 and len(self.attention_windows) == 0, 'the attention layers of a recurrent model share one KV pool; leave kv_heads_per_layer and attention_windows empty (buffers.yaml: len(kv_heads_per_layer) == 0 and len(attention_windows) == 0)'),
             (lambda: self.num_local_attention_layers >= 1, 'this rank has no attention layer, so no KV cache; every rank needs at least one (layer g is one when (g + 1) % attention_layer_period == 0) (buffers.yaml: num_local_attention_layers >= 1)'),
             (lambda: self.widest_attention_window <= self.max_attention_window, "every attention window must be at most max_attention_window, the block table's capacity (buffers.yaml: widest_attention_window <= max_attention_window)"),
+            (lambda: len(self.attention_windows) <= self.num_layers, 'attention_windows gives one window per layer at most (it repeats when shorter); a longer list would lose its extra values (buffers.yaml: len(attention_windows) <= num_layers)'),
+            (lambda: len(self.kv_heads_per_layer) <= self.num_layers, 'kv_heads_per_layer gives one head count per layer at most (it repeats when shorter); a longer list would lose its extra values (buffers.yaml: len(kv_heads_per_layer) <= num_layers)'),
             (lambda: self.max_beam_width == 1 or len(self.attention_window_sizes) == 1, "layers with different attention windows need beam width 1 (TensorRT-LLM's detachFrontBlock) (buffers.yaml: max_beam_width == 1 or len(attention_window_sizes) == 1)"),
         )
 

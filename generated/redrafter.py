@@ -171,6 +171,8 @@ class Config(rt.ConfigBase):
             (lambda: self.max_beam_width == 1, 'speculative decoding needs max_beam_width 1 (buffers.yaml: max_beam_width == 1)'),
             (lambda: self.attention_layer_period == 1, 'only a recurrent family has layers without attention; leave attention_layer_period at 1 (buffers.yaml: attention_layer_period == 1)'),
             (lambda: self.widest_attention_window <= self.max_attention_window, "every attention window must be at most max_attention_window, the block table's capacity (buffers.yaml: widest_attention_window <= max_attention_window)"),
+            (lambda: len(self.attention_windows) <= self.num_layers, 'attention_windows gives one window per layer at most (it repeats when shorter); a longer list would lose its extra values (buffers.yaml: len(attention_windows) <= num_layers)'),
+            (lambda: len(self.kv_heads_per_layer) <= self.num_layers, 'kv_heads_per_layer gives one head count per layer at most (it repeats when shorter); a longer list would lose its extra values (buffers.yaml: len(kv_heads_per_layer) <= num_layers)'),
             (lambda: self.max_beam_width == 1 or len(self.attention_window_sizes) == 1, "layers with different attention windows need beam width 1 (TensorRT-LLM's detachFrontBlock) (buffers.yaml: max_beam_width == 1 or len(attention_window_sizes) == 1)"),
             (lambda: self.max_draft_tokens >= 1, 'speculative decoding needs max_draft_tokens of at least 1 (buffers.yaml: max_draft_tokens >= 1)'),
         )

@@ -362,3 +362,14 @@ def test_report_lists_the_kv_pools(capsys, monkeypatch):
     ]
     offsets = next(t for t in report["tensors"] if t["name"] == "kv_cache_block_offsets")
     assert offsets["shape"][0] == 3
+
+
+def test_report_refuses_an_empty_list_item(capsys):
+    """`--set attention_windows=8,,64` once dropped the empty item and reported two windows."""
+    code, _, err = run(capsys, "report", "llama", *LLAMA, "--set", "attention_windows=8,,64")
+    assert code == 1
+    assert err == (
+        "bufc report: attention_windows: '8,,64' has an empty item; give the values "
+        "comma-separated, as attention_windows=a,b (or attention_windows= for none)\n"
+    )
+    assert run(capsys, "report", "llama", *LLAMA, "--set", "attention_windows=")[0] == 0

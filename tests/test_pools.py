@@ -376,3 +376,12 @@ def test_attention_layer_period_is_a_recurrent_familys() -> None:
         make_buffers("llama", attention_layer_period=2)
     with pytest.raises(ConfigError, match="this rank has no attention layer"):
         _hybrid(num_layers=2)
+
+
+@pytest.mark.parametrize("name", ["attention_windows", "kv_heads_per_layer"])
+def test_a_per_layer_list_longer_than_the_layers_is_refused(name: str) -> None:
+    """Four layers and five values: the fifth would never be read (the list repeats when
+    shorter, and is cut when longer), so the Config refuses it."""
+    values = [16, 32, 64, 64, 64] if name == "attention_windows" else [2, 2, 4, 4, 8]
+    with pytest.raises(ConfigError, match=f"{name} gives one .* per layer at most"):
+        make_buffers("llama", num_layers=4, max_attention_window=64, **{name: values})
