@@ -297,8 +297,10 @@ def report(
                     f"{key}: '{raw}' has an empty item; give the values comma-separated, "
                     f"as {key}=a,b (or {key}= for none)"
                 )
-            read = str.strip if kind == "names" else (lambda n: parse_int(key, n.strip()))
-            values[key] = tuple(read(n) for n in items)
+            if kind == "names":
+                values[key] = tuple(n.strip() for n in items)
+            else:
+                values[key] = tuple(parse_int(key, n.strip()) for n in items)
         else:
             values[key] = parse_int(key, raw)
     missing = [
