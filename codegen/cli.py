@@ -14,20 +14,51 @@ from pathlib import Path
 
 from bufc import __version__
 
-from . import emit, files
+from . import emit, extend, files
 from .contract_doc import PAGE_FAMILIES, family_tables, render_page
 from .errors import SpecError
-from .pipeline import Compiled, compile_file
+from .pipeline import Compiled, UnknownFamilies, compile_builtin, compile_file
 from .report import PLOT_FORMATS, Report, ReportError, plot, report
 
 
-def _spec(path: str, imports: bool = False) -> Compiled:
-    # diagnostics name the path as given; `imports`: the spec's own implementations imported
-    return compile_file(path, display_name=path, imports=imports)
+def _spec(path: str, imports: bool = False, families: list[str] | None = None) -> Compiled:
+    """`path` compiled (diagnostics name it as given; `imports`: the spec's own
+    implementations imported), lowering `families` when given (a UsageError naming the
+    families there are for one it lacks)."""
+    try:
+        return compile_file(path, display_name=path, imports=imports, families=families)
+    except UnknownFamilies as exc:
+        builtin = compile_builtin().family_names
+        raise UsageError(
+            extend.unknown_family(exc.names[0], path, exc.known, builtin)
+            + "; --family picks among the spec's families (and those it extends)"
+        ) from None
+
+
+def _find(family: str, path: str | None, command: str) -> Compiled:
+    """The spec a command reads `family` from, as report and contract find it: the project's
+    (`path`, else ./buffers.yaml) when it has the family, else bufc's built-in spec (a note on
+    stderr says so); a UsageError listing both when neither has it."""
+    path = path or ("buffers.yaml" if Path("buffers.yaml").is_file() else None)
+    own: tuple[str, ...] = ()
+    if path is not None:
+        compiled = _spec(path)
+        if family in compiled.family_names:
+            return compiled
+        own = compiled.family_names
+    builtin = compile_builtin()
+    if family not in builtin.family_names:
+        raise UsageError(
+            extend.unknown_family(family, path or "no spec", own, builtin.family_names)
+        )
+    why = f"{path} has no family '{family}'" if path else "no --spec and no ./buffers.yaml"
+    print(f"bufc {command}: {why}: reading bufc's built-in spec", file=sys.stderr)
+    return builtin
 
 
 def _generate(args: argparse.Namespace) -> int:
-    spec = _spec(args.spec, imports=True)  # a project rule that cannot be called fails here
+    # a project rule that cannot be called fails here
+    spec = _spec(args.spec, imports=True, families=args.family)
     written, deleted = files.write(Path(args.out), emit.render_all(spec, Path(args.spec).name))
     print(
         f"{args.out}: {len(written)} file(s) updated"
@@ -42,8 +73,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    spec = _spec(args.spec)
-    command = emit.regenerate_command(args.spec, args.out)
+    spec = _spec(args.spec, families=args.family)
+    command = emit.regenerate_command(args.spec, args.out, args.family)
     if not Path(args.out).exists():  # not a diff of every file: maybe --out names the wrong one
         print(
             f"bufc check: {args.out} does not exist; give --out the folder that holds the "
@@ -61,14 +92,17 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _contract(args: argparse.Namespace) -> int:
-    spec = _spec(args.spec)
-    known = [p.family.name for p in spec.plans]
-    for family in args.families:
-        if family not in known:
-            raise UsageError(f"no family {family!r} in {args.spec} ({', '.join(known)})")
     if args.families:
-        print("\n\n".join(f"## {f}\n\n{family_tables(spec, f)}" for f in args.families))
+        print(
+            "\n\n".join(
+                f"## {f}\n\n{family_tables(_find(f, args.spec, 'contract'), f)}"
+                for f in args.families
+            )
+        )
         return 0
+    args.spec = args.spec or "buffers.yaml"
+    spec = _spec(args.spec)
+    known = spec.family_names
     missing = [f for f in PAGE_FAMILIES if f not in known]
     if missing:
         raise UsageError(
@@ -150,22 +184,10 @@ def _report(args: argparse.Namespace) -> int:
             f"--plot {args.plot}: name a file ending in one of "
             f"{', '.join('.' + f for f in PLOT_FORMATS)}"
         )
-    if args.spec is None and not Path("buffers.yaml").is_file():
-        from .report_module import report_module  # needs torch: the generated module
+    spec = _find(args.family, args.spec, "report")
 
-        print(
-            f"bufc report: no --spec and no ./buffers.yaml: reading the installed module "
-            f"bufc.generated.{args.family}",
-            file=sys.stderr,
-        )
-
-        def build(s: dict[str, str]) -> Report:
-            return report_module(args.family, s)
-    else:
-        spec = _spec(args.spec or "buffers.yaml")
-
-        def build(s: dict[str, str]) -> Report:
-            return report(spec, args.family, s, imports=args.imports)
+    def build(s: dict[str, str]) -> Report:
+        return report(spec, args.family, s, imports=args.imports)
 
     if sweep is not None:
         name, values = sweep
@@ -230,6 +252,48 @@ def _folder(text: str) -> str:
     return text
 
 
+class _Formatter(argparse.HelpFormatter):
+    """argparse's, but an epilog of examples keeps its lines (one command each)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("examples:\n"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+EXAMPLES = {
+    "generate": [
+        "bufc generate                                  # buffers.yaml -> generated/",
+        "bufc generate --spec buffers.yaml --out mypkg/buffers",
+        "bufc generate --out mypkg/buffers --family llama_flash   # one family alone",
+    ],
+    "check": [
+        "bufc check --spec buffers.yaml --out mypkg/buffers   # exit 1 when stale (CI)",
+    ],
+    "validate": [
+        "bufc validate buffers.yaml",
+        "bufc validate --import specs/*.buffers.yaml   # also import the project's rules",
+    ],
+    "report": [
+        "bufc report llama --set max_batch_size=64 --set max_num_tokens=8192 \\",
+        "    --set vocab_size=32000 --set num_layers=32 --set max_attention_window=4096",
+        "bufc report llama ... --sweep max_batch_size=8,64,256 --plot memory.svg",
+        "bufc report my_family ... --import   # runs the spec's own derive: functions",
+    ],
+    "contract": [
+        "bufc contract llama_flash                      # its bound tensors, as tables",
+        "bufc contract --out docs/contract.md           # bufc's own contract page",
+    ],
+    "schema": [
+        "bufc schema --path                             # for '# yaml-language-server: $schema=...'",
+    ],
+}
+
+
+def _examples(command: str) -> str:
+    return "examples:\n" + "".join(f"  {line}\n" for line in EXAMPLES[command])
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bufc",
@@ -245,6 +309,13 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument(
             "--spec", default="buffers.yaml", help="the spec file (default: buffers.yaml)"
         )
+        sp.add_argument(
+            "--family",
+            action="append",
+            metavar="NAME",
+            help="only this family (repeatable): the output folder holds these alone; default: "
+            "every family the spec defines (with 'extends: bufc', its own, not bufc's)",
+        )
         if out:
             sp.add_argument(
                 "--out",
@@ -255,6 +326,8 @@ def parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser(
         "generate",
+        epilog=_examples("generate"),
+        formatter_class=_Formatter,
         help="write generated/ from the spec",
         description="Write one module per family of the spec into the output folder, only the "
         "files that changed. Files bufc did not write (no '# @generated by bufc.codegen' "
@@ -267,6 +340,8 @@ def parser() -> argparse.ArgumentParser:
     g.set_defaults(run=_generate)
     c = sub.add_parser(
         "check",
+        epilog=_examples("check"),
+        formatter_class=_Formatter,
         help="validate the spec and fail if generated/ is stale",
         description="Validate the spec and compare the output folder with what generate would "
         "write: exit 1, with a diff on stdout and the command that regenerates on stderr, "
@@ -276,6 +351,8 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(run=_check)
     v = sub.add_parser(
         "validate",
+        epilog=_examples("validate"),
+        formatter_class=_Formatter,
         help="validate spec files",
         description="Check each spec file and report every error of each as FILE:LINE:COL: "
         "message; exit 1 if any file has one. No code of the project is imported, unless "
@@ -292,6 +369,8 @@ def parser() -> argparse.ArgumentParser:
     v.set_defaults(run=_validate)
     r = sub.add_parser(
         "report",
+        epilog=_examples("report"),
+        formatter_class=_Formatter,
         help="tensors, shapes and bytes of a family for given parameters",
         description="Every tensor a family allocates for the given parameters, with dtype, "
         "memory kind, capacity, bytes, fill and engine bindings, and the totals per memory "
@@ -303,7 +382,10 @@ def parser() -> argparse.ArgumentParser:
         "--set", action="append", metavar="NAME=VALUE", help="a construct-time parameter"
     )
     r.add_argument(
-        "--spec", default=None, help="the spec file (default: ./buffers.yaml if present)"
+        "--spec",
+        default=None,
+        help="the spec file (default: ./buffers.yaml if present; a family it lacks is read "
+        "from bufc's built-in spec)",
     )
     r.add_argument("--json", action="store_true", help="print the report as JSON")
     r.add_argument(
@@ -328,6 +410,8 @@ def parser() -> argparse.ArgumentParser:
     r.set_defaults(run=_report)
     k = sub.add_parser(
         "contract",
+        epilog=_examples("contract"),
+        formatter_class=_Formatter,
         help="the engine contract: each family's bound tensors, pads and step scalars",
         description="Print the tensors each named family binds (engine name, direction, dtype, "
         "memory, step shape, pad policy, meaning) and its step scalars, as markdown tables. "
@@ -335,13 +419,20 @@ def parser() -> argparse.ArgumentParser:
         "--check exits 1 when the file differs.",
     )
     k.add_argument("families", nargs="*", metavar="FAMILY")
-    k.add_argument("--spec", default="buffers.yaml", help="the spec file (default: buffers.yaml)")
+    k.add_argument(
+        "--spec",
+        default=None,
+        help="the spec file (default: ./buffers.yaml; a family it lacks is read from bufc's "
+        "built-in spec)",
+    )
     where = k.add_mutually_exclusive_group()
     where.add_argument("--out", metavar="FILE", help="write the contract page to FILE")
     where.add_argument("--check", metavar="FILE", help="exit 1 if FILE is not the page")
     k.set_defaults(run=_contract)
     s = sub.add_parser(
         "schema",
+        epilog=_examples("schema"),
+        formatter_class=_Formatter,
         help="the JSON Schema of buffers.yaml (for editors)",
         description="Print the installed JSON Schema's path or its text. Point an editor at "
         "it, e.g. with the first line '# yaml-language-server: $schema=PATH' in a spec.",

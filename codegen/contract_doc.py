@@ -11,6 +11,7 @@ spec: ``bufc contract --check`` (in ``make check``) fails when it is stale.
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from typing import TYPE_CHECKING
 
@@ -52,9 +53,17 @@ def _source(plan: FamilyPlan, t: PlannedTensor) -> PlannedTensor:
     return t
 
 
+# where a host tensor's doc says it is staged on the host: not what its device copy is
+_ON_HOST = re.compile(r",? (?:staged )?on the host(?=[.;:)]|$)")
+
+
 def _meaning(compiled: Compiled, plan: FamilyPlan, t: PlannedTensor) -> str:
     source = _source(plan, t)
-    doc = f"Device copy of `{source.name}`: {source.doc}" if source is not t else t.doc
+    doc = (
+        f"Device copy of `{source.name}`: {_ON_HOST.sub('', source.doc)}"
+        if source is not t
+        else t.doc
+    )
     if source.fill_kind == "rule" and source.fill_target:
         rule = compiled.spec.rule(source.fill_target)
         if rule is not None:

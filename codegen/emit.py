@@ -585,6 +585,8 @@ def render_all(compiled: Compiled, file: str = "buffers.yaml") -> dict[str, str]
     return out
 
 
-def regenerate_command(spec: str, out: str) -> str:
-    """The command that rewrites `out` from `spec`, as a user types it."""
-    return f"bufc generate --spec {shlex.quote(spec)} --out {shlex.quote(out)}"
+def regenerate_command(spec: str, out: str, families: Sequence[str] | None = None) -> str:
+    """The command that rewrites `out` from `spec` (only `families`, when given), as a user
+    types it."""
+    picked = "".join(f" --family {shlex.quote(f)}" for f in families or ())
+    return f"bufc generate --spec {shlex.quote(spec)} --out {shlex.quote(out)}{picked}"

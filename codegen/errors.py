@@ -18,6 +18,11 @@ class Location:
         file = self.file if self.file.isprintable() else ascii(self.file)[1:-1]  # one line
         return f"{file}:{self.line}:{self.col}"
 
+    def line_from(self, here: Location) -> str:
+        """This position as a message written at `here` names it: ``line N`` in the same file,
+        ``FILE:N`` in another (a spec that extends bufc's names bufc's lines so)."""
+        return f"line {self.line}" if self.file == here.file else f"{self.file}:{self.line}"
+
     def shifted(self, cols: int) -> Location:
         """The position `cols` characters further on the same line (inside a formula)."""
         return Location(self.file, self.line, self.col + cols)

@@ -126,6 +126,10 @@ class Family:
     loc: Location
     flag_locs: tuple[tuple[str, Location], ...] = ()
     additional_outputs: tuple[AdditionalOutput, ...] = ()
+    # the family of the extended spec this one starts from (its flags and outputs), and where
+    # the spec says so; None for a family of its own
+    extends: str | None = None
+    extends_loc: Location | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,6 +288,16 @@ class Spec:
     request_checks: tuple[RequestCheck, ...] = ()
     requests: Requests = Requests()
     scalars: tuple[Scalar, ...] = ()
+    # the spec this one extends (`extends: bufc`: bufc's built-in spec), and where it says so
+    extends: str | None = None
+    extends_loc: Location | None = None
+    # the families this spec's file defines, the ones generated (None: every family)
+    own: tuple[str, ...] | None = None
+
+    @property
+    def generated(self) -> tuple[Family, ...]:
+        """The families generated from this spec: those its own file defines."""
+        return tuple(f for f in self.families if self.own is None or f.name in self.own)
 
     def tensor(self, name: str) -> Tensor:
         return next(t for t in self.tensors if t.name == name)
@@ -403,6 +417,8 @@ class _Builder:
             request_checks,
             requests,
             scalars,
+            d.get("extends"),
+            kl(("extends",)) if "extends" in d else None,
         )
 
     def flags(self) -> tuple[Flag, ...]:
@@ -450,6 +466,8 @@ class _Builder:
                     )
                     for o, v in r.get("additional_outputs", {}).items()
                 ),
+                r.get("extends"),
+                self.doc.loc(("families", n, "extends")) if "extends" in r else None,
             )
             for n, r in d.get("families", {}).items()
         )

@@ -144,7 +144,9 @@ def check_document(doc: Document, *, rules_only: bool = False) -> list[Diagnosti
 
     full = schema()
     validator = jsonschema.Draft202012Validator(
-        {**full, "required": ["version"]} if rules_only else full
+        {**{k: v for k, v in full.items() if k not in ("if", "then")}, "required": ["version"]}
+        if rules_only
+        else full
     )
     out: list[Diagnostic] = []
     for err in validator.iter_errors(doc.data):

@@ -127,7 +127,7 @@ class Scope:
             if name in first:
                 self.errors.error(
                     loc,
-                    f"name '{name}' is already declared at line {first[name].line}; "
+                    f"name '{name}' is already declared at {first[name].line_from(loc)}; "
                     "flags, parameters, derived values, sizes and scalars share one namespace",
                 )
                 continue

@@ -32,7 +32,7 @@ def engine_names(scope: Scope, plans: list[FamilyPlan]) -> None:
                     scope.errors.error(
                         b.loc,
                         f"engine {b.direction} '{b.engine_name}' is bound by both "
-                        f"'{other.name}' (line {other.loc.line}) and '{pt.name}' in family "
+                        f"'{other.name}' ({other.loc.line_from(b.loc)}) and '{pt.name}' in family "
                         f"'{fam.name}'; make their 'when' conditions exclusive",
                     )
 
@@ -149,7 +149,10 @@ def conditions(scope: Scope, plans: list[FamilyPlan]) -> None:
             if scope.prover.can_hold(pt.when):
                 present.setdefault(pt.name, []).append(pt)
     by_name = {t.name: t for t in scope.spec.tensors}
-    for t in scope.spec.tensors:
+    spec = scope.spec
+    for t in spec.tensors:
+        if spec.extends is not None and t.loc.file != spec.file:
+            continue  # the extended spec's tensors: only its families it generates hold them
         src = by_name.get(t.fill.target or "") if t.fill.kind == "mirror" else None
         if t.name not in present:
             if t.when is not None and (src is None or src.name in present):

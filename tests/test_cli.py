@@ -106,16 +106,16 @@ def test_report_json_equals_the_table(capsys, monkeypatch):
         ("medusa", ["--set", "max_draft_tokens=2", "--set", "num_medusa_heads=2"]),
     ],
 )
-def test_report_without_a_spec_reads_the_generated_module(
-    capsys, monkeypatch, tmp_path, family, extra
-):
-    """An installed wheel has the generated modules, not the spec: the same report from them."""
+def test_report_without_a_spec_reads_the_builtin_spec(capsys, monkeypatch, tmp_path, family, extra):
+    """An installed package carries bufc's spec: without one at hand, the same report from it,
+    saying so on stderr."""
     monkeypatch.chdir(REPO)
     _, from_spec, _ = run(capsys, "report", family, *LLAMA, *extra)
     monkeypatch.chdir(tmp_path)  # no buffers.yaml here
-    code, from_module, err = run(capsys, "report", family, *LLAMA, *extra)
+    code, from_builtin, err = run(capsys, "report", family, *LLAMA, *extra)
     assert code == 0, err
-    assert from_module == from_spec
+    assert from_builtin == from_spec
+    assert err == "bufc report: no --spec and no ./buffers.yaml: reading bufc's built-in spec\n"
 
 
 @pytest.mark.parametrize(
@@ -137,7 +137,7 @@ def test_report_refuses_what_the_config_refuses_with_its_message(
     capsys, monkeypatch, tmp_path, settings, config
 ):
     """`--set lora_modules=attn_qkv,attn_qkv` was reported (2 modules) though the Config
-    refuses it: from the spec as from the generated module, the report says what the Config
+    refuses it: from the repository's spec as from the built-in one, the report says what the Config
     says, every problem at once."""
     from bufc.runtime import ConfigError
 
@@ -151,15 +151,15 @@ def test_report_refuses_what_the_config_refuses_with_its_message(
     code, out, from_spec = run(capsys, "report", "gpt_lora", *LLAMA, *argv)
     assert (code, out) == (1, "")
     assert from_spec == f"bufc report: {said.removeprefix('bufc.generated.')}\n"
-    monkeypatch.chdir(tmp_path)  # no buffers.yaml: the installed module's Config
-    code, out, from_module = run(capsys, "report", "gpt_lora", *LLAMA, *argv)
+    monkeypatch.chdir(tmp_path)  # no buffers.yaml: bufc's built-in spec
+    code, out, from_builtin = run(capsys, "report", "gpt_lora", *LLAMA, *argv)
     assert (code, out) == (1, "")
-    note, refusal = from_module.split("\n", 1)
-    assert "reading the installed module bufc.generated.gpt_lora" in note
-    assert refusal == f"bufc report: {said}\n"
+    note, refusal = from_builtin.split("\n", 1)
+    assert "reading bufc's built-in spec" in note
+    assert refusal == f"bufc report: {said.removeprefix('bufc.generated.')}\n"
 
 
-def test_report_from_the_module_names_a_bad_parameter(capsys, monkeypatch, tmp_path):
+def test_report_from_the_builtin_spec_names_a_bad_parameter(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     code, _, err = run(capsys, "report", "llama", *LLAMA, "--set", "max_batch_sise=3")
     assert code == 1
@@ -219,13 +219,35 @@ def test_report_from_the_spec_refuses_a_dtype_the_spec_does_not_allow(capsys, mo
     assert "logits_dtype: 'int8' is not one of float16, bfloat16, float32, float64" in err
 
 
-def test_report_says_when_it_reads_the_installed_module(capsys, monkeypatch, tmp_path):
+def test_report_and_contract_find_a_family_as_generate_does(capsys, monkeypatch, tmp_path):
+    """The project's spec when it has the family, else bufc's built-in one (saying so); a
+    family neither has is a usage error listing both."""
     monkeypatch.chdir(tmp_path)
+    mini = (REPO / "tests" / "cases" / "mini" / "buffers.yaml").read_text()
+    (tmp_path / "buffers.yaml").write_text(mini)
+    own = ", ".join(yaml_families(mini))
     code, _, err = run(capsys, "report", "llama", *LLAMA)
     assert code == 0
-    assert (
-        "no --spec and no ./buffers.yaml: reading the installed module bufc.generated.llama" in err
+    assert err == "bufc report: buffers.yaml has no family 'llama': reading bufc's built-in spec\n"
+    code, out, err = run(capsys, "contract", "llama_flash")
+    assert code == 0 and "| `query_start_loc` | input |" in out
+    assert "buffers.yaml has no family 'llama_flash': reading bufc's built-in spec" in err
+    code, _, err = run(capsys, "report", "lama")
+    assert code == 2
+    assert err.startswith(
+        f"bufc report: unknown family 'lama' (did you mean 'llama'?); buffers.yaml defines {own}, "
+        "and bufc's built-in spec gpt, chatglm, glm, llama,"
     )
+    (tmp_path / "buffers.yaml").unlink()
+    code, _, err = run(capsys, "contract", "llama")
+    assert code == 0
+    assert err == "bufc contract: no --spec and no ./buffers.yaml: reading bufc's built-in spec\n"
+
+
+def yaml_families(text: str) -> list[str]:
+    import yaml
+
+    return list(yaml.safe_load(text)["families"])
 
 
 def test_validate_reports_every_file_under_the_path_given(capsys, tmp_path, monkeypatch):
@@ -373,3 +395,28 @@ def test_report_refuses_an_empty_list_item(capsys):
         "comma-separated, as attention_windows=a,b (or attention_windows= for none)\n"
     )
     assert run(capsys, "report", "llama", *LLAMA, "--set", "attention_windows=")[0] == 0
+
+
+@pytest.mark.parametrize(
+    "command", ["generate", "check", "validate", "report", "contract", "schema"]
+)
+def test_every_subcommands_help_shows_examples(capsys, command):
+    from bufc.codegen.cli import EXAMPLES
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert "examples:\n" in out
+    for line in EXAMPLES[command]:
+        assert f"  {line}\n" in out
+
+
+def test_the_report_example_runs(capsys, monkeypatch):
+    from bufc.codegen.cli import EXAMPLES
+
+    monkeypatch.chdir(REPO)
+    first = " ".join(EXAMPLES["report"][:2]).replace("\\", "").split()
+    assert first[0] == "bufc"
+    code, out, err = run(capsys, *first[1:])
+    assert code == 0, err
+    assert "allocated for runtime buffers" in out

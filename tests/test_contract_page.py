@@ -169,4 +169,14 @@ def test_a_familys_tables_for_any_spec() -> None:
     )
     bad = _cli("lama_flash")
     assert bad.returncode == 2
-    assert "no family 'lama_flash' in buffers.yaml (gpt, chatglm" in bad.stderr
+    assert (
+        "unknown family 'lama_flash' (did you mean 'llama_flash'?); buffers.yaml defines gpt, "
+        "chatglm" in bad.stderr
+    )
+
+
+def test_no_device_row_says_it_is_on_the_host() -> None:
+    """A device mirror's meaning is its host tensor's doc, without the host staging."""
+    rows = [line for line in PAGE.read_text().splitlines() if "| device |" in line]
+    assert len(rows) > 20
+    assert not [row for row in rows if "on the host" in row]

@@ -219,6 +219,35 @@ def test_every_ci_recipe_command_runs_in_a_fresh_environment(ci: CI, project: Pa
         )
 
 
+def test_a_project_extends_a_builtin_family_from_its_own_spec_alone(ci: CI, tmp_path: Path):
+    """A project folder holding its own 28-line spec (llama_flash plus a tensor and its rule)
+    and its rules module, nothing of bufc's: the bufc installed as the recipe installs it
+    validates it, generates that one family from the spec bufc carries, and checks it; the
+    module then runs a step (with this environment's torch: the recipe installs none)."""
+    project = tmp_path / "extended"
+    shutil.copytree(REPO / "tests" / "cases" / "extended", project)
+    assert [p.name for p in project.rglob("*.yaml")] == ["buffers.yaml"]
+    bufc = str(ci.bin / "bufc")
+    r = sh(project, bufc, "validate", "--import", "buffers.yaml")
+    assert r.returncode == 0 and r.stdout == "buffers.yaml: ok\n", r.stderr
+    r = sh(project, bufc, "generate", "--spec", "buffers.yaml", "--out", "myproj/buffers")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "myproj/buffers: 2 file(s) updated (__init__.py, my_flash.py)\n"
+    r = sh(project, bufc, "check", "--spec", "buffers.yaml", "--out", "myproj/buffers")
+    assert r.returncode == 0, r.stderr
+    step = (
+        "from bufc.runtime import Request\n"
+        "from myproj.buffers import my_flash\n"
+        "b = my_flash.RuntimeBuffers(my_flash.Config(max_batch_size=2, max_num_tokens=16,\n"
+        "    vocab_size=10, num_layers=1, max_attention_window=16, tokens_per_block=4))\n"
+        "b.add(Request(1, [1, 2, 3], kv_block_ids=[[1]]))\n"
+        "b.add(Request(0, [4, 5], kv_block_ids=[[2]]))\n"
+        "print(b.step().inputs['request_index'].tolist())\n"
+    )
+    r = sh(project, sys.executable, "-c", step)
+    assert r.returncode == 0 and r.stdout == "[0, 0, 0, 1, 1]\n", r.stderr
+
+
 @pytest.mark.parametrize(
     "path, spec",
     [
