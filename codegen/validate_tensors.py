@@ -86,8 +86,7 @@ def tensors(scope: Scope) -> None:
         if t.name in by_name:
             scope.errors.error(
                 t.loc,
-                f"tensor '{t.name}' is already declared at "
-                f"{by_name[t.name].loc.line_from(t.loc)}",
+                f"tensor '{t.name}' is already declared at {by_name[t.name].loc.line_from(t.loc)}",
             )
             continue
         by_name[t.name] = t
