@@ -222,15 +222,7 @@ class BeamExecutor:
         c = self.config
         blocks = max_batch_size * max_beam_width * c.max_blocks_per_seq + BlockAllocator.RESERVED
         self.allocator = BlockAllocator(blocks)
-        self.cache = PagedKVCache(
-            blocks,
-            self.model.num_layers,
-            tokens_per_block,
-            self.model.kv_heads,
-            self.model.head_dim,
-            dtype,
-            device,
-        )
+        self.cache = PagedKVCache.for_model(self.model, blocks, tokens_per_block, dtype, device)
         self.chunk_size = chunk_size or token_budget
         self.token_budget = token_budget
         window = c.max_attention_window

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -58,11 +58,40 @@ def tiny_llama(seed: int = 0, *, vocab_size: int = 512, init_scale: float = 0.3)
         max_position_embeddings=4096,
         initializer_range=init_scale,
     )
+    return float64_model(LlamaForCausalLM, config, seed)
+
+
+def float64_model(model_class, config, seed: int) -> torch.nn.Module:
+    """``model_class(config)``, its weights drawn after ``torch.manual_seed(seed)``, in float64
+    and eval mode; eos disabled (pad id 0), so ``generate`` gives exactly ``max_new_tokens``
+    tokens, as the executors do."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float64).eval()
-    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens, as we do
+    model = model_class(config).to(torch.float64).eval()
+    model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+def random_jobs(
+    rng: random.Random,
+    lengths: list[int],
+    *,
+    vocab_size: int,
+    new_tokens: tuple[int, int],
+    last_arrival: int,
+) -> list[Job]:
+    """One request per prompt length, in order (request ids 0..): random prompt tokens below
+    `vocab_size`, ``new_tokens[0]`` to ``new_tokens[1]`` new tokens, arriving at a step from 0
+    to `last_arrival`, all drawn from `rng`."""
+    return [
+        Job(
+            rid=i,
+            prompt=tuple(rng.randrange(vocab_size) for _ in range(length)),
+            max_new_tokens=rng.randint(*new_tokens),
+            arrival_step=rng.randint(0, last_arrival),
+        )
+        for i, length in enumerate(lengths)
+    ]
 
 
 def workload(
@@ -72,15 +101,9 @@ def workload(
     each stopping after its own number of tokens."""
     rng = random.Random(seed)
     lengths = [1, 2, 3, max_prompt] + [rng.randint(1, max_prompt) for _ in range(n - 4)]
-    return [
-        Job(
-            rid=i,
-            prompt=tuple(rng.randrange(vocab_size) for _ in range(length)),
-            max_new_tokens=rng.randint(1, 12),
-            arrival_step=rng.randint(0, 3 * n // 4),
-        )
-        for i, length in enumerate(lengths)
-    ]
+    return random_jobs(
+        rng, lengths, vocab_size=vocab_size, new_tokens=(1, 12), last_arrival=3 * n // 4
+    )
 
 
 def reference_tokens(model: torch.nn.Module, jobs: list[Job]) -> dict[int, list[int]]:
@@ -123,3 +146,26 @@ def assert_same_tokens(result: Result, reference: dict[int, list[int]]) -> None:
             f"request {rid} diverges at generated token {k} (step {step}): "
             f"bufc executor gave {a}, transformers.generate gave {b}"
         )
+
+
+def assert_row_logits(
+    steps: list,
+    want: Callable[[int, int], torch.Tensor],
+    tol: float = 1e-9,
+    label: Callable[[object], str] = lambda s: s.kind,
+) -> float:
+    """Every logit row of every step (records with `step`, `rids`, `positions` and `logits`,
+    row i request ``rids[i]``'s logits at ``positions[i]``) against ``want(rid, position)``,
+    the reference's. Raises Mismatch on the earliest step with a row off by more than `tol`
+    (the step named with ``label(step)``); returns the largest difference otherwise."""
+    worst = 0.0
+    for s in steps:
+        for row, (rid, pos) in enumerate(zip(s.rids, s.positions)):
+            diff = float((s.logits[row] - want(rid, pos)).abs().max())
+            if not diff <= tol:
+                raise Mismatch(
+                    f"step {s.step} ({label(s)}), row {row}: request {rid} at position {pos}: "
+                    f"logits differ from transformers by {diff:.3g} (tolerance {tol:g})"
+                )
+            worst = max(worst, diff)
+    return worst

@@ -23,11 +23,12 @@ step; this module plays every part around bufc's buffers:
   context request. Tree node j of generation request g sits at ``position_ids`` of its row +
   ``spec_decoding_position_offsets[g, j]``, attends to the past and to its ancestors, and
   writes its K/V to cache position past + j.
-* ``EagleExecutor``: in-flight batching over ``add`` / ``step`` / ``finish`` (arrivals,
-  chunked prefill, a token budget, finishes and slot reuse, KV blocks on a paged pool);
-  greedy acceptance from the root (the decoder's job); the accepted path's K/V moved from
-  past + j_k to past + k (TensorRT-LLM's KV-cache rewind); ``step(tokens, accepted={slot:
-  n}, drafts=...)`` with the bonus token in ``tokens[slot]``.
+* ``TreeExecutor``: in-flight batching over ``add`` / ``step`` / ``finish`` (arrivals,
+  chunked prefill, a token budget, finishes and slot reuse, KV blocks on a paged pool); the
+  accepted path's K/V moved from past + j_k to past + k (TensorRT-LLM's KV-cache rewind);
+  ``step(tokens, accepted={slot: n}, drafts=...)`` with the bonus token in ``tokens[slot]``.
+  ``EagleExecutor`` is it with the drafter above and greedy acceptance from the root (the
+  decoder's job); ``lookahead.LookaheadExecutor`` is it with lookahead's drafter.
 
 tests/test_eagle_model.py proves with it that every request's tokens equal
 ``transformers.generate`` (greedy), that every verified logit row equals the Hugging Face
@@ -41,6 +42,7 @@ import dataclasses
 import random
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,9 +50,10 @@ import torch
 from bufc.generated import eagle
 from bufc.runtime import Request
 
+from .compare import random_jobs
 from .executor import Job, grow_blocks, split_budget
 from .paged_cache import BlockAllocator, PagedKVCache
-from .speculative import LogitRecord, SpecLlama, _Seq, unpack_mask
+from .speculative import LogitRecord, SpecLlama, SpecResult, _Seq, unpack_mask
 
 # --------------------------------------------------------------------------- draft trees
 
@@ -352,32 +355,17 @@ class Verification:
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleStepStats:
+class StepStats:
     step: int
     context_requests: int
     generation_requests: int
+    nodes: int  # tree nodes of the generation requests
     most_drafts: int  # of any generation request this step
     tokens: int
     logits: int
+    positions_shape: tuple[int, ...]  # position_ids as bound
     offsets_shape: tuple[int, ...]  # spec_decoding_position_offsets as bound
     mask_shape: tuple[int, ...]  # spec_decoding_packed_mask as bound
-
-
-@dataclasses.dataclass
-class EagleResult:
-    tokens: dict[int, list[int]]
-    token_steps: dict[int, list[int]]  # the step that produced each generated token
-    steps: list[EagleStepStats]
-    verifications: list[Verification]
-    records: list[LogitRecord]
-
-    @property
-    def proposed(self) -> int:
-        return sum(v.proposed for v in self.verifications)
-
-    @property
-    def accepted(self) -> int:
-        return sum(v.accepted for v in self.verifications)
 
 
 @dataclasses.dataclass(eq=False)
@@ -387,60 +375,75 @@ class _Flight:
     blocks: list[int]
     position: int = 0  # prompt tokens computed
     generated: list[int] = dataclasses.field(default_factory=list)
-    tree: DraftTree | None = None  # this step's drafts (a generation request)
+    draft: Any = None  # this step's drafter output (a generation request)
+    tree: DraftTree | None = None  # its draft tree
 
 
-class EagleExecutor:
-    """In-flight batching of Eagle tree verification through ``eagle.RuntimeBuffers``."""
+class TreeExecutor:
+    """In-flight batching of draft-tree verification through a family's ``RuntimeBuffers``
+    (``add`` / ``step`` / ``finish``): each step every generation request verifies one draft
+    tree, prompt chunks share what is left of the token budget, the accepted path's K/V moves
+    onto it. The drafter's and the family's parts are hooks: ``_draft``, ``_write_inputs``,
+    ``_accept``, ``_verified``, ``_start`` / ``_finish`` (a request's drafter state)."""
 
     def __init__(
         self,
+        family,
         hf_model: torch.nn.Module,
-        drafter: TreeDrafter,
+        model: SpecLlama,
+        drafter,
+        faults,
         *,
-        max_draft_tokens: int = 6,
-        max_draft_path_len: int = 3,
+        max_draft_tokens: int,
+        token_budget: int,
         max_batch_size: int = 4,
-        token_budget: int = 40,
         chunk_size: int = 8,
         tokens_per_block: int = 4,
         max_sequence_length: int = 64,
-        faults: Faults = Faults(),
+        **config,
     ) -> None:
+        """`config`: the family's own Config fields."""
         cfg = hf_model.config
         dtype = next(hf_model.parameters()).dtype
         if token_budget <= max_batch_size * (1 + max_draft_tokens):
             raise ValueError(f"a token budget of {token_budget} cannot hold every draft tree")
-        self.config = eagle.Config(
+        self.config = family.Config(
             max_batch_size=max_batch_size,
             max_num_tokens=token_budget,
             max_draft_tokens=max_draft_tokens,
-            max_draft_path_len=max_draft_path_len,
             vocab_size=cfg.vocab_size,
             num_layers=cfg.num_hidden_layers,
             max_attention_window=max_sequence_length,
             tokens_per_block=tokens_per_block,
             logits_dtype=dtype,
+            **config,
         )
-        self.buffers = eagle.RuntimeBuffers(self.config)
-        self.model = EagleLlama(
-            hf_model, offset_stride=faults.offset_stride, mask_stride=faults.mask_stride
-        )
-        self.drafter, self.faults = drafter, faults
+        self.buffers = family.RuntimeBuffers(self.config)
+        self.model, self.drafter, self.faults = model, drafter, faults
         blocks = max_batch_size * self.config.max_blocks_per_seq + BlockAllocator.RESERVED
         self.allocator = BlockAllocator(blocks)
-        self.cache = PagedKVCache(
-            blocks,
-            self.model.num_layers,
-            tokens_per_block,
-            self.model.kv_heads,
-            self.model.head_dim,
-            dtype,
-            "cpu",
-        )
+        self.cache = PagedKVCache.for_model(model, blocks, tokens_per_block, dtype, "cpu")
         self.token_budget, self.chunk_size = token_budget, chunk_size
 
-    def run(self, jobs: Iterable[Job]) -> EagleResult:
+    def _draft(self, a: _Flight) -> tuple[Any, DraftTree]:
+        raise NotImplementedError  # the drafter's output for a generation request, its tree
+
+    def _write_inputs(self, step, drafts: list) -> None:
+        raise NotImplementedError  # the drafter's tensors; drafts[i] None: a context request
+
+    def _accept(self, step, row: int, tree: DraftTree, greedy: Sequence[int]) -> list[int]:
+        raise NotImplementedError  # the accepted nodes, root first; greedy: argmax per node
+
+    def _verified(self, index: int, a: _Flight, path, greedy, committed) -> Any:
+        raise NotImplementedError  # a's Verification (None: none); committed: with the new
+
+    def _start(self, job: Job) -> None:
+        """A request was added."""
+
+    def _finish(self, a: _Flight) -> None:
+        """A request has its tokens."""
+
+    def run(self, jobs: Iterable[Job]) -> SpecResult:
         """Serve `jobs` to completion: arrivals by step, add / step / finish."""
         buffers, mbs = self.buffers, self.config.max_batch_size
         pending = deque(sorted(jobs, key=lambda j: (j.arrival_step, j.rid)))
@@ -448,11 +451,10 @@ class EagleExecutor:
         active: dict[int, _Flight] = {}  # by seq slot, in arrival order
         free_slots = list(range(mbs - 1, -1, -1))
         rids = [j.rid for j in pending]
-        result = EagleResult({r: [] for r in rids}, {r: [] for r in rids}, [], [], [])
+        result = SpecResult({r: [] for r in rids}, {r: [] for r in rids}, [], [], [])
         tokens = np.zeros(mbs, np.int64)  # what each slot sampled (the bonus token), by slot
         accepted: dict[int, int] = {}
-        produced, step_index = False, 0
-        self._shorted = False
+        produced, step_index, shorted = False, 0, False
         while pending or waiting or active:
             while pending and pending[0].arrival_step <= step_index:
                 waiting.append(pending.popleft())
@@ -461,6 +463,7 @@ class EagleExecutor:
                 slot = free_slots.pop()
                 active[slot] = _Flight(job, slot, [])
                 buffers.add(Request(seq_slot=slot, prompt=list(job.prompt), kv_block_ids=[[]]))
+                self._start(job)
             chunks, drafts, blocks = self._schedule(active)
             if not chunks and not any(a.tree for a in active.values()):
                 step_index += 1
@@ -474,7 +477,7 @@ class EagleExecutor:
             )
             slots = buffers.tensors["seq_slots"][: step.sizes.num_requests].tolist()
             rows = [active[s] for s in slots]
-            write_tree_inputs(step, [None if a.slot in chunks else a.tree for a in rows])
+            self._write_inputs(step, [None if a.slot in chunks else a.draft for a in rows])
             self.model.forward(step, self.cache)
             result.steps.append(_stats(step_index, step, rows, chunks))
             accepted, producers = self._verify(step, step_index, rows, chunks, result, tokens)
@@ -482,15 +485,15 @@ class EagleExecutor:
                 if len(a.generated) == a.job.max_new_tokens:
                     del active[a.slot]
                     buffers.finish(a.slot)
+                    self._finish(a)
                     self.allocator.release(a.blocks)
                     free_slots.append(a.slot)
             produced = any(s in active for s in producers)
             accepted = {s: n for s, n in accepted.items() if s in active}
-            if self.faults.accepted_short and not self._shorted:
-                slot = next((s for s, n in accepted.items() if n), None)
-                if slot is not None:  # fault: one count one short
-                    accepted[slot] -= 1
-                    self._shorted = True
+            slot = next((s for s, n in accepted.items() if n), None)
+            if self.faults.accepted_short and not shorted and slot is not None:
+                accepted[slot] -= 1  # fault: one count one short
+                shorted = True
             step_index += 1
         return result
 
@@ -500,9 +503,9 @@ class EagleExecutor:
         tokens after the step. Returns ({slot: chunk}, {slot: drafts}, {slot: new blocks})."""
         budget, need = self.token_budget, {}
         for a in active.values():
-            a.tree = None
+            a.draft = a.tree = None
             if a.position == len(a.job.prompt):
-                a.tree = self.drafter.draft(a.job.rid, len(a.generated))
+                a.draft, a.tree = self._draft(a)
                 budget -= a.tree.size
                 need[a.slot] = len(a.job.prompt) + len(a.generated) + len(a.tree.tokens)
         waiting = [a for a in active.values() if a.position < len(a.job.prompt)]
@@ -522,11 +525,10 @@ class EagleExecutor:
 
     def _verify(self, step, index, rows, chunks, result, tokens):
         """Each row's logits: a last prompt chunk samples its first token; a draft tree is
-        accepted greedily from the root (``accept``; ``accept_on_paths`` on the step's
-        draft_tokens and draft_paths must agree), its nodes' K/V moved onto the accepted
-        path, the bonus token sampled at the last accepted node. Every logit row is recorded
-        (a generation request's along each root-to-leaf path). Returns the drafts each slot
-        accepted and the slots that produced tokens (each one's last in `tokens`)."""
+        accepted (``_accept``), its nodes' K/V moved onto the accepted path, the bonus token
+        sampled at the last accepted node. Every logit row is recorded (a generation
+        request's along each root-to-leaf path). Returns the drafts each slot accepted and
+        the slots that produced tokens (each one's last in `tokens`)."""
         logits = step.outputs["logits"][:, : self.config.vocab_size]
         greedy = logits.argmax(dim=-1).tolist()
         past = step.inputs["host_past_key_value_lengths"].tolist()
@@ -553,20 +555,15 @@ class EagleExecutor:
                     result.records.append(
                         LogitRecord(index, job.rid, drafted, len(committed) - 1, rows_of_path)
                     )
-                path = accept(tree, greedy[r : r + tree.size])
-                on_paths = accept_on_paths(
-                    step.inputs["draft_tokens"][i].tolist(),
-                    step.inputs["draft_paths"][i].tolist(),
-                    greedy[r : r + tree.size],
-                )
-                if on_paths != path:  # the drafter's tokens and paths, read back from the step
-                    raise AssertionError(f"paths accept {on_paths}, the tree walk {path}")
+                at = greedy[r : r + tree.size]
+                path = self._accept(step, i, tree, at)
                 new = [tree.token(j) for j in path[1:]] + [greedy[r + path[-1]]]
                 if len(path) > 1 and not self.faults.keep_kv:
                     src = [past[i] + j for j in path[1:]]
                     move_kv(self.cache, offsets[i], src, [past[i] + k for k in range(1, len(path))])
-                if tree.tokens:
-                    result.verifications.append(Verification(index, job.rid, tree, tuple(path)))
+                verification = self._verified(index, a, path, at, committed + tuple(new))
+                if verification is not None:
+                    result.verifications.append(verification)
                     accepted[a.slot] = len(path) - 1
                 r += tree.size
             new = new[: job.max_new_tokens - len(a.generated)]
@@ -576,6 +573,74 @@ class EagleExecutor:
             tokens[a.slot] = new[-1]
             producers.append(a.slot)
         return accepted, producers
+
+
+def _stats(index: int, step, rows: list[_Flight], chunks: Mapping[int, int]) -> StepStats:
+    trees = [a.tree for a in rows if a.slot not in chunks]
+    inp = step.inputs
+    return StepStats(
+        step=index,
+        context_requests=len(rows) - len(trees),
+        generation_requests=len(trees),
+        nodes=sum(t.size for t in trees),
+        most_drafts=max((len(t.tokens) for t in trees), default=0),
+        tokens=step.sizes.num_tokens,
+        logits=step.sizes.num_logits,
+        positions_shape=tuple(inp["position_ids"].shape),
+        offsets_shape=tuple(inp["spec_decoding_position_offsets"].shape),
+        mask_shape=tuple(inp["spec_decoding_packed_mask"].shape),
+    )
+
+
+class EagleExecutor(TreeExecutor):
+    """In-flight batching of Eagle tree verification through ``eagle.RuntimeBuffers``."""
+
+    def __init__(
+        self,
+        hf_model: torch.nn.Module,
+        drafter: TreeDrafter,
+        *,
+        max_draft_tokens: int = 6,
+        max_draft_path_len: int = 3,
+        token_budget: int = 40,
+        faults: Faults = Faults(),
+        **options,
+    ) -> None:
+        """`options`: ``TreeExecutor``'s (max_batch_size, chunk_size, tokens_per_block,
+        max_sequence_length)."""
+        model = EagleLlama(
+            hf_model, offset_stride=faults.offset_stride, mask_stride=faults.mask_stride
+        )
+        super().__init__(
+            eagle, hf_model, model, drafter, faults, max_draft_tokens=max_draft_tokens,
+            token_budget=token_budget, max_draft_path_len=max_draft_path_len, **options,
+        )  # fmt: skip
+
+    def _draft(self, a: _Flight) -> tuple[DraftTree, DraftTree]:
+        tree = self.drafter.draft(a.job.rid, len(a.generated))
+        return tree, tree
+
+    def _write_inputs(self, step, drafts: list) -> None:
+        write_tree_inputs(step, drafts)
+
+    def _accept(self, step, row: int, tree: DraftTree, greedy: Sequence[int]) -> list[int]:
+        """Greedy from the root (``accept``); ``accept_on_paths`` on the step's draft_tokens
+        and draft_paths (the drafter's, read back from the step) must agree."""
+        path = accept(tree, greedy)
+        on_paths = accept_on_paths(
+            step.inputs["draft_tokens"][row].tolist(),
+            step.inputs["draft_paths"][row].tolist(),
+            greedy,
+        )
+        if on_paths != path:
+            raise AssertionError(f"paths accept {on_paths}, the tree walk {path}")
+        return path
+
+    def _verified(self, index, a, path, greedy, committed) -> Verification | None:
+        """A tree with drafts; none for a request without."""
+        if not a.tree.tokens:
+            return None
+        return Verification(index, a.job.rid, a.tree, tuple(path))
 
 
 def accept(tree: DraftTree, greedy: Sequence[int]) -> list[int]:
@@ -606,20 +671,6 @@ def accept_on_paths(tokens: list[int], paths: list[list[int]], greedy: Sequence[
     return best
 
 
-def _stats(index: int, step, rows: list[_Flight], chunks: Mapping[int, int]) -> EagleStepStats:
-    trees = [a.tree for a in rows if a.slot not in chunks]
-    return EagleStepStats(
-        step=index,
-        context_requests=len(rows) - len(trees),
-        generation_requests=len(trees),
-        most_drafts=max((len(t.tokens) for t in trees if t), default=0),
-        tokens=step.sizes.num_tokens,
-        logits=step.sizes.num_logits,
-        offsets_shape=tuple(step.inputs["spec_decoding_position_offsets"].shape),
-        mask_shape=tuple(step.inputs["spec_decoding_packed_mask"].shape),
-    )
-
-
 def workload(
     n: int = 10, *, seed: int = 0, vocab_size: int = 512, max_prompt: int = 24
 ) -> list[Job]:
@@ -627,12 +678,4 @@ def workload(
     2 to 16 new tokens each."""
     rng = random.Random(seed)
     lengths = [1, max_prompt] + [rng.randint(1, max_prompt) for _ in range(n - 2)]
-    return [
-        Job(
-            rid=i,
-            prompt=tuple(rng.randrange(vocab_size) for _ in range(length)),
-            max_new_tokens=rng.randint(2, 16),
-            arrival_step=rng.randint(0, n),
-        )
-        for i, length in enumerate(lengths)
-    ]
+    return random_jobs(rng, lengths, vocab_size=vocab_size, new_tokens=(2, 16), last_arrival=n)

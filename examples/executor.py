@@ -177,15 +177,8 @@ class Executor:
             )
         else:
             self.model = PackedLlama(hf_model, par, self.config.vocab_size_padded)
-            self.cache = PagedKVCache(
-                blocks,
-                self.model.num_layers,  # this stage's layers
-                tokens_per_block,
-                self.model.kv_heads,  # this rank's share of the heads
-                self.model.head_dim,
-                dtype,
-                device,
-            )
+            # this stage's layers, this rank's share of the heads
+            self.cache = PagedKVCache.for_model(self.model, blocks, tokens_per_block, dtype, device)
         self.chunk_size = chunk_size or token_budget
         self.token_budget = token_budget
         if par.distributed and (bucketed_decode or cuda_graphs):
@@ -535,6 +528,38 @@ def split_budget(
         chunks.append(chunk)
         budget -= chunk
     return served, chunks
+
+
+def whole_prompt_queue(jobs: Iterable[Job], max_num_tokens: int) -> deque[Job]:
+    """`jobs` in arrival order (by step, then id), each checked to fit one context step: a
+    prompt of 1 to `max_num_tokens` tokens (whole prompts only) and max_new_tokens >= 1."""
+    pending = deque(sorted(jobs, key=lambda j: (j.arrival_step, j.rid)))
+    for job in pending:
+        if not 1 <= len(job.prompt) <= max_num_tokens or job.max_new_tokens < 1:
+            raise ValueError(
+                f"request {job.rid}: a prompt of 1 to max_num_tokens={max_num_tokens} "
+                f"tokens (whole prompts only) and max_new_tokens >= 1, got "
+                f"{len(job.prompt)} and {job.max_new_tokens}"
+            )
+    return pending
+
+
+def admit_whole_prompts(
+    waiting: deque[Job], free: list[int], used: set[int], budget: int
+) -> list[tuple[Job, int, bool]]:
+    """A context step's admissions: waiting requests in arrival order while a slot is free and
+    their whole prompts fit the token `budget`, each into the lowest free slot. Takes them off
+    `waiting` and their slots off `free` (into `used`); returns (job, slot, whether an earlier
+    request had used the slot) of each."""
+    admitted = []
+    while waiting and free and len(waiting[0].prompt) <= budget:
+        job = waiting.popleft()
+        free.sort()
+        slot = free.pop(0)
+        admitted.append((job, slot, slot in used))
+        used.add(slot)
+        budget -= len(job.prompt)
+    return admitted
 
 
 def grow_blocks(blocks: list[int], tokens: int, tokens_per_block: int, allocator) -> None:

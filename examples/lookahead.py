@@ -28,8 +28,9 @@ guesses, laid out as one tree; this module plays every part around bufc's buffer
   is its own ``position_ids`` entry, which must equal the root's position plus its
   ``spec_decoding_position_offsets`` entry (ValueError otherwise); it reads only the step's
   engine inputs and writes one logit row per context request and per tree node.
-* ``LookaheadExecutor``: in-flight batching over ``add`` / ``step`` / ``finish`` (arrivals,
-  chunked prefill, a token budget, finishes and slot reuse, a paged KV pool); greedy
+* ``LookaheadExecutor``: ``eagle.TreeExecutor``'s in-flight batching over ``add`` / ``step`` /
+  ``finish`` (arrivals, chunked prefill, a token budget, finishes and slot reuse, a paged KV
+  pool) with the drafter's state per request; greedy
   verification as TensorRT-LLM's ``verify`` (the longest path of drafts equal to the base
   model's argmax, at most N - 1 drafts); the accepted nodes' K/V moved onto the path
   (``eagle.move_kv``); ``step(tokens, accepted={slot: n}, drafts=...)`` with the bonus token.
@@ -46,20 +47,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
-from collections import Counter, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
 from bufc.generated import lookahead
-from bufc.runtime import Request
 
+from . import eagle
 from .compare import assert_same_tokens, reference_tokens, threads_option, tiny_llama, torch_threads
-from .eagle import DraftTree, EagleLlama, accept, move_kv, pack_mask, workload
-from .executor import Job, grow_blocks, split_budget
-from .paged_cache import BlockAllocator, PagedKVCache
-from .speculative import HFLogits, LogitRecord, assert_logits_match
+from .eagle import DraftTree, EagleLlama, TreeExecutor, accept, pack_mask, workload
+from .executor import Job
+from .speculative import HFLogits, SpecResult, assert_logits_match
 
 # --------------------------------------------------------------------------- the drafter
 
@@ -351,29 +351,18 @@ class Faults:
 
 
 @dataclasses.dataclass(frozen=True)
-class Verification:
-    """One generation request's tree verified: `path`, the accepted nodes from the root."""
+class Verification(eagle.Verification):
+    """``eagle.Verification`` of a lookahead draft, at most `cap` (N - 1) drafts accepted."""
 
-    step: int
-    rid: int
     draft: LookaheadDraft
-    path: tuple[int, ...]
-    cap: int  # most drafts one step accepts (N - 1)
-
-    @property
-    def proposed(self) -> int:
-        return len(self.draft.tree.tokens)
-
-    @property
-    def accepted(self) -> int:
-        return len(self.path) - 1
+    cap: int
 
     @property
     def outcome(self) -> str:
         """'rejected', 'partial' (stopped above a leaf, below the cap) or 'full'."""
         if not self.accepted:
             return "rejected"
-        stop = self.accepted == self.cap or not self.draft.tree.children(self.path[-1])
+        stop = self.accepted == self.cap or not self.tree.children(self.path[-1])
         return "full" if stop else "partial"
 
     @property
@@ -381,253 +370,62 @@ class Verification:
         """Which drafts reached the last accepted node (empty when rejected)."""
         return self.draft.sources[self.path[-1]] if self.accepted else frozenset()
 
-    @property
-    def moved(self) -> bool:
-        """Some accepted node is not at its depth's index: its K/V has to move."""
-        return any(j != k for k, j in enumerate(self.path))
 
-
-@dataclasses.dataclass(frozen=True)
-class StepStats:
-    step: int
-    context_requests: int
-    generation_requests: int
-    nodes: int  # tree nodes of the generation requests
-    most_drafts: int  # of any generation request this step
-    tokens: int
-    logits: int
-    positions_shape: tuple[int, ...]  # position_ids as bound
-    offsets_shape: tuple[int, ...]  # spec_decoding_position_offsets as bound
-    mask_shape: tuple[int, ...]  # spec_decoding_packed_mask as bound
-
-
-@dataclasses.dataclass
-class LookaheadResult:
-    tokens: dict[int, list[int]]
-    token_steps: dict[int, list[int]]  # the step that produced each generated token
-    steps: list[StepStats]
-    verifications: list[Verification]
-    records: list[LogitRecord]
-
-    @property
-    def proposed(self) -> int:
-        return sum(v.proposed for v in self.verifications)
-
-    @property
-    def accepted(self) -> int:
-        return sum(v.accepted for v in self.verifications)
-
-
-@dataclasses.dataclass(eq=False)
-class _Flight:
-    job: Job
-    slot: int
-    blocks: list[int]
-    position: int = 0  # prompt tokens computed
-    generated: list[int] = dataclasses.field(default_factory=list)
-    draft: LookaheadDraft | None = None  # this step's tree (a generation request)
-
-
-class LookaheadExecutor:
-    """In-flight batching of lookahead decoding through ``lookahead.RuntimeBuffers``."""
+class LookaheadExecutor(TreeExecutor):
+    """In-flight batching of lookahead decoding through ``lookahead.RuntimeBuffers``: the
+    drafter's state started on ``add`` and dropped on ``finish``, updated after each step."""
 
     def __init__(
         self,
         hf_model: torch.nn.Module,
         drafter: LookaheadDrafter,
         *,
-        max_batch_size: int = 4,
         token_budget: int = 64,
-        chunk_size: int = 8,
-        tokens_per_block: int = 4,
-        max_sequence_length: int = 64,
         faults: Faults = Faults(),
+        **options,
     ) -> None:
-        cfg = hf_model.config
-        dtype = next(hf_model.parameters()).dtype
+        """`options`: ``eagle.TreeExecutor``'s (max_batch_size, chunk_size, tokens_per_block,
+        max_sequence_length)."""
         k = drafter.max_draft_tokens
-        if token_budget <= max_batch_size * (1 + k):
-            raise ValueError(f"a token budget of {token_budget} cannot hold every tree")
-        self.config = lookahead.Config(
-            max_batch_size=max_batch_size,
-            max_num_tokens=token_budget,
-            max_draft_tokens=k,
-            vocab_size=cfg.vocab_size,
-            num_layers=cfg.num_hidden_layers,
-            max_attention_window=max_sequence_length,
-            tokens_per_block=tokens_per_block,
-            logits_dtype=dtype,
+        super().__init__(
+            lookahead, hf_model, LookaheadLlama(hf_model), drafter, faults,
+            max_draft_tokens=k, token_budget=token_budget, **options,
+        )  # fmt: skip
+
+    def _start(self, job: Job) -> None:
+        self.drafter.start(job.rid, job.prompt)
+
+    def _finish(self, a) -> None:
+        self.drafter.finish(a.job.rid)
+
+    def _draft(self, a) -> tuple[LookaheadDraft, DraftTree]:
+        draft = self.drafter.draft(a.job.rid, (*a.job.prompt, *a.generated))
+        return draft, draft.tree
+
+    def _write_inputs(self, step, drafts: list) -> None:
+        f = self.faults
+        write_lookahead_inputs(
+            step,
+            drafts,
+            position_shift=f.position_shift,
+            mask_stride=f.mask_stride,
+            offset_stride=f.offset_stride,
         )
-        self.buffers = lookahead.RuntimeBuffers(self.config)
-        self.model = LookaheadLlama(hf_model)
-        self.drafter, self.faults = drafter, faults
-        blocks = max_batch_size * self.config.max_blocks_per_seq + BlockAllocator.RESERVED
-        self.allocator = BlockAllocator(blocks)
-        m = self.model
-        shape = (blocks, m.num_layers, tokens_per_block, m.kv_heads, m.head_dim)
-        self.cache = PagedKVCache(*shape, dtype, "cpu")
-        self.token_budget, self.chunk_size = token_budget, chunk_size
 
-    def run(self, jobs: Iterable[Job]) -> LookaheadResult:
-        """Serve `jobs` to completion: arrivals by step, add / step / finish."""
-        buffers, mbs, f = self.buffers, self.config.max_batch_size, self.faults
-        pending = deque(sorted(jobs, key=lambda j: (j.arrival_step, j.rid)))
-        waiting: deque[Job] = deque()
-        active: dict[int, _Flight] = {}  # by seq slot, in arrival order
-        free_slots = list(range(mbs - 1, -1, -1))
-        rids = [j.rid for j in pending]
-        result = LookaheadResult({r: [] for r in rids}, {r: [] for r in rids}, [], [], [])
-        tokens = np.zeros(mbs, np.int64)  # what each slot sampled (the bonus token), by slot
-        accepted: dict[int, int] = {}
-        produced, step_index, shorted = False, 0, False
-        while pending or waiting or active:
-            while pending and pending[0].arrival_step <= step_index:
-                waiting.append(pending.popleft())
-            while waiting and free_slots:
-                job = waiting.popleft()
-                slot = free_slots.pop()
-                active[slot] = _Flight(job, slot, [])
-                buffers.add(Request(seq_slot=slot, prompt=list(job.prompt), kv_block_ids=[[]]))
-                self.drafter.start(job.rid, job.prompt)
-            chunks, drafts, blocks = self._schedule(active)
-            if not chunks and not drafts:
-                step_index += 1
-                continue
-            step = buffers.step(
-                tokens if produced else None,
-                accepted=accepted,
-                drafts=drafts,
-                chunks=chunks,
-                blocks=blocks,
-            )
-            slots = buffers.tensors["seq_slots"][: step.sizes.num_requests].tolist()
-            rows = [active[s] for s in slots]
-            write_lookahead_inputs(
-                step,
-                [None if a.slot in chunks else a.draft for a in rows],
-                position_shift=f.position_shift,
-                mask_stride=f.mask_stride,
-                offset_stride=f.offset_stride,
-            )
-            self.model.forward(step, self.cache)
-            result.steps.append(_stats(step_index, step, rows, chunks))
-            accepted, producers = self._verify(step, step_index, rows, chunks, result, tokens)
-            for a in rows:
-                if len(a.generated) == a.job.max_new_tokens:
-                    del active[a.slot]
-                    buffers.finish(a.slot)
-                    self.drafter.finish(a.job.rid)
-                    self.allocator.release(a.blocks)
-                    free_slots.append(a.slot)
-            produced = any(s in active for s in producers)
-            accepted = {s: n for s, n in accepted.items() if s in active}
-            slot = next((s for s, n in accepted.items() if n), None)
-            if f.accepted_short and not shorted and slot is not None:  # fault: one short
-                accepted[slot] -= 1
-                shorted = True
-            step_index += 1
-        return result
-
-    def _schedule(self, active: dict[int, _Flight]):
-        """Every generation request its tree, then prompt chunks in arrival order from what
-        is left of the token budget; the KV blocks each needs for its tokens after the step.
-        Returns ({slot: chunk}, {slot: drafts}, {slot: new blocks})."""
-        budget, need = self.token_budget, {}
-        for a in active.values():
-            a.draft = None
-            if a.position == len(a.job.prompt):
-                committed = (*a.job.prompt, *a.generated)
-                a.draft = self.drafter.draft(a.job.rid, committed)
-                budget -= a.draft.tree.size
-                need[a.slot] = len(committed) + len(a.draft.tree.tokens)
-        waiting = [a for a in active.values() if a.position < len(a.job.prompt)]
-        left = [len(a.job.prompt) - a.position for a in waiting]
-        _, sizes = split_budget(budget, self.chunk_size, 0, left)
-        chunks = {a.slot: n for a, n in zip(waiting, sizes) if n}
-        need.update((s, active[s].position + n) for s, n in chunks.items())
-        blocks = {}
-        for slot, n in need.items():
-            a = active[slot]
-            before = len(a.blocks)
-            grow_blocks(a.blocks, n, self.config.tokens_per_block, self.allocator)
-            if len(a.blocks) > before:
-                blocks[slot] = a.blocks[before:]
-        drafts = {a.slot: list(a.draft.tree.tokens) for a in active.values() if a.draft}
-        return chunks, drafts, blocks
-
-    def _verify(self, step, index, rows, chunks, result, tokens):
-        """Each row's logits: a last prompt chunk samples its first token; a tree is verified
-        greedily (``eagle.accept``: from the root, the child carrying the base model's argmax,
-        at most N - 1 drafts), the accepted nodes' K/V moved onto the path, the bonus token
-        sampled at the last accepted node, the drafter updated. Every logit row is recorded
-        (a tree's along each root-to-leaf path). Returns the drafts each slot accepted and the
-        slots that produced tokens (each one's last in `tokens`)."""
-        logits = step.outputs["logits"][:, : self.config.vocab_size]
-        greedy = logits.argmax(dim=-1).tolist()
-        past = step.inputs["host_past_key_value_lengths"].tolist()
-        offsets = step.inputs["kv_cache_block_offsets"][0]
+    def _accept(self, step, row: int, tree: DraftTree, greedy: Sequence[int]) -> list[int]:
+        """TensorRT-LLM's ``verify``: ``eagle.accept`` (from the root, the child carrying the
+        base model's argmax), at most N - 1 drafts."""
         cap = self.drafter.n - 1
-        accepted, producers, r = {}, [], 0
-        for i, a in enumerate(rows):
-            job = a.job
-            if a.slot in chunks:
-                a.position += chunks[a.slot]
-                row = logits[r : r + 1].clone()  # a chunk's last token
-                result.records.append(
-                    LogitRecord(index, job.rid, job.prompt[: a.position], a.position - 1, row)
-                )
-                r += 1
-                if a.position < len(job.prompt):
-                    continue
-                new = [greedy[r - 1]]
-            else:
-                d, committed = a.draft, (*job.prompt, *a.generated)
-                tree = d.tree
-                for leaf in tree.leaves():
-                    path = tree.path(leaf)
-                    drafted = committed + tuple(tree.token(j) for j in path[1:])
-                    result.records.append(
-                        LogitRecord(
-                            index, job.rid, drafted, len(committed) - 1,
-                            logits[[r + j for j in path]].clone(),
-                        )
-                    )  # fmt: skip
-                path = accept(tree, greedy[r : r + tree.size])[: cap + 1]
-                new = [tree.token(j) for j in path[1:]] + [greedy[r + path[-1]]]
-                if len(path) > 1 and not self.faults.keep_kv:
-                    src = [past[i] + j for j in path[1:]]
-                    move_kv(self.cache, offsets[i], src, [past[i] + k for k in range(1, len(path))])
-                result.verifications.append(Verification(index, job.rid, d, tuple(path), cap))
-                accepted[a.slot] = len(path) - 1
-                self.drafter.update(job.rid, d, greedy[r : r + tree.size], committed + tuple(new))
-                r += tree.size
-            new = new[: job.max_new_tokens - len(a.generated)]
-            a.generated += new
-            result.tokens[job.rid] += new
-            result.token_steps[job.rid] += [index] * len(new)
-            tokens[a.slot] = new[-1]
-            producers.append(a.slot)
-        return accepted, producers
+        return accept(tree, greedy)[: cap + 1]
+
+    def _verified(self, index, a, path, greedy, committed) -> Verification:
+        """The verification; the drafter updated with the step's argmax and tokens."""
+        d = a.draft
+        self.drafter.update(a.job.rid, d, greedy, committed)
+        return Verification(index, a.job.rid, d.tree, tuple(path), d, self.drafter.n - 1)
 
 
-def _stats(index: int, step, rows: list[_Flight], chunks: Mapping[int, int]) -> StepStats:
-    trees = [a.draft.tree for a in rows if a.slot not in chunks and a.draft]
-    inp = step.inputs
-    return StepStats(
-        step=index,
-        context_requests=len(rows) - len(trees),
-        generation_requests=len(trees),
-        nodes=sum(t.size for t in trees),
-        most_drafts=max((len(t.tokens) for t in trees), default=0),
-        tokens=step.sizes.num_tokens,
-        logits=step.sizes.num_logits,
-        positions_shape=tuple(inp["position_ids"].shape),
-        offsets_shape=tuple(inp["spec_decoding_position_offsets"].shape),
-        mask_shape=tuple(inp["spec_decoding_packed_mask"].shape),
-    )
-
-
-def acceptance(result: LookaheadResult) -> str:
+def acceptance(result: SpecResult) -> str:
     """One line: drafts accepted, outcomes, what the accepted paths came from."""
     vs = result.verifications
     outcomes = Counter(v.outcome for v in vs)

@@ -43,8 +43,16 @@ import torch.nn.functional as F
 from bufc.generated import mamba
 from bufc.runtime import Request
 
-from .compare import Mismatch, assert_same_tokens, reference_tokens, threads_option, torch_threads
-from .executor import Job
+from .compare import (
+    assert_row_logits,
+    assert_same_tokens,
+    float64_model,
+    random_jobs,
+    reference_tokens,
+    threads_option,
+    torch_threads,
+)
+from .executor import Job, admit_whole_prompts, whole_prompt_queue
 
 CONTEXT, GENERATION = 0, 1
 
@@ -70,11 +78,7 @@ def tiny_mamba(
         expand=2,
         initializer_range=init_scale,
     )
-    torch.manual_seed(seed)
-    model = MambaForCausalLM(config).to(torch.float64).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return float64_model(MambaForCausalLM, config, seed)
 
 
 # ------------------------------------------------------------------------------ state pools
@@ -316,14 +320,7 @@ class MambaDriver:
         """Serve `jobs` to completion. `mutate(step_index, step)` may alter a prepared step
         before the engine runs (the tests use it to prove the comparison can fail)."""
         c = self.config
-        pending = deque(sorted(jobs, key=lambda j: (j.arrival_step, j.rid)))
-        for job in pending:
-            if not 1 <= len(job.prompt) <= c.max_num_tokens or job.max_new_tokens < 1:
-                raise ValueError(
-                    f"request {job.rid}: a prompt of 1 to max_num_tokens={c.max_num_tokens} "
-                    f"tokens (whole prompts only) and max_new_tokens >= 1, got "
-                    f"{len(job.prompt)} and {job.max_new_tokens}"
-                )
+        pending = whole_prompt_queue(jobs, c.max_num_tokens)
         result = MambaResult(
             tokens={j.rid: [] for j in pending},
             token_steps={j.rid: [] for j in pending},
@@ -346,14 +343,9 @@ class MambaDriver:
             context: list[_Running] = []
             reused: list[bool] = []
             if waiting and free_slots and (last_kind != "context" or not running):
-                budget = c.max_num_tokens  # whole prompts, in arrival order
-                while waiting and free_slots and len(waiting[0].prompt) <= budget:
-                    job = waiting.popleft()
-                    free_slots.sort()
-                    slot = free_slots.pop(0)
-                    reused.append(slot in used_slots)
-                    used_slots.add(slot)
-                    budget -= len(job.prompt)
+                admitted = admit_whole_prompts(waiting, free_slots, used_slots, c.max_num_tokens)
+                for job, slot, was_used in admitted:
+                    reused.append(was_used)
                     req = Request(seq_slot=slot, prompt=list(job.prompt), generated=[[]])
                     context.append(_Running(job, req))
             generation = [] if context else list(running)
@@ -419,15 +411,7 @@ def mamba_workload(n: int = 16, *, seed: int = 0, vocab_size: int = 256, max_pro
     own number of tokens; the last one, a 1-token prompt, arrives once slots have been freed."""
     rng = random.Random(seed)
     lengths = [1, 2, 3, max_prompt] + [rng.randint(1, max_prompt) for _ in range(n - 5)] + [1]
-    jobs = [
-        Job(
-            rid=i,
-            prompt=tuple(rng.randrange(vocab_size) for _ in range(length)),
-            max_new_tokens=rng.randint(1, 10),
-            arrival_step=rng.randint(0, n),
-        )
-        for i, length in enumerate(lengths)
-    ]
+    jobs = random_jobs(rng, lengths, vocab_size=vocab_size, new_tokens=(1, 10), last_arrival=n)
     jobs[-1] = dataclasses.replace(jobs[-1], arrival_step=4 * n)
     return jobs
 
@@ -451,18 +435,12 @@ def assert_same_logits(
     """Every logit row of every step against HF's logits for that request's sequence so far.
     Raises Mismatch on the earliest step with a row off by more than `tol`; returns the
     largest difference otherwise."""
-    worst = 0.0
-    for s in result.steps:
-        for row, (rid, pos) in enumerate(zip(s.rids, s.positions)):
-            diff = float((s.logits[row] - reference[rid][pos]).abs().max())
-            if not diff <= tol:
-                raise Mismatch(
-                    f"step {s.step} ({s.kind}{', advance' if s.advanced else ''}), row {row}: "
-                    f"request {rid} at position {pos}: logits differ from transformers by "
-                    f"{diff:.3g} (tolerance {tol:g})"
-                )
-            worst = max(worst, diff)
-    return worst
+    return assert_row_logits(
+        result.steps,
+        lambda rid, pos: reference[rid][pos],
+        tol,
+        lambda s: f"{s.kind}{', advance' if s.advanced else ''}",
+    )
 
 
 def check(

@@ -63,6 +63,26 @@ class PagedKVCache:
             device=device,
         )
 
+    @classmethod
+    def for_model(
+        cls,
+        model,
+        num_blocks: int,
+        tokens_per_block: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+    ) -> PagedKVCache:
+        """The pool of a packed model's layers and K/V heads (those of its rank and stage)."""
+        return cls(
+            num_blocks,
+            model.num_layers,
+            tokens_per_block,
+            model.kv_heads,
+            model.head_dim,
+            dtype,
+            device,
+        )
+
     def slots(
         self, offsets: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,7 +55,7 @@ import torch
 from bufc.generated import qwen2_vl
 from bufc.runtime import Request
 
-from .compare import threads_option, torch_threads
+from .compare import float64_model, threads_option, torch_threads
 from .executor import grow_blocks, schedule
 from .mrope import mrope_rotary_cos_sin, mrope_sections, rotary_cos_sin, rotate_half, text_config
 from .paged_cache import BlockAllocator, PagedKVCache
@@ -105,11 +105,7 @@ def tiny_qwen2_vl(
         vision_start_token_id=vocab_size - 2,
         vision_end_token_id=vocab_size - 1,
     )
-    torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).to(torch.float64).eval()
-    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens, as we do
-    model.generation_config.pad_token_id = 0
-    return model
+    return float64_model(Qwen2VLForConditionalGeneration, config, seed)
 
 
 def _head_dim(model: torch.nn.Module) -> int:
@@ -437,15 +433,7 @@ class VLExecutor:
         self.sections = mrope_sections(hf_model)
         blocks = max_batch_size * self.config.max_blocks_per_seq + BlockAllocator.RESERVED
         self.allocator = BlockAllocator(blocks)
-        self.cache = PagedKVCache(
-            blocks,
-            self.model.num_layers,
-            tokens_per_block,
-            self.model.kv_heads,
-            self.model.head_dim,
-            dtype,
-            device,
-        )
+        self.cache = PagedKVCache.for_model(self.model, blocks, tokens_per_block, dtype, device)
         self.device = device
         self.chunk_size = chunk_size or token_budget
         self.token_budget = token_budget

@@ -61,8 +61,15 @@ from bufc.generated import recurrentgemma
 from bufc.runtime import Request
 
 from . import compare
-from .compare import Mismatch, assert_same_tokens, threads_option, torch_threads
-from .executor import Job
+from .compare import (
+    assert_row_logits,
+    assert_same_tokens,
+    float64_model,
+    random_jobs,
+    threads_option,
+    torch_threads,
+)
+from .executor import Job, admit_whole_prompts, whole_prompt_queue
 from .paged_cache import BlockAllocator
 
 CONTEXT, GENERATION = 0, 1
@@ -93,11 +100,7 @@ def tiny_recurrentgemma(
         block_types=["recurrent", "recurrent", "attention"],
         w_init_variance_scale=init_scale,
     )
-    torch.manual_seed(seed)
-    model = RecurrentGemmaForCausalLM(config).to(torch.float64).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return float64_model(RecurrentGemmaForCausalLM, config, seed)
 
 
 def attention_layers(hf_config) -> list[int]:
@@ -446,18 +449,14 @@ class RecurrentGemmaDriver:
     def _admit(self, waiting: deque[Job], free: list[int], used: set[int], served: Served):
         """Waiting requests in arrival order, while slots are free and whole prompts fit the
         token budget: each `add`ed with the blocks of its prompt."""
-        budget, admitted = self.config.max_num_tokens, []
-        while waiting and free and len(waiting[0].prompt) <= budget:
-            job = waiting.popleft()
-            free.sort()
-            slot = free.pop(0)
-            reused = slot in used
-            used.add(slot)
+        admitted = []
+        for job, slot, reused in admit_whole_prompts(
+            waiting, free, used, self.config.max_num_tokens
+        ):
             served.slot_reuses += reused
             need = min(-(-len(job.prompt) // self.tokens_per_block), self.max_blocks)
             blocks = self.allocator.allocate(need)
             self.buffers.add(Request(seq_slot=slot, prompt=list(job.prompt), kv_block_ids=[blocks]))
-            budget -= len(job.prompt)
             admitted.append(_Flight(job, slot, list(blocks), reused))
         return admitted
 
@@ -480,10 +479,7 @@ class RecurrentGemmaDriver:
         copies of a step's bound tensors before the engine reads them (the tests use it to
         prove the comparison can fail)."""
         c = self.config
-        pending = deque(sorted(jobs, key=lambda j: (j.arrival_step, j.rid)))
-        for job in pending:
-            if not 1 <= len(job.prompt) <= c.max_num_tokens or job.max_new_tokens < 1:
-                raise ValueError(f"request {job.rid}: a prompt of 1 to {c.max_num_tokens} tokens")
+        pending = whole_prompt_queue(jobs, c.max_num_tokens)
         served = Served(
             {j.rid: [] for j in pending},
             {j.rid: [] for j in pending},
@@ -568,15 +564,7 @@ def workload(
     rng = random.Random(seed)
     fixed = [1, 2, window, window + 1, max_prompt]
     lengths = fixed + [rng.randint(1, max_prompt) for _ in range(n - len(fixed) - 1)] + [1]
-    jobs = [
-        Job(
-            rid=i,
-            prompt=tuple(rng.randrange(vocab_size) for _ in range(length)),
-            max_new_tokens=rng.randint(1, 16),
-            arrival_step=rng.randint(0, 2 * n),
-        )
-        for i, length in enumerate(lengths)
-    ]
+    jobs = random_jobs(rng, lengths, vocab_size=vocab_size, new_tokens=(1, 16), last_arrival=2 * n)
     jobs[-1] = dataclasses.replace(jobs[-1], arrival_step=8 * n)
     return jobs
 
@@ -625,19 +613,12 @@ def assert_same_logits(served: Served, reference: Reference, tol: float = 1e-9) 
     """Every logit row of every step against HF's logits for that request's sequence so far.
     Raises Mismatch on the earliest step with a row off by more than `tol`; returns the
     largest difference otherwise."""
-    worst = 0.0
-    for s in served.steps:
-        for row, (rid, pos) in enumerate(zip(s.rids, s.positions)):
-            prompt = served.prompts[rid]
-            sequence = (*prompt, *served.tokens[rid][: pos + 1 - len(prompt)])
-            diff = float((s.logits[row] - reference.logits(rid, sequence)[pos]).abs().max())
-            if not diff <= tol:
-                raise Mismatch(
-                    f"step {s.step} ({s.kind}), row {row}: request {rid} at position {pos}: "
-                    f"logits differ from transformers by {diff:.3g} (tolerance {tol:g})"
-                )
-            worst = max(worst, diff)
-    return worst
+
+    def want(rid: int, pos: int) -> torch.Tensor:
+        prompt = served.prompts[rid]
+        return reference.logits(rid, (*prompt, *served.tokens[rid][: pos + 1 - len(prompt)]))[pos]
+
+    return assert_row_logits(served.steps, want, tol)
 
 
 def check(

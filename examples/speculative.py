@@ -412,15 +412,7 @@ class SpeculativeExecutor:
         self.k = k
         blocks = max_batch_size * self.config.max_blocks_per_seq + BlockAllocator.RESERVED
         self.allocator = BlockAllocator(blocks)
-        self.cache = PagedKVCache(
-            blocks,
-            self.model.num_layers,
-            tokens_per_block,
-            self.model.kv_heads,
-            self.model.head_dim,
-            dtype,
-            device,
-        )
+        self.cache = PagedKVCache.for_model(self.model, blocks, tokens_per_block, dtype, device)
         self.token_budget = token_budget
         self.chunk_size = chunk_size or token_budget
         self.keep_logits = keep_logits
@@ -615,17 +607,11 @@ def assert_logits_match(result: SpecResult, hf: HFLogits, tol: float = 1e-9) -> 
 def workload(n: int = 12, *, seed: int = 0, vocab_size: int = 512, max_prompt: int = 40):
     """`n` requests arriving over the first steps: prompts of 1 to `max_prompt` tokens, 4 to
     20 new tokens each."""
+    from .compare import random_jobs
+
     rng = random.Random(seed)
     lengths = [1, max_prompt] + [rng.randint(1, max_prompt) for _ in range(n - 2)]
-    return [
-        Job(
-            rid=i,
-            prompt=tuple(rng.randrange(vocab_size) for _ in range(length)),
-            max_new_tokens=rng.randint(4, 20),
-            arrival_step=rng.randint(0, n // 2),
-        )
-        for i, length in enumerate(lengths)
-    ]
+    return random_jobs(rng, lengths, vocab_size=vocab_size, new_tokens=(4, 20), last_arrival=n // 2)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 from bufc.generated import llama, llama_flash
 from bufc.runtime import Request
 
+from .compare import float64_model
 from .executor import Job, split_budget
 from .flash_llama import FlashKVCache
 from .paged_cache import BlockAllocator
@@ -53,11 +54,7 @@ def tiny_qwen2(
         ],
         attn_implementation="sdpa",
     )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float64).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return float64_model(Qwen2ForCausalLM, config, seed)
 
 
 def layer_windows(model: torch.nn.Module, max_sequence_length: int) -> list[int]:

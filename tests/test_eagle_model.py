@@ -27,12 +27,16 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from bufc.examples.compare import (  # noqa: E402
-    Mismatch,
-    assert_same_tokens,
-    reference_tokens,
-    tiny_llama,
+from speculative_checks import (  # noqa: E402
+    TOL,
+    TREES,
+    assert_chunked_and_reused,
+    assert_comparison_fails,
+    assert_tree_inputs,
+    compare,
 )
+
+from bufc.examples.compare import reference_tokens, tiny_llama  # noqa: E402
 from bufc.examples.eagle import (  # noqa: E402
     DraftTree,
     EagleExecutor,
@@ -43,18 +47,12 @@ from bufc.examples.eagle import (  # noqa: E402
     workload,
     write_tree_inputs,
 )
-from bufc.examples.speculative import (  # noqa: E402
-    HFLogits,
-    LogitsMismatch,
-    assert_logits_match,
-    unpack_mask,
-)
+from bufc.examples.speculative import HFLogits  # noqa: E402
 from bufc.generated import eagle  # noqa: E402
 from bufc.runtime import Request  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-TOL = 1e-9
 SEEDS = (1, 2, 3, 4)
 K = 6  # max_draft_tokens; max_decoding_tokens = 7
 MAIN = dict(max_batch_size=4, token_budget=40, chunk_size=8, tokens_per_block=4)
@@ -80,13 +78,6 @@ def runs(model):
         ex = EagleExecutor(model, TreeDrafter(reference, 512, seed=seed), **MAIN)
         out[seed] = (jobs, reference, ex, ex.run(jobs))
     return out
-
-
-def compare(result, reference, hf) -> float:
-    """Logits first, in step order (a wrong token follows a wrong logit row), then tokens."""
-    worst = assert_logits_match(result, hf, TOL)
-    assert_same_tokens(result, reference)
-    return worst
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -132,9 +123,7 @@ def test_the_runs_cover_every_case(runs):
         for s in r.steps
     )
     for jobs, _, ex, result in runs.values():
-        prompts = {j.rid: len(j.prompt) for j in jobs}
-        assert any(r.first + 1 < prompts[r.rid] for r in result.records), "no chunked prefill"
-        assert len(jobs) > ex.config.max_batch_size  # slots were reused
+        assert_chunked_and_reused(jobs, ex, result)
     proposed = sum(v.proposed for v in verifications)
     accepted = sum(v.accepted for v in verifications)
     print(
@@ -157,7 +146,6 @@ def test_one_step_binds_the_tree_inputs_at_its_longest_tree():
     for slot in range(3):
         b.add(Request(seq_slot=slot, prompt=[1, 2, 3], kv_block_ids=[[3 * slot + 1]]))
     b.step()
-    trees = [DraftTree((7, 8), (0, 0)), DraftTree((4, 5, 6, 7, 8), (0, 0, 1, 2, 3)), DraftTree()]
     drafts = {0: [7, 8], 1: [4, 5, 6, 7, 8]}
     blocks = {0: [2], 1: [5, 6]}
     step = b.step(np.full(4, 9), drafts=drafts, blocks=blocks)
@@ -169,24 +157,8 @@ def test_one_step_binds_the_tree_inputs_at_its_longest_tree():
     assert inp["host_past_key_value_lengths"].tolist() == [3, 3, 3]
     assert inp["sequence_length"].tolist() == [6, 9, 4]
     assert inp["last_token_ids"].tolist() == list(range(1, 11))
-    write_tree_inputs(step, trees)
-    assert inp["spec_decoding_generation_lengths"].tolist() == [3, 6, 1]
-    assert inp["spec_decoding_position_offsets"].tolist() == [
-        [0, 1, 1, 0, 0, 0],
-        [0, 1, 1, 2, 2, 3],
-        [0, 0, 0, 0, 0, 0],
-    ]
-    rows = unpack_mask(inp["spec_decoding_packed_mask"], 6).int().tolist()
-    assert rows[0:3] == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0]]
-    assert rows[3:9] == [
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],
-        [1, 0, 1, 0, 0, 0],
-        [1, 1, 0, 1, 0, 0],
-        [1, 0, 1, 0, 1, 0],
-        [1, 1, 0, 1, 0, 1],
-    ]
-    assert rows[9] == [1, 0, 0, 0, 0, 0] and not any(map(any, rows[10:]))
+    write_tree_inputs(step, TREES)
+    assert_tree_inputs(inp)
     assert inp["draft_paths"][1, :3].tolist() == [[0, 2, 4, -1], [0, 1, 3, 5], [-1] * 4]
 
 
@@ -226,9 +198,4 @@ def test_one_fault_makes_the_comparison_fail(model, runs, hf, name):
     ex = EagleExecutor(
         model, TreeDrafter(reference, 512, seed=SEEDS[0]), faults=FAULTS[name], **MAIN
     )
-    result = ex.run(jobs)
-    with pytest.raises(LogitsMismatch) as exc:
-        assert_logits_match(result, hf, TOL)
-    with pytest.raises(Mismatch):  # the tokens alone tell too
-        assert_same_tokens(result, reference)
-    print(f"\n{name}: {exc.value}")
+    assert_comparison_fails(ex.run(jobs), reference, hf, name)

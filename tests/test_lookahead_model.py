@@ -34,12 +34,16 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from bufc.examples.compare import (  # noqa: E402
-    Mismatch,
-    assert_same_tokens,
-    reference_tokens,
-    tiny_llama,
+from speculative_checks import (  # noqa: E402
+    TOL,
+    TREES,
+    assert_chunked_and_reused,
+    assert_comparison_fails,
+    assert_tree_inputs,
+    compare,
 )
+
+from bufc.examples.compare import reference_tokens, tiny_llama  # noqa: E402
 from bufc.examples.eagle import DraftTree, accept, workload  # noqa: E402
 from bufc.examples.lookahead import (  # noqa: E402
     Faults,
@@ -52,18 +56,12 @@ from bufc.examples.lookahead import (  # noqa: E402
     encode,
     write_lookahead_inputs,
 )
-from bufc.examples.speculative import (  # noqa: E402
-    HFLogits,
-    LogitsMismatch,
-    assert_logits_match,
-    unpack_mask,
-)
+from bufc.examples.speculative import HFLogits  # noqa: E402
 from bufc.generated import lookahead  # noqa: E402
 from bufc.runtime import Request  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-TOL = 1e-9
 SEEDS = (1, 2, 3, 4)
 WNG = (3, 4, 2)  # window, n-gram, guesses: max_draft_tokens 14, max_decoding_tokens 15
 RUNS = {  # name: (seed, (W, N, G), hint)
@@ -103,13 +101,6 @@ def runs(model):
     return out
 
 
-def compare(result, reference, hf) -> float:
-    """Logits first, in step order (a wrong token follows a wrong logit row), then tokens."""
-    worst = assert_logits_match(result, hf, TOL)
-    assert_same_tokens(result, reference)
-    return worst
-
-
 @pytest.mark.parametrize("name", RUNS)
 def test_lookahead_equals_transformers_generate(runs, hf, name):
     jobs, reference, ex, result = runs[name]
@@ -143,9 +134,7 @@ def test_the_runs_cover_every_case(runs):
     steps = [s for *_, r in runs.values() for s in r.steps]
     assert any(s.context_requests and s.generation_requests for s in steps), "no mixed step"
     for name, (jobs, _, ex, result) in runs.items():
-        prompts = {j.rid: len(j.prompt) for j in jobs}
-        assert any(r.first + 1 < prompts[r.rid] for r in result.records), "no chunked prefill"
-        assert len(jobs) > ex.config.max_batch_size  # slots were reused
+        assert_chunked_and_reused(jobs, ex, result)
         most = max(s.most_drafts for s in result.steps)
         assert most <= ex.config.max_draft_tokens
         print(f"\n{name}: {acceptance(result)}; steps {len(result.steps)}, most drafts {most}")
@@ -171,7 +160,6 @@ def test_one_step_binds_the_lookahead_inputs(model):
         b.add(Request(seq_slot=slot, prompt=[1, 2, 3], kv_block_ids=[[3 * slot + 1]]))
     b.add(Request(seq_slot=3, prompt=list(range(10, 16)), kv_block_ids=[[10]]))
     b.step(chunks={0: 3, 1: 3, 2: 3, 3: 4})
-    trees = [DraftTree((7, 8), (0, 0)), DraftTree((4, 5, 6, 7, 8), (0, 0, 1, 2, 3)), DraftTree()]
     blocks = {0: [2], 1: [5, 6], 3: [11]}
     step = b.step(np.full(4, 9), drafts={0: [7, 8], 1: [4, 5, 6, 7, 8]}, blocks=blocks)
     inp = step.inputs
@@ -184,19 +172,10 @@ def test_one_step_binds_the_lookahead_inputs(model):
     assert inp["sequence_length"].tolist() == [6, 6, 9, 4]
     assert inp["last_token_ids"].tolist() == list(range(2, 13))
     none = frozenset()
-    drafts = [LookaheadDraft(t, 3, (), (none,) * t.size) for t in trees]
+    drafts = [LookaheadDraft(t, 3, (), (none,) * t.size) for t in TREES]
     write_lookahead_inputs(step, [None, *drafts])
     assert inp["position_ids"].tolist() == [4, 5, 3, 4, 4, 3, 4, 4, 5, 5, 6, 3]
-    assert inp["spec_decoding_generation_lengths"].tolist() == [3, 6, 1]
-    assert inp["spec_decoding_position_offsets"].tolist() == [
-        [0, 1, 1, 0, 0, 0],
-        [0, 1, 1, 2, 2, 3],
-        [0, 0, 0, 0, 0, 0],
-    ]
-    rows = unpack_mask(inp["spec_decoding_packed_mask"], 6).int().tolist()
-    assert rows[0:3] == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0]]
-    assert rows[3:9] == [[int(x) for x in r] for r in trees[1].mask().tolist()]
-    assert rows[9] == [1, 0, 0, 0, 0, 0] and not any(map(any, rows[10:]))
+    assert_tree_inputs(inp)
     engine = LookaheadLlama(model)
     seqs = engine.layout(inp)
     assert [s.positions.tolist() for s in seqs] == [[4, 5], [3, 4, 4], [3, 4, 4, 5, 5, 6], [3]]
@@ -261,11 +240,7 @@ FAULTS = {
 def test_one_fault_makes_the_comparison_fail(model, runs, hf, name):
     jobs, reference, *_ = runs[f"seed {SEEDS[0]}"]
     result = executor(model, reference, SEEDS[0], WNG, 0.5, FAULTS[name]).run(jobs)
-    with pytest.raises(LogitsMismatch) as exc:
-        assert_logits_match(result, hf, TOL)
-    with pytest.raises(Mismatch):  # the tokens alone tell too
-        assert_same_tokens(result, reference)
-    print(f"\n{name}: {exc.value}")
+    assert_comparison_fails(result, reference, hf, name)
 
 
 def test_offsets_written_at_stride_max_decoding_tokens_are_refused(model, runs):

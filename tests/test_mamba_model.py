@@ -9,6 +9,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from step_mutations import assert_fails_at, first_row, first_target  # noqa: E402
+
 from bufc.examples.compare import Mismatch, reference_tokens  # noqa: E402
 from bufc.examples.executor import Job  # noqa: E402
 from bufc.examples.mamba import (  # noqa: E402
@@ -90,56 +92,37 @@ def _flip_type(step, row):
     types[row] = 1 - types[row]
 
 
-def _first_row(kind, row_ok):
-    """A picker: the first row of a `kind` step for which row_ok(step, row) holds, or None."""
-
-    def pick(s):
-        if s.kind == kind:
-            return next((i for i in range(len(s.rids)) if row_ok(s, i)), None)
-        return None
-
-    return pick
-
-
 # name -> (picks the step and row to mutate in the clean run, the mutation)
 MUTATIONS = {
     # two generation rows exchange states: each continues the other's sequence
     "slot_mapping rows swapped": (
-        _first_row("generation", lambda s, i: i == 0 and len(s.rids) >= 2),
+        first_row("generation", lambda s, i: i == 0 and len(s.rids) >= 2),
         _swap_slots,
     ),
     # the second context row's logits are taken one token early
     "last_token_ids - 1": (
-        _first_row("context", lambda s, i: i == 1),
+        first_row("context", lambda s, i: i == 1),
         lambda step, row: step.inputs["last_token_ids"][row].sub_(1),
     ),
     # a 1-token prompt (so the tokens still add up) on a slot an earlier request used: as a
     # generation row it continues that request's stale state instead of starting from zero
     "request type context -> generation": (
-        _first_row("context", lambda s, i: s.prompt_lengths[i] == 1 and s.reused_slot[i]),
+        first_row("context", lambda s, i: s.prompt_lengths[i] == 1 and s.reused_slot[i]),
         _flip_type,
     ),
     # a generation row of a 1-token prompt (its context length is 1): as a context row its
     # state restarts from zero
     "request type generation -> context": (
-        _first_row("generation", lambda s, i: s.prompt_lengths[i] == 1),
+        first_row("generation", lambda s, i: s.prompt_lengths[i] == 1),
         _flip_type,
     ),
 }
 
 
-def _target(steps, pick):
-    for s in steps:
-        row = pick(s)
-        if row is not None:
-            return s.step, row
-    raise AssertionError("the workload has no step for this mutation")
-
-
 @pytest.mark.parametrize("name", MUTATIONS)
 def test_one_wrong_value_makes_the_comparison_fail(model, jobs, reference, clean, name):
     pick, mutation = MUTATIONS[name]
-    target, row = _target(clean.steps, pick)
+    target, row = first_target(clean.steps, pick)
 
     def mutate(index, step):
         if index == target:
@@ -148,9 +131,7 @@ def test_one_wrong_value_makes_the_comparison_fail(model, jobs, reference, clean
     result = MambaDriver(model, **DRIVER).run(jobs, mutate=mutate)
     with pytest.raises(Mismatch) as exc:
         check(model, result, reference, TOL)
-    message = str(exc.value)
-    print(f"{name}: {message}")
-    assert message.startswith(f"step {target} (") and "logits differ from transformers" in message
+    assert_fails_at(exc, target, name)
 
 
 def test_the_engine_refuses_a_state_pointer_that_is_not_a_pool(model, jobs):

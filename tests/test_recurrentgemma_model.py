@@ -26,6 +26,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import numpy as np  # noqa: E402
+from step_mutations import assert_fails_at, first_row, first_target  # noqa: E402
 
 from bufc.examples.compare import Mismatch, torch_threads  # noqa: E402
 from bufc.examples.recurrentgemma import (  # noqa: E402
@@ -146,19 +147,8 @@ def _swap_slots(inputs, static, row):
     slots[[row, row + 1]] = slots[[row + 1, row]]
 
 
-def _first(kind, row_ok):
-    """A picker: the first row of a `kind` step for which row_ok(step, row) holds, or None."""
-
-    def pick(s):
-        if s.kind == kind:
-            return next((i for i in range(len(s.rids)) if row_ok(s, i)), None)
-        return None
-
-    return pick
-
-
-ANY_ROW = _first("generation", lambda s, i: i == 0)
-PAST_WINDOW = _first("generation", lambda s, i: s.positions[i] >= WINDOW)
+ANY_ROW = first_row("generation", lambda s, i: i == 0)
+PAST_WINDOW = first_row("generation", lambda s, i: s.positions[i] >= WINDOW)
 
 # name -> (picks the step and row to mutate in the clean run, the mutation)
 MUTATIONS = {
@@ -170,12 +160,12 @@ MUTATIONS = {
     "block ids encoded with 6 layers": (ANY_ROW, _six_layer_ids),
     # two generation rows exchange states: each continues the other's sequence
     "slot_mapping rows swapped": (
-        _first("generation", lambda s, i: len(s.rids) > i + 1),
+        first_row("generation", lambda s, i: len(s.rids) > i + 1),
         _swap_slots,
     ),
     # the second context row's logits are taken one token early
     "last_token_ids - 1": (
-        _first("context", lambda s, i: i == 1),
+        first_row("context", lambda s, i: i == 1),
         lambda inputs, static, row: inputs["last_token_ids"][row].sub_(1),
     ),
     # a token past the window written over the one before it, the window read one back
@@ -191,24 +181,16 @@ MUTATIONS = {
     # a 1-token prompt (so the tokens still add up) on a slot an earlier request used: as a
     # generation row it continues that request's stale state instead of restarting it
     "request type context -> generation": (
-        _first("context", lambda s, i: s.prompt_lengths[i] == 1 and s.reused_slot[i]),
+        first_row("context", lambda s, i: s.prompt_lengths[i] == 1 and s.reused_slot[i]),
         lambda inputs, static, row: inputs["host_request_types"][row].fill_(1),
     ),
 }
 
 
-def _target(steps, pick):
-    for s in steps:
-        row = pick(s)
-        if row is not None:
-            return s.step, row
-    raise AssertionError("the workload has no step for this mutation")
-
-
 @pytest.mark.parametrize("name", MUTATIONS)
 def test_one_wrong_value_makes_the_comparison_fail(model, jobs, tokens, reference, clean, name):
     pick, mutation = MUTATIONS[name]
-    target, row = _target(clean.steps, pick)
+    target, row = first_target(clean.steps, pick)
 
     def mutate(index, inputs, static):
         if index == target:
@@ -217,9 +199,7 @@ def test_one_wrong_value_makes_the_comparison_fail(model, jobs, tokens, referenc
     result = RecurrentGemmaDriver(model, **DRIVER).run(jobs, mutate=mutate, stop_after=target)
     with pytest.raises(Mismatch) as exc:
         check(reference, result, tokens, TOL)
-    message = str(exc.value)
-    print(f"{name}: {message}")
-    assert message.startswith(f"step {target} (") and "logits differ from transformers" in message
+    assert_fails_at(exc, target, name)
 
 
 def test_the_engine_refuses_an_address_that_is_not_a_pool(model, jobs):
