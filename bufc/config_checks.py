@@ -12,7 +12,7 @@ frozen Config does, through ``object.__setattr__``) and appends what is wrong to
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Set
 from typing import Any
 
 INT_LIMIT = 1 << 62
@@ -41,8 +41,15 @@ def check_int(config: Any, name: str, *, minimum: int = 0, errors: list[str]) ->
 
 def _sequence(config: Any, name: str, what: str, errors: list[str]) -> tuple | None:
     """The parameter `name` read once as a tuple (not a string), or None with the problem
-    added to `errors`."""
+    added to `errors`. A set or a dict (its keys) is refused: its order is not the caller's,
+    and the order is the meaning (a value per layer, a module's index)."""
     value = getattr(config, name)
+    if isinstance(value, (Set, Mapping)):
+        errors.append(
+            f"{name} must be a sequence of {what} (a list or tuple, in order), got a "
+            f"{type(value).__name__}: {short(value)}"
+        )
+        return None
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         errors.append(f"{name} must be a sequence of {what}, got {short(value)}")
         return None

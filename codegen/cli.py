@@ -11,6 +11,7 @@ import json
 import sys
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from bufc import __version__
 
@@ -294,6 +295,76 @@ def _examples(command: str) -> str:
     return "examples:\n" + "".join(f"  {line}\n" for line in EXAMPLES[command])
 
 
+def _add_report(sub: Any) -> None:
+    """The report subcommand's parser."""
+    r = sub.add_parser(
+        "report",
+        epilog=_examples("report"),
+        formatter_class=_Formatter,
+        help="tensors, shapes and bytes of a family for given parameters",
+        description="Every tensor a family allocates for the given parameters, with dtype, "
+        "memory kind, capacity, bytes, fill and engine bindings, and the totals per memory "
+        "kind. Reads the spec (--spec, or ./buffers.yaml); without one, the installed "
+        "generated module bufc.generated.FAMILY (needs torch).",
+    )
+    r.add_argument("family")
+    r.add_argument(
+        "--set", action="append", metavar="NAME=VALUE", help="a construct-time parameter"
+    )
+    r.add_argument(
+        "--spec",
+        default=None,
+        help="the spec file (default: ./buffers.yaml if present; a family it lacks is read "
+        "from bufc's built-in spec)",
+    )
+    r.add_argument("--json", action="store_true", help="print the report as JSON")
+    r.add_argument(
+        "--import",
+        dest="imports",
+        action="store_true",
+        help="also run the spec's own derive: functions (their modules are imported: their "
+        "code runs); without it a value that needs one is an error naming it",
+    )
+    r.add_argument(
+        "--sweep",
+        action="append",
+        metavar="NAME=V1,V2,...",
+        help="report once per value of one parameter",
+    )
+    r.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="draw memory per tensor and memory kind over --sweep into FILE (.svg, .png or "
+        ".pdf; needs matplotlib, bufc's [plot] extra)",
+    )
+    r.set_defaults(run=_report)
+
+
+def _add_contract(sub: Any) -> None:
+    """The contract subcommand's parser."""
+    k = sub.add_parser(
+        "contract",
+        epilog=_examples("contract"),
+        formatter_class=_Formatter,
+        help="the engine contract: each family's bound tensors, pads and step scalars",
+        description="Print the tensors each named family binds (engine name, direction, dtype, "
+        "memory, step shape, pad policy, meaning) and its step scalars, as markdown tables. "
+        "Without families, bufc's own contract page (docs/contract.md): --out writes it, "
+        "--check exits 1 when the file differs.",
+    )
+    k.add_argument("families", nargs="*", metavar="FAMILY")
+    k.add_argument(
+        "--spec",
+        default=None,
+        help="the spec file (default: ./buffers.yaml; a family it lacks is read from bufc's "
+        "built-in spec)",
+    )
+    where = k.add_mutually_exclusive_group()
+    where.add_argument("--out", metavar="FILE", help="write the contract page to FILE")
+    where.add_argument("--check", metavar="FILE", help="exit 1 if FILE is not the page")
+    k.set_defaults(run=_contract)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bufc",
@@ -367,68 +438,8 @@ def parser() -> argparse.ArgumentParser:
         "(their code runs) and check its signature against its declaration, as generate does",
     )
     v.set_defaults(run=_validate)
-    r = sub.add_parser(
-        "report",
-        epilog=_examples("report"),
-        formatter_class=_Formatter,
-        help="tensors, shapes and bytes of a family for given parameters",
-        description="Every tensor a family allocates for the given parameters, with dtype, "
-        "memory kind, capacity, bytes, fill and engine bindings, and the totals per memory "
-        "kind. Reads the spec (--spec, or ./buffers.yaml); without one, the installed "
-        "generated module bufc.generated.FAMILY (needs torch).",
-    )
-    r.add_argument("family")
-    r.add_argument(
-        "--set", action="append", metavar="NAME=VALUE", help="a construct-time parameter"
-    )
-    r.add_argument(
-        "--spec",
-        default=None,
-        help="the spec file (default: ./buffers.yaml if present; a family it lacks is read "
-        "from bufc's built-in spec)",
-    )
-    r.add_argument("--json", action="store_true", help="print the report as JSON")
-    r.add_argument(
-        "--import",
-        dest="imports",
-        action="store_true",
-        help="also run the spec's own derive: functions (their modules are imported: their "
-        "code runs); without it a value that needs one is an error naming it",
-    )
-    r.add_argument(
-        "--sweep",
-        action="append",
-        metavar="NAME=V1,V2,...",
-        help="report once per value of one parameter",
-    )
-    r.add_argument(
-        "--plot",
-        metavar="FILE",
-        help="draw memory per tensor and memory kind over --sweep into FILE (.svg, .png or "
-        ".pdf; needs matplotlib, bufc's [plot] extra)",
-    )
-    r.set_defaults(run=_report)
-    k = sub.add_parser(
-        "contract",
-        epilog=_examples("contract"),
-        formatter_class=_Formatter,
-        help="the engine contract: each family's bound tensors, pads and step scalars",
-        description="Print the tensors each named family binds (engine name, direction, dtype, "
-        "memory, step shape, pad policy, meaning) and its step scalars, as markdown tables. "
-        "Without families, bufc's own contract page (docs/contract.md): --out writes it, "
-        "--check exits 1 when the file differs.",
-    )
-    k.add_argument("families", nargs="*", metavar="FAMILY")
-    k.add_argument(
-        "--spec",
-        default=None,
-        help="the spec file (default: ./buffers.yaml; a family it lacks is read from bufc's "
-        "built-in spec)",
-    )
-    where = k.add_mutually_exclusive_group()
-    where.add_argument("--out", metavar="FILE", help="write the contract page to FILE")
-    where.add_argument("--check", metavar="FILE", help="exit 1 if FILE is not the page")
-    k.set_defaults(run=_contract)
+    _add_report(sub)
+    _add_contract(sub)
     s = sub.add_parser(
         "schema",
         epilog=_examples("schema"),

@@ -455,6 +455,7 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
         **_scalars_and_captures(program, sizes),
         **continue_program(plan, alias, sizes),
         "no_advance": program.no_advance,
+        "request_readers": program.request_readers,
         "state": [
             {"name": chk.name, "type": alias(chk.state)}
             for chk in program.checks

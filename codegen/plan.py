@@ -169,6 +169,19 @@ class StepProgram:
     scalars: tuple[PlannedScalar, ...] = ()
     captures: tuple[PlannedCapture, ...] = ()
 
+    @property
+    def request_readers(self) -> tuple[str, ...]:
+        """The names of the functions the step calls on requests (each check, arrival check
+        and fill), and ``encoder_sizes`` where the request layer reads encoder lengths: what
+        a Request field's declared readers (``bufc.rules.request.read_by``) are matched
+        against, so that a family refuses a field none of them reads."""
+        names = [c.impl.name for c in self.checks]
+        names += [c.admit.impl.name for c in self.checks if c.admit is not None]
+        names += [f.impl.name for f in self.fills]
+        if self.encoder_only or self.encoder_sizes:
+            names.append("encoder_sizes")
+        return tuple(sorted(set(names)))
+
 
 @dataclasses.dataclass(frozen=True)
 class FamilyPlan:

@@ -26,6 +26,7 @@ from .errors import did_you_mean
 if TYPE_CHECKING:
     from .model import Derived
     from .pipeline import Compiled
+    from .plan import FamilyPlan
 
 # bufc's own derivations (the KV pools), run without --import; any other module a `derive:`
 # names is the project's code, imported only when asked
@@ -180,7 +181,8 @@ def plot(points: list[tuple[str, Report]], parameter: str, path: str, top: int =
             "--plot needs matplotlib (bufc's [plot] extra): pip install matplotlib"
         ) from None
     kinds = [m for m in MEMORY_KINDS if any(r.totals()[m] for _, r in points)]
-    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4), squeeze=False)
+    # each panel's legend stands to its right, outside the axes (inside, it covered bars)
+    fig, axes = plt.subplots(1, len(kinds), figsize=(7.5 * len(kinds), 4), squeeze=False)
     labels = [value for value, _ in points]
     for ax, kind in zip(axes[0], kinds):
         sizes: dict[str, list[float]] = {}
@@ -199,11 +201,11 @@ def plot(points: list[tuple[str, Report]], parameter: str, path: str, top: int =
         ax.set_title(f"{kind} memory")
         ax.set_xlabel(parameter)
         ax.set_ylabel("MiB")
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
     fig.suptitle(f"family {points[0][1].family}: runtime buffers over {parameter}")
-    fig.tight_layout()
+    fig.tight_layout()  # room for the legends between the panels
     try:
-        fig.savefig(path)
+        fig.savefig(path, bbox_inches="tight")
     except (OSError, ValueError) as exc:
         raise ReportError(f"cannot write {path}: {exc}") from None
     finally:
@@ -256,24 +258,16 @@ def _derived(d: Derived, env: dict[str, int | bool | str], imports: bool) -> obj
     return tuple(value) if d.kind == "ints" else value
 
 
-def report(
-    compiled: Compiled, family_name: str, settings: dict[str, str], *, imports: bool = False
-) -> Report:
-    """What `family_name` allocates for `settings` (parameter name -> text, as given to
-    ``--set``), evaluated from the compiled spec's plan of the family. A `derive:` function
-    of the project's own runs only with `imports` (bufc's own always)."""
-    families = {p.family.name: p for p in compiled.plans}
-    if family_name not in families:
-        raise ReportError(
-            f"unknown family '{family_name}'{did_you_mean(family_name, families)}; "
-            f"families: {', '.join(families)}"
-        )
-    plan = families[family_name]
-    where = f"{family_name}.Config"
+def _settings(
+    plan: FamilyPlan, settings: dict[str, str]
+) -> tuple[dict[str, object], dict[str, str]]:
+    """The values of `settings` (the text of each --set), each read as its parameter's kind:
+    (values, dtypes)."""
+    family_name = plan.family.name
     values: dict[str, object] = {}
     dtypes: dict[str, str] = {}
     known = {p.name: p for p in plan.parameters}
-    for key, raw in settings.items():  # the text of each --set, read as its kind
+    for key, raw in settings.items():
         if key not in known:
             raise ReportError(
                 f"family '{family_name}' has no parameter '{key}'{did_you_mean(key, known)}"
@@ -303,6 +297,24 @@ def report(
                 values[key] = tuple(parse_int(key, n.strip()) for n in items)
         else:
             values[key] = parse_int(key, raw)
+    return values, dtypes
+
+
+def report(
+    compiled: Compiled, family_name: str, settings: dict[str, str], *, imports: bool = False
+) -> Report:
+    """What `family_name` allocates for `settings` (parameter name -> text, as given to
+    ``--set``), evaluated from the compiled spec's plan of the family. A `derive:` function
+    of the project's own runs only with `imports` (bufc's own always)."""
+    families = {p.family.name: p for p in compiled.plans}
+    if family_name not in families:
+        raise ReportError(
+            f"unknown family '{family_name}'{did_you_mean(family_name, families)}; "
+            f"families: {', '.join(families)}"
+        )
+    plan = families[family_name]
+    where = f"{family_name}.Config"
+    values, dtypes = _settings(plan, settings)
     missing = [
         p.name
         for p in plan.parameters

@@ -106,6 +106,15 @@ def _diagnostics(doc: Document, err: ValidationError) -> list[Diagnostic]:
     if kind == "oneOf" and path and path[-1] == "fill":
         return [Diagnostic(loc, _FILL_HELP)]
     if kind == "oneOf" and path and path[-1] == "pad":
+        if type(err.instance) is int:  # an integer past int32 (a YAML bool is not one)
+            return [
+                Diagnostic(
+                    loc,
+                    f"{where} {err.instance} is outside the int32 range: a constant pad needs "
+                    "an integer in -2147483648..2147483647 (or repeat_last, the last written "
+                    "element repeated)",
+                )
+            ]
         return [
             Diagnostic(
                 loc,

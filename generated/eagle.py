@@ -914,6 +914,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     advances_on_device = False  # decode steps without a copy
     captures = True  # prepare_for_cuda_graph writes capture values (_capture)
     no_advance = ('posterior_thresholds', 'posterior_alphas', 'chunked_context_next_tokens')  # rules without an advance form
+    # what the step calls on requests: a Request field none of them reads is refused when set
+    request_readers = ('admit_posterior_threshold', 'check_kv_blocks', 'check_posterior_thresholds', 'chunked_context_next_tokens', 'context_lengths', 'kv_cache_block_offsets', 'last_token_ids', 'past_key_value_lengths', 'position_ids', 'posterior_alphas', 'posterior_thresholds', 'request_types', 'seq_slots', 'sequence_lengths', 'token_ids')
     project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:

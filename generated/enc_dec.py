@@ -732,6 +732,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     advances_on_device = False  # decode steps without a copy
     captures = True  # prepare_for_cuda_graph writes capture values (_capture)
     no_advance = ('encoder_output_lengths', 'encoder_output', 'cross_kv_cache_block_offsets', 'cross_attention_mask', 'skip_cross_attn_blocks')  # rules without an advance form
+    # what the step calls on requests: a Request field none of them reads is refused when set
+    request_readers = ('admit_cross_kv_blocks', 'admit_encoder_output', 'cache_indirection_copies', 'cache_indirection_decoder_copies', 'check_cross_attention_masks', 'check_cross_kv_blocks', 'check_encoder_outputs', 'check_kv_blocks', 'context_lengths', 'cross_attention_mask', 'cross_kv_cache_block_offsets', 'encoder_output', 'encoder_output_lengths', 'encoder_sizes', 'generation_beam_widths', 'kv_cache_block_offsets', 'last_token_ids', 'past_key_value_lengths', 'position_ids', 'request_types', 'seq_slots', 'sequence_lengths', 'skip_cross_attn_blocks', 'token_ids')
     project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:

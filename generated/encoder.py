@@ -201,6 +201,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     sampled_tokens = None  # generation rows take the sampled tokens
     advances_on_device = False  # decode steps without a copy
     no_advance = ('encoder_input_ids', 'encoder_position_ids', 'encoder_input_lengths')  # rules without an advance form
+    # what the step calls on requests: a Request field none of them reads is refused when set
+    request_readers = ('check_encoder_inputs', 'encoder_input_ids', 'encoder_input_lengths', 'encoder_position_ids', 'encoder_sizes')
     project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:

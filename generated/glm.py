@@ -507,6 +507,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     advances_on_device = True  # decode steps without a copy
     captures = True  # prepare_for_cuda_graph writes capture values (_capture)
     no_advance = ()  # rules without an advance form
+    # what the step calls on requests: a Request field none of them reads is refused when set
+    request_readers = ('admit_two_rows', 'cache_indirection_copies', 'cache_indirection_decoder_copies', 'check_glm', 'context_lengths', 'generation_beam_widths', 'glm_position_ids', 'last_token_ids', 'past_key_value_lengths', 'request_types', 'seq_slots', 'sequence_lengths', 'token_ids')
     project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:

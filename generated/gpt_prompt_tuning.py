@@ -625,6 +625,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     advances_on_device = False  # decode steps without a copy
     captures = True  # prepare_for_cuda_graph writes capture values (_capture)
     no_advance = ('prompt_embedding_table', 'prompt_tasks')  # rules without an advance form
+    # what the step calls on requests: a Request field none of them reads is refused when set
+    request_readers = ('admit_prompt_table', 'cache_indirection_copies', 'cache_indirection_decoder_copies', 'check_kv_blocks', 'check_prompt_tables', 'context_lengths', 'generation_beam_widths', 'kv_cache_block_offsets', 'last_token_ids', 'past_key_value_lengths', 'position_ids', 'prompt_embedding_table', 'prompt_tasks', 'request_types', 'seq_slots', 'sequence_lengths', 'token_ids')
     project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:

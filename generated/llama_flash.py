@@ -407,6 +407,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     advances_on_device = False  # decode steps without a copy
     no_advance = ('query_start_loc', 'query_lens', 'seq_lens', 'token_positions', 'block_table', 'kv_slot_mapping', 'group_block_tables', 'group_slot_mappings', 'logits_indices')  # rules without an advance form
+    # what the step calls on requests: a Request field none of them reads is refused when set
+    request_readers = ('block_table', 'check_kv_blocks', 'check_kv_within_blocks', 'group_block_tables', 'group_slot_mappings', 'kv_slot_mapping', 'logits_indices', 'query_lens', 'query_start_loc', 'seq_lens', 'seq_slots', 'token_ids', 'token_positions')
     project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:

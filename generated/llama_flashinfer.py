@@ -364,6 +364,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     advances_on_device = False  # decode steps without a copy
     no_advance = ('query_lens', 'token_positions', 'kv_slot_mapping', 'logits_indices', 'query_start_loc', 'paged_kv_indptr', 'paged_kv_indices', 'paged_kv_last_page_len')  # rules without an advance form
+    # what the step calls on requests: a Request field none of them reads is refused when set
+    request_readers = ('check_kv_blocks', 'check_kv_within_blocks', 'kv_slot_mapping', 'logits_indices', 'paged_kv_indices', 'paged_kv_indptr', 'paged_kv_last_page_len', 'query_lens', 'query_start_loc', 'seq_slots', 'token_ids', 'token_positions')
     project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:

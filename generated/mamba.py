@@ -382,6 +382,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     advances_on_device = True  # decode steps without a copy
     no_advance = ()  # rules without an advance form
+    # what the step calls on requests: a Request field none of them reads is refused when set
+    request_readers = ('check_recurrent', 'context_lengths', 'last_token_ids', 'request_types', 'seq_slots', 'sequence_lengths', 'slot_mapping', 'token_ids')
     project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:

@@ -571,6 +571,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     advances_on_device = True  # decode steps without a copy
     captures = True  # prepare_for_cuda_graph writes capture values (_capture)
     no_advance = ()  # rules without an advance form
+    # what the step calls on requests: a Request field none of them reads is refused when set
+    request_readers = ('check_kv_blocks', 'check_recurrent', 'context_lengths', 'kv_cache_block_offsets', 'last_token_ids', 'past_key_value_lengths', 'position_ids', 'request_types', 'seq_slots', 'sequence_lengths', 'slot_mapping', 'token_ids')
     project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:

@@ -49,6 +49,10 @@ class Limits:
     # the attention windows a request carries block lists for, ascending (one table each);
     # () or one window: the plain form of kv_block_ids
     kv_windows: tuple[int, ...] = ()
+    # the Request fields (name, default) the family never reads, refused when set (the
+    # runtime fills them in from the family's step program), and the family's name
+    unread: tuple[tuple[str, Any], ...] = ()
+    family: str = ""
 
 
 def limits(

@@ -16,13 +16,22 @@ a second table with its own width and id range.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from ..errors import BatchError
-from .values import INT32_MAX, in_range, int_array, is_int, show
+from .values import (
+    INT32_MAX,
+    in_range,
+    int_array,
+    is_int,
+    is_ordered,
+    is_unordered,
+    not_a_list,
+    show,
+)
 
 LOG_KEEP = 1 << 14  # changed rows the log keeps (a reader behind by more compares versions)
 
@@ -154,15 +163,18 @@ class BlockTable:
             self._log_one(base)
             return [(base, before)]
         if type(new) is not list:
-            try:
-                new = list(new)
-            except TypeError:
-                raise BatchError(f"{w} must be a list of block ids, got {show(new)}") from None
-        per_list = bool(new) and all(isinstance(x, (list, tuple, np.ndarray)) for x in new)
+            if not (is_ordered(new) or is_ordered(new, 2)):
+                raise not_a_list(w, self.field, new)
+            new = list(new)
+        # one list per list: every entry a list (or an unordered one, refused below)
+        per_list = bool(new) and all(is_ordered(x) or is_unordered(x) for x in new)
         if per_list and len(new) != n:
             raise BatchError(
                 f"{w}: {len(new)} lists of block ids for a request with {n} block lists"
             )
+        if per_list and not all(map(is_ordered, new)):
+            k = next(k for k, x in enumerate(new) if not is_ordered(x))
+            raise not_a_list(w, f"{self.field}[{k}]", new[k])
         added = [
             self._checked(new[k] if per_list else new, int(self.count[base + k]), w)
             for k in range(n)
@@ -257,7 +269,9 @@ def window_lists(ids: Any, windows: list[int], w: str) -> Mapping[int, Any]:
     """A request's block lists with several attention windows: {window: lists} with exactly
     the windows of the model's layers; a BatchError otherwise."""
     keys = list(ids) if isinstance(ids, Mapping) else None
-    if keys is None or not all(type(k) is int for k in keys) or sorted(keys) != windows:
+    if keys is not None:
+        check_window_keys(keys, f"{w}: kv_block_ids")
+    if keys is None or sorted(keys) != windows:
         got = f"the windows {keys}" if keys is not None else show(ids)
         raise BatchError(
             f"{w}: kv_block_ids needs one set of block lists per attention window, "
@@ -266,9 +280,25 @@ def window_lists(ids: Any, windows: list[int], w: str) -> Mapping[int, Any]:
     return ids
 
 
+def check_window_keys(keys: Any, w: str) -> None:
+    """A BatchError naming the first of the attention windows `keys` that is no integer (a
+    Python or numpy int; a float, a bool or a string is not)."""
+    for key in keys:
+        if not is_int(key):
+            raise BatchError(
+                f"{w} window key {show(key)} is a {type(key).__name__}, not an integer"
+            )
+
+
 def request_lists(w: str, ids: Any, beams: int, field: str) -> list[list[Any]]:
     """A request's block lists of `field`, one (shared by all beams) or one per beam, each as
-    a list of its own; a BatchError otherwise."""
+    a list of its own; a BatchError otherwise (each list an ordered sequence: ``is_ordered``)."""
+    if ids is not None and not is_ordered(ids, 2):
+        raise not_a_list(w, field, ids, 2)
+    if ids is not None and not all(map(is_ordered, ids)):
+        k, x = next((k, x) for k, x in enumerate(ids) if not is_ordered(x))
+        if isinstance(x, Iterable):  # not an id: an unordered or nested container
+            raise not_a_list(w, f"{field}[{k}]", x)
     try:
         count = len(ids) if ids is not None else 0
     except TypeError:

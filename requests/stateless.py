@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 from operator import attrgetter, itemgetter
 from typing import Any, NoReturn
@@ -33,7 +33,17 @@ from .batch import (
     int64s,
     view,
 )
-from .values import INT32_MAX, check_int, check_ints, in_range, int_array, is_int, show
+from .values import (
+    INT32_MAX,
+    check_int,
+    check_ints,
+    in_range,
+    int_array,
+    is_int,
+    show,
+    unread_error,
+    unread_set,
+)
 
 _POSITION_IDS = attrgetter("position_ids")
 _SEQ_SLOT = attrgetter("seq_slot")
@@ -84,6 +94,7 @@ class Memo:
 
     generation: _Reused | None = None
     prompts: dict[int, tuple[Any, np.ndarray]] = dataclasses.field(default_factory=dict)
+    context: tuple[Any, ...] = ()  # the last step's context requests
 
 
 def _build(
@@ -116,6 +127,8 @@ def _build(
     static = memo.generation if memo is not None else None
     reused = static is not None and static.requests == generation
     if not reused:
+        if limits.unread:  # the fields of the requests the last step did not schedule
+            _refuse_unread(_arrived(memo, generation), "generation", limits)
         static = _fixed_columns(generation, limits, fail)
     assert static is not None
     g_ndraft, g_max, last = _generation_columns(generation, static, limits, fail)
@@ -160,6 +173,7 @@ def _build(
         fail()
     if memo is not None:  # only once every check of the build has passed
         memo.generation = dataclasses.replace(static, slots=slot_array[n_ctx:])
+        memo.context = context
     return b
 
 
@@ -171,6 +185,8 @@ def _context_columns(
     outweighs its loops at these sizes; a decode step has none)."""
     if not context:
         return _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY
+    if limits.unread:
+        _refuse_unread(enumerate(context), "context", limits)
     mbw = limits.max_beam_width
     plen_l, begin_l, chunk_l, ndraft_l, beam_l = [], [], [], [], []
     for r in context:
@@ -249,6 +265,28 @@ def _generation_columns(
     return g_ndraft, g_max, last
 
 
+def _refuse_unread(requests: Iterable[tuple[int, Any]], kind: str, limits: Limits) -> None:
+    """No request (index, request) sets a field the family never reads (``Limits.unread``)."""
+    for i, r in requests:
+        unread = unread_set(r, limits.unread)
+        if unread is not None:
+            raise unread_error(_where(f"{kind} request {i}", r), unread, limits.family)
+
+
+def _arrived(memo: Memo | None, generation: tuple[Any, ...]) -> list[tuple[int, Any]]:
+    """The generation requests (index, request) that the last step did not schedule (those it
+    did had their fields read then): a generation request is usually the last step's."""
+    if memo is None:
+        return list(enumerate(generation))
+    try:  # the memo holds the last step's requests
+        new = set(generation).difference(memo.context)
+        if new and memo.generation is not None:
+            new.difference_update(memo.generation.requests)
+    except TypeError:  # request objects that cannot be hashed: each is looked at
+        return list(enumerate(generation))
+    return [(i, r) for i, r in enumerate(generation) if r in new] if new else []
+
+
 @dataclasses.dataclass(frozen=True)
 class _Reused:
     """The columns of the last step's generation requests that cannot change in flight."""
@@ -272,6 +310,8 @@ def _build_encoder_engine(
             "the encoder engine runs context requests only; got "
             f"{len(generation)} generation requests"
         )
+    if limits.unread:
+        _refuse_unread(enumerate(context), "context", limits)
     slots = int_array(list(map(_SEQ_SLOT, context)))
     if (
         slots is None

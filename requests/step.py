@@ -20,7 +20,7 @@ from ..errors import BatchError
 from ..rules.decode import Continue, Sampled
 from ..rules.sizes import StepSizes
 from .batch import Batch, FlightLists, Limits, generation_length, step_sizes
-from .blocks import BlockTable, window_lists
+from .blocks import BlockTable, check_window_keys, window_lists
 from .rows import (
     TokenGather,
     _beam_values,
@@ -314,6 +314,8 @@ def _grow(
         for slot, new in blocks.items():
             t.entry(slot, "blocks")
             w = f"step(): blocks[{slot}]"
+            if isinstance(new, Mapping):
+                check_window_keys(new, f"{w}:")
             if not isinstance(new, Mapping) or not set(new) <= {win for win, _ in t.kv_windows}:
                 raise BatchError(
                     f"{w}: with several attention windows, the ids appended per window: "

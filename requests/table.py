@@ -33,7 +33,15 @@ from ..errors import BatchError
 from .batch import Limits
 from .blocks import BlockTable, window_lists
 from .stateless import check_request
-from .values import INT32_MAX, in_range, int_array, is_int, show
+from .values import (
+    INT32_MAX,
+    in_range,
+    int_array,
+    is_int,
+    show,
+    unread_error,
+    unread_set,
+)
 
 if TYPE_CHECKING:
     from .step import Plan
@@ -185,6 +193,9 @@ class RequestTable:
         if self.entries[slot] is not None:
             raise BatchError(f"{w}: seq_slot {slot} already holds a request in flight")
         try:
+            unread = unread_set(request, L.unread) if L.unread else None
+            if unread is not None:
+                raise unread_error(w, unread, L.family)
             arrival = _arrival(request, L)
             if arrival is None:  # walk the fields to name the culprit
                 check_request(request, w, L, True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import numbers
 import reprlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Any
 
 import numpy as np
@@ -78,6 +78,65 @@ def _has_bool(values: Any, a: np.ndarray) -> bool:
         except (TypeError, KeyError, IndexError):  # not indexable as a sequence
             pass
     return not BOOLS.isdisjoint(frozenset(map(type, values)))
+
+
+_LISTS = frozenset((list, tuple, range))
+# iterable, but not a list of ids: no order of their own (sets, a dict's keys) or characters
+# and bytes where ids belong
+_UNORDERED = (str, bytes, bytearray, memoryview, Set, Mapping)
+
+
+def is_ordered(value: Any, ndim: int = 1) -> bool:
+    """`value` is an ordered sequence, as a list of ids (`ndim` 1) or of lists (2) is handed
+    over: a list, tuple or range, another Sequence but a string or bytes, or an array of `ndim`
+    dimensions (numpy, torch: anything with ``__array__`` and ``ndim``); not a set, a dict
+    (its keys), a string, bytes or an iterator."""
+    if type(value) in _LISTS:  # the common case
+        return True
+    if isinstance(value, _UNORDERED):
+        return False
+    if hasattr(value, "__array__"):
+        return getattr(value, "ndim", None) == ndim
+    return isinstance(value, Sequence)
+
+
+def is_unordered(value: Any) -> bool:
+    """`value` is a container of values, but not an ordered one (a set, a dict, bytes)."""
+    return isinstance(value, (bytes, bytearray, memoryview, Set, Mapping))
+
+
+def not_a_list(where: str, what: str, value: Any, ndim: int = 1) -> BatchError:
+    """The error for `value` handed over as `what`, a list of ids (`ndim` 1) or of lists (2),
+    that is no ordered sequence (``is_ordered``): its type named, and what to pass instead."""
+    dims = getattr(value, "ndim", None) if hasattr(value, "__array__") else None
+    kind = type(value).__name__ if dims is None else f"{dims}-D {type(value).__name__}"
+    of, array = ("block ids", "1-D array") if ndim == 1 else ("block lists", "2-D array")
+    article = "an" if kind[0] in "aeiou" else "a"
+    return BatchError(
+        f"{where}: {what} must be a list of {of} (a list, tuple, range or {array}), got "
+        f"{article} {kind}: {show(value)}; pass a list"
+    )
+
+
+def unread_set(r: Any, unread: tuple[tuple[str, Any], ...]) -> tuple[str, Any] | None:
+    """The first field (name, default) of `unread` (those the family never reads) that request
+    `r` sets, or None when it leaves them all at their defaults."""
+    for name, default in unread:
+        value = getattr(r, name, default)
+        if value is None or value is default:
+            continue
+        if isinstance(default, bool) and type(value) in BOOLS and bool(value) == default:
+            continue
+        return name, default
+    return None
+
+
+def unread_error(where: str, field: tuple[str, Any], family: str) -> BatchError:
+    """The error for a request that sets `field` (name, default), which `family` never reads."""
+    name, default = field
+    return BatchError(
+        f"{where}: {name} is set, but the {family} family does not read it (leave it {default!r})"
+    )
 
 
 def in_range(a: np.ndarray, low: int, high: int) -> bool:

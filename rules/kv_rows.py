@@ -23,9 +23,10 @@ import numpy as np
 from ..errors import BatchError
 from ..requests.batch import Batch, FlightLists
 from ..requests.blocks import id_limit, name_bad_id, request_lists
-from ..requests.values import in_range, int_array
+from ..requests.values import in_range, int_array, is_ordered
 
 _FIRST = itemgetter(0)
+_LISTS = frozenset((list, tuple))
 _EMPTY = np.zeros(0, np.int64)
 _EMPTY.flags.writeable = False
 FEW = 8  # stale rows past which from_slots rewrites whole rows in a few numpy calls
@@ -146,21 +147,27 @@ def _block_lists(b: Batch, field: str) -> list | None:
         counts = list(map(len, gen_ids))
         if not all(map(len, ctx_ids)) or not all(counts):
             return None
-    except (AttributeError, TypeError):
+        plain = _LISTS.issuperset(map(type, ctx_ids)) and _LISTS.issuperset(map(type, gen_ids))
+        # a set or a dict of lists has no order of its own (is_ordered); a 2-D array has one
+        if not plain and not all(is_ordered(x, 2) for x in itertools.chain(ctx_ids, gen_ids)):
+            return None
+        if any(len(ids) not in (1, r.beam_width) for ids, r in zip(ctx_ids, b.context)):
+            return None
+        lists = list(map(_FIRST, ctx_ids))
+        if b.sizes.num_generation_sequences == len(counts) == counts.count(1):
+            lists += map(_FIRST, gen_ids)  # one beam, one list each: the common case
+        else:
+            for ids, beams in zip(gen_ids, b.gen_beam_width):
+                if len(ids) not in (1, beams):
+                    return None
+                lists += [ids[k if len(ids) > 1 else 0] for k in range(beams)]
+    except (AttributeError, TypeError, LookupError):
         return None
-    if any(len(ids) not in (1, r.beam_width) for ids, r in zip(ctx_ids, b.context)):
-        return None
-    lists = list(map(_FIRST, ctx_ids))
-    if b.sizes.num_generation_sequences == len(counts) == counts.count(1):
-        lists += map(_FIRST, gen_ids)  # one beam, one list each: the common case
-    else:
-        for ids, beams in zip(gen_ids, b.gen_beam_width):
-            if len(ids) not in (1, beams):
-                return None
-            lists += [ids[k if len(ids) > 1 else 0] for k in range(beams)]
-    if not {list, tuple}.issuperset(map(type, lists)):  # e.g. numpy rows: compare as lists
+    if not _LISTS.issuperset(map(type, lists)):  # e.g. numpy rows: compare as lists
+        if not all(map(is_ordered, lists)):  # a set, a dict, bytes: refused (_diagnose)
+            return None
         try:
-            lists = [x if type(x) in (list, tuple) else list(x) for x in lists]
+            lists = [x if type(x) in _LISTS else list(x) for x in lists]
         except TypeError:
             return None
     return lists

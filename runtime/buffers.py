@@ -28,7 +28,7 @@ from ..requests.values import INT32_MAX, check_int
 from .bindings import bindings, prefix_layout, step_sizes
 from .decl import Mirror, Static, TensorDecl
 from .guards import exclusive as _exclusive
-from .project import ProjectImpl, culprit
+from .project import ProjectImpl, culprit, reading
 from .staging import HALVES, DeviceStep, Targets
 from .step import NO_SCALARS, Step
 from .storage import allocate, check_allocatable, records, static_values
@@ -118,6 +118,8 @@ class RuntimeBuffers:
         self._half_run: list[int | None] = [None] * HALVES
         self.state = self.state_type()
         self._flight = self._in_flight()  # the requests in flight (add, finish, step)
+        # the Request fields the family never reads: refused when set (add, prepare_step)
+        self.limits = self._flight.limits = reading(self)
         # a step whose context rows repeat the last step's layout continues it in place
         self._continuing = self._continues()
 

@@ -14,11 +14,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import sys
 from collections.abc import Callable, Iterable
 from types import CodeType, ModuleType, TracebackType
 from typing import Any
 
 from bufc import impls
+
+from ..rules.request import unread_fields
 
 
 def rule_module(module: str, *names: tuple[str, str, str]) -> ModuleType:
@@ -78,3 +81,19 @@ def culprit(
     mine = [p for p in project if p.method == method and p.code is not None]
     called = [p for p in mine if p.code is below[0]]  # the function the generated line called
     return called or [p for p in mine if p.code in below]  # through a decorator
+
+
+def reading(buffers: Any) -> Any:
+    """The `buffers`' ``Limits`` with the Request fields its family never reads, which add and
+    prepare_step refuse when set: a field is read where the family's step calls one of its
+    readers (``bufc.rules.request.read_by``), the names the generator lists in
+    ``request_readers``. None are refused where the step calls the spec's own
+    implementations (``project_impls``: they may read any field) or a module generated before
+    the list existed."""
+    cls, limits = buffers.__class__, buffers.limits
+    readers = getattr(cls, "request_readers", None)
+    if readers is None or cls.project_impls:
+        return limits
+    unread = unread_fields(readers)
+    family = getattr(sys.modules.get(cls.__module__), "FAMILY", cls.__name__)
+    return dataclasses.replace(limits, unread=unread, family=family) if unread else limits

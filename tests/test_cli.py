@@ -187,6 +187,32 @@ def test_report_sweep_and_plot(capsys, monkeypatch, tmp_path):
     assert device == sorted(device) and device[0] < device[-1]
 
 
+def test_the_plot_legend_covers_no_bar(capsys, monkeypatch, tmp_path):
+    """The legend sat inside each panel (loc 'best') over the tallest bars: it is placed
+    beside its panel, clear of every bar and of the other panels, and inside the saved image."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.chdir(REPO)
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at
+    sweep = "max_batch_size=8,16"  # bars of about one height: no corner of a panel is free
+    png = tmp_path / "memory.png"
+    code, _, err = run(capsys, "report", "llama", *LLAMA, "--sweep", sweep, "--plot", str(png))
+    assert code == 0, err
+    (fig,) = figures
+    renderer = fig.canvas.get_renderer()
+    panels = [ax.get_window_extent(renderer) for ax in fig.axes]
+    for ax in fig.axes:
+        legend = ax.get_legend().get_window_extent(renderer)
+        bars = [patch.get_window_extent(renderer) for patch in ax.patches]
+        assert bars and not any(legend.overlaps(bar) for bar in bars)
+        assert not any(legend.overlaps(panel) for panel in panels)
+    for ax in fig.axes:  # within the figure (and what bbox_inches="tight" saves)
+        box = ax.get_legend().get_window_extent(renderer)
+        assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1, (box, fig.bbox)
+
+
 def test_plot_needs_a_sweep(capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     code, _, err = run(capsys, "report", "llama", *LLAMA, "--plot", "x.svg")

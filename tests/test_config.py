@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from bufc.generated import gpt, gpt_lora
+from bufc.generated import gpt, gpt_lora, llama
 from bufc.runtime import ConfigError, check_dtype
 
 REQUIRED = dict(
@@ -109,3 +109,21 @@ def test_integers_stay_below_2_to_the_62(value):
     with pytest.raises(ConfigError, match=r"max_num_tokens must be below 2\*\*62, got "):
         gpt.Config(**{**REQUIRED, "max_num_tokens": value})
     assert gpt.Config(**{**REQUIRED, "max_num_tokens": 2**62 - 1}).max_num_tokens == 2**62 - 1
+
+
+@pytest.mark.parametrize("name", ["attention_windows", "kv_heads_per_layer"])
+@pytest.mark.parametrize("value", [{64, 16}, frozenset({64, 16}), {64: 1, 16: 2}])
+def test_a_per_layer_list_has_an_order(name, value):
+    """A set or a dict (its keys) was taken as the per-layer list in its hash order: refused,
+    naming the parameter and the type (a list or tuple, or an iterator, is read in order)."""
+    kind = type(value).__name__
+    with pytest.raises(ConfigError, match=rf"{name} must be a sequence of ints .*, got a {kind}"):
+        llama.Config(**REQUIRED, **{name: value})
+    assert getattr(llama.Config(**REQUIRED, **{name: iter([64, 16])}), name) == (64, 16)
+
+
+def test_a_names_list_has_an_order():
+    with pytest.raises(
+        ConfigError, match=r"lora_modules must be a sequence of names .*, got a set"
+    ):
+        gpt_lora.Config(**REQUIRED, lora_modules={"attn_q", "attn_k"})

@@ -438,6 +438,14 @@ CASES = [
     ),
     pytest.param(
         "    fill: {mirror: host_ids}\n",
+        "    fill: {mirror: host_ids}\n  - name: wide_t\n    doc: W.\n    dtype: int64\n    memory: device\n    capacity: [1]\n    shape: [1]\n    fill: engine\n    pad: 3000000000\n",
+        [
+            "buffers.yaml:32:10: tensors[2].pad 3000000000 is outside the int32 range: a constant pad needs an integer in -2147483648..2147483647 (or repeat_last, the last written element repeated)"
+        ],
+        id="padwide",
+    ),
+    pytest.param(
+        "    fill: {mirror: host_ids}\n",
         '    fill: {mirror: host_ids}\n  - name: k\n    doc: K.\n    dtype: int32\n    memory: host\n    capacity: [1]\n    shape: [1]\n    fill: {constant: "num_tokens"}\n',
         [
             "buffers.yaml:31:23: 'num_tokens' is a step size; a constant fill (written at construction) may use only construct-time parameters and derived values"

@@ -242,3 +242,24 @@ def test_the_rule_docs_rules_md_shows_is_the_one_the_quickstart_runs():
     quickstart = blocks((REPO / "docs/quickstart.md").read_text())
     (run,) = [code for _, attrs, code, _ in quickstart if attrs.get("file") == "mypkg/rules.py"]
     assert _function(shown, "cu_seqlens_q") == _function(run, "cu_seqlens_q")
+
+
+def test_the_quickstarts_spec_error_is_the_one_bufc_prints(in_folder: Path, capsys):
+    """The quickstart quotes what `bufc generate` prints for a typo in its spec (it said
+    46:14, the line of the tensor's name, while the error is located at the name itself)."""
+    from bufc.codegen.cli import main
+
+    text = (REPO / "docs/quickstart.md").read_text()
+    quoted = re.search(r"`(buffers\.yaml:\d+:\d+:\s+unknown name 'num_context_tokns'[^`]*)`", text)
+    assert quoted is not None
+    for _, attrs, code, _ in blocks(text):
+        if "file" in attrs:
+            (in_folder / attrs["file"]).parent.mkdir(parents=True, exist_ok=True)
+            (in_folder / attrs["file"]).write_text(code)
+    spec = in_folder / "buffers.yaml"
+    shape = 'shape: ["num_context_tokens + num_generation_sequences"]'
+    assert spec.read_text().count(shape) == 1  # host_position_ids's
+    spec.write_text(spec.read_text().replace(shape, shape.replace("tokens", "tokns", 1)))
+    assert main(["generate", "--spec", "buffers.yaml", "--out", "mypkg/buffers"]) == 1
+    printed = capsys.readouterr().err.splitlines()
+    assert " ".join(quoted.group(1).split()) in printed

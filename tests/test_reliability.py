@@ -7,6 +7,7 @@ Each test failed on the runtime before the fix; the message each refusal gives i
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -14,6 +15,8 @@ import pytest
 import torch
 from fuzz_configs import make_buffers
 
+from bufc.requests import batch
+from bufc.rules import adapters, core, features, kv_rows
 from bufc.runtime import BatchError, Request
 
 LORA_ROW = ("attn_qkv", 0, 4096, 8192, None, 8)  # gpt_lora: modules attn_qkv, attn_dense, ...
@@ -394,3 +397,227 @@ def test_the_view_cache_is_bounded() -> None:
             [Request(seq_slot=0, prompt=list(range(1, n + 1)), kv_block_ids=[[1, 2]])], []
         )
     assert b.cached_views <= 2 * len(b.tensors) * b.VIEW_CACHE
+
+
+# ------------------------------------------------- block lists are ordered sequences
+UNORDERED = {
+    "a set": {40, 3, 17},
+    "a frozenset": frozenset({3, 17}),
+    "a dict": {3: 0, 17: 0},
+    "bytes": b"\x03\x11",
+    "a bytearray": bytearray(b"\x03\x11"),
+    "a str": "ab",
+}
+
+
+def _not_a_list(where: str, field: str, value) -> str:
+    return rf"{where}: {field} must be a list of block ids \(.*\), got a {type(value).__name__}"
+
+
+@pytest.mark.parametrize("case", UNORDERED)
+def test_an_unordered_block_list_is_refused_by_add_and_step(case: str) -> None:
+    """A set was taken as a block list in its hash order ({40, 3, 17} became [40, 17, 3]), a
+    dict as its keys, bytes as their byte values: a block list is an ordered sequence (a list,
+    tuple, range or 1-D array), and add() and step(blocks=) refuse anything else, naming the
+    slot, the field and the type; the refused calls change nothing."""
+    value = UNORDERED[case]
+    b, twin = make_buffers("llama", max_beam_width=1), make_buffers("llama", max_beam_width=1)
+    for x in (b, twin):
+        _decoding(x)
+    with pytest.raises(
+        BatchError, match=_not_a_list(r"request \(seq_slot 2\)", r"kv_block_ids\[0\]", value)
+    ):
+        b.add(Request(seq_slot=2, prompt=[1, 2, 3], kv_block_ids=[value]))
+    if not isinstance(value, dict):  # a dict is {window: ids}, refused for its windows
+        with pytest.raises(
+            BatchError, match=_not_a_list(r"step\(\): blocks\[0\]", "kv_block_ids", value)
+        ):
+            b.step(_tokens(), blocks={0: value})
+    if not isinstance(value, str):  # ["ab"]: an id that is not an integer
+        with pytest.raises(
+            BatchError, match=_not_a_list(r"step\(\): blocks\[0\]", r"kv_block_ids\[0\]", value)
+        ):
+            b.step(_tokens(), blocks={0: [value]})
+    for x in (b, twin):
+        x.step(_tokens(), blocks={0: [20]})
+    assert _same(b, twin) == []
+
+
+def test_an_unordered_set_of_block_lists_is_refused() -> None:
+    b = make_buffers("llama", max_beam_width=2)
+    message = (
+        r"request \(seq_slot 0\): kv_block_ids must be a list of block lists \(.*\), got a set"
+    )
+    with pytest.raises(BatchError, match=message):
+        b.add(Request(seq_slot=0, prompt=[1, 2, 3], beam_width=2, kv_block_ids={(3,), (4,)}))
+    with pytest.raises(BatchError, match=message.replace(r"request \(", r"context request 0 \(")):
+        b.prepare_step([Request(seq_slot=0, prompt=[1, 2, 3], kv_block_ids={(3, 4)})], [])
+
+
+@pytest.mark.parametrize("case", UNORDERED)
+def test_an_unordered_block_list_is_refused_by_prepare_step(case: str) -> None:
+    value = UNORDERED[case]
+    b = make_buffers("llama", max_beam_width=1)
+    ctx = Request(seq_slot=0, prompt=[1, 2, 3], kv_block_ids=[value])
+    with pytest.raises(
+        BatchError,
+        match=_not_a_list(r"context request 0 \(seq_slot 0\)", r"kv_block_ids\[0\]", value),
+    ):
+        b.prepare_step([ctx], [])
+    gen = Request(seq_slot=1, prompt=[1, 2, 3], generated=[[4]], kv_block_ids=[value])
+    with pytest.raises(
+        BatchError,
+        match=_not_a_list(r"generation request 0 \(seq_slot 1\)", r"kv_block_ids\[0\]", value),
+    ):
+        b.prepare_step([], [gen])
+    # a dict of lists was read as {0: ids}: the ids of its key 0
+    with pytest.raises(
+        BatchError, match=r"kv_block_ids must be a list of block lists .*got a dict"
+    ):
+        b.prepare_step([Request(seq_slot=0, prompt=[1, 2, 3], kv_block_ids={0: [3, 4]})], [])
+    b.prepare_step([Request(seq_slot=0, prompt=[1, 2, 3], kv_block_ids=[[3]])], [])
+
+
+def _enc_dec_request(slot: int, cross) -> Request:
+    r = Request(seq_slot=slot, prompt=[1, 2], kv_block_ids=[[slot]], cross_kv_block_ids=cross)
+    r.encoder_input_length = 3
+    r.encoder_output = torch.zeros(3, 8, dtype=torch.float16)
+    return r
+
+
+ENC = dict(max_input_length=16, max_encoder_length=16, encoder_hidden_size=8, tokens_per_block=4)
+
+
+def test_an_unordered_cross_attention_block_list_is_refused() -> None:
+    b = make_buffers("enc_dec", max_beam_width=1, **ENC)
+    message = _not_a_list(r"seq_slot 0\)", r"cross_kv_block_ids\[0\]", {3})
+    with pytest.raises(BatchError, match=message):
+        b.add(_enc_dec_request(0, [{3}]))
+    with pytest.raises(BatchError, match=message):
+        b.prepare_step([_enc_dec_request(0, [{3}])], [])
+    b.prepare_step([_enc_dec_request(1, [range(3, 4)])], [])
+    b.add(_enc_dec_request(0, [(3,)]))
+
+
+def test_ordered_block_lists_of_every_kind_are_taken_in_their_order() -> None:
+    """Lists, tuples, ranges and 1-D arrays (numpy, torch), as a request's lists and as the
+    ids a step appends (one list, or one per list)."""
+    b = make_buffers("llama", max_beam_width=1)
+    given = [
+        (9, 3),
+        [range(5, 7)],
+        [np.array([12, 2])],
+        [torch.tensor([30, 1])],
+        np.array([[8, 4]]),
+    ]
+    for slot, lists in enumerate(given):
+        b.add(Request(seq_slot=slot, prompt=[1, 2, 3], kv_block_ids=lists if slot else [lists]))
+    b.step()
+    blocks = {
+        0: range(40, 41),
+        1: [torch.tensor([41])],
+        2: (42,),
+        3: np.array([43]),
+        4: [range(44, 45)],
+    }
+    b.step(_tokens(), blocks=blocks)
+    assert [b._flight.kv.lists_of(s)[0] for s in range(5)] == [
+        [9, 3, 40],
+        [5, 6, 41],
+        [12, 2, 42],
+        [30, 1, 43],
+        [8, 4, 44],
+    ]
+
+
+# ------------------------------------------------------------ attention window keys
+def test_window_keys_are_integers_in_add_and_step() -> None:
+    """{window: lists} refused numpy integer windows at add() (type(k) is int) while
+    step(blocks=) took a float window (8.0 == 8): both take Python and numpy integers and
+    refuse floats, bools and strings, naming the key."""
+    b = make_buffers(
+        "llama",
+        max_beam_width=1,
+        max_draft_tokens=0,
+        attention_windows=[8, 64],
+        max_attention_window=64,
+    )
+    b.add(Request(0, [1, 2, 3], kv_block_ids={np.int64(8): [[1]], np.int32(64): [[2]]}))
+    keys = (8.0, True, "8")
+    for key in keys:
+        bad = rf"window key {key!r} is a {type(key).__name__}, not an integer"
+        with pytest.raises(BatchError, match=rf"request \(seq_slot 1\): kv_block_ids {bad}"):
+            b.add(Request(1, [1, 2, 3], kv_block_ids={key: [[3]], 64: [[4]]}))
+    b.step()
+    for key in keys:
+        bad = rf"window key {key!r} is a {type(key).__name__}, not an integer"
+        with pytest.raises(BatchError, match=rf"step\(\): blocks\[0\]: {bad}"):
+            b.step(_tokens(), blocks={0: {key: [5]}})
+    b.step(_tokens(), blocks={0: {np.int64(8): [5]}})
+    assert [t.lists_of(0) for _, t in b._flight.kv_windows] == [[[1, 5]], [[2]]]
+
+
+# ------------------------------------------------- fields the family does not read
+UNREAD = {
+    "LoRA rows on llama_flash": ("llama_flash", "lora_weights", [LORA_ROW]),
+    "an encoder output on llama": ("llama", "encoder_output", torch.zeros(3, 8)),
+    "cross-attention blocks on gpt_lora": ("gpt_lora", "cross_kv_block_ids", [[1]]),
+    "a prompt table on llama": ("llama", "prompt_table", torch.zeros(2, 4)),
+    "an M-RoPE delta on llama": ("llama", "mrope_position_deltas", 0),
+    "a language adapter on llama": ("llama", "language_adapter_uid", 0),
+    "an Eagle threshold on gpt_lora": ("gpt_lora", "eagle_posterior_threshold", 0.5),
+    "skipping cross attention on llama": ("llama", "skip_cross_attn_blocks", True),
+    "a GLM mask position on llama": ("llama", "mask_position", 3),
+}
+
+
+@pytest.mark.parametrize("case", UNREAD)
+def test_a_field_the_family_does_not_read_is_refused(case: str) -> None:
+    """lora_weights on llama_flash, encoder_output on llama, ... were accepted and ignored:
+    add() and prepare_step() refuse a field set on a family that never reads it."""
+    name, field, value = UNREAD[case]
+    b = make_buffers(name, max_beam_width=1)
+    r = Request(seq_slot=2, prompt=[1, 2, 3], kv_block_ids=[[3]])
+    setattr(r, field, value)
+    message = rf"{field} is set, but the {name} family does not read it"
+    with pytest.raises(BatchError, match=rf"request \(seq_slot 2\): {message}"):
+        b.add(r)
+    with pytest.raises(BatchError, match=rf"context request 0 \(seq_slot 2\): {message}"):
+        b.prepare_step([r], [])
+    r.generated = [[5]]
+    with pytest.raises(BatchError, match=rf"generation request 0 \(seq_slot 2\): {message}"):
+        b.prepare_step([], [r])
+    setattr(r, field, False if field == "skip_cross_attn_blocks" else None)
+    b.prepare_step([], [r])
+
+
+def test_the_fields_a_family_reads_are_those_its_step_program_reads() -> None:
+    def unread(name: str, **config) -> set[str]:
+        return {f for f, _ in make_buffers(name, **config).limits.unread}
+
+    optional = {
+        "mask_position",
+        "encoder_input_ids",
+        "encoder_input_length",
+        "encoder_output_length",
+        "encoder_output",
+        "cross_kv_block_ids",
+        "cross_attention_mask",
+        "skip_cross_attn_blocks",
+        "lora_weights",
+        "prompt_table",
+        "mrope_rotary_cos_sin",
+        "mrope_position_deltas",
+        "language_adapter_uid",
+        "eagle_posterior_threshold",
+    }
+    assert unread("llama") == optional
+    assert unread("gpt_lora") == optional - {"lora_weights"}
+    assert unread("glm", max_beam_width=1) == optional - {"mask_position"}
+    encoder = {f for f in optional if f.startswith(("encoder_", "cross_", "skip_cross"))}
+    assert unread("enc_dec", **ENC) == optional - encoder
+    # each reader a field names is a function of bufc.rules (or the encoder sizes)
+    readers = {r for f in dataclasses.fields(Request) for r in f.metadata.get("read_by", ())}
+    modules = (core, features, adapters, kv_rows, batch)
+    assert {r for r in readers if not any(callable(getattr(m, r, None)) for m in modules)} == set()
+    assert {f.name for f in dataclasses.fields(Request) if f.metadata.get("read_by")} == optional
