@@ -129,6 +129,7 @@ MEMBER_NAMES: frozenset[str] = frozenset(
         "advances_on_device",
         "captures",
         "no_advance",
+        "request_readers",
         "project_impls",
         "__post_init__",
         "_limits",
