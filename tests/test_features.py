@@ -162,7 +162,7 @@ def test_prompt_tuning_fills(case):
             assert torch.equal(table[i * 5 : i * 5 + rows], r.prompt_table)
 
 
-def _without(case, *fields: str) -> tuple[list, list]:
+def without(case, *fields: str) -> tuple[list, list]:
     """Copies of the case's requests with `fields` at their default (a family refuses a
     field it does not read)."""
     return tuple([dataclasses.replace(r, **dict.fromkeys(fields)) for r in reqs] for reqs in case)
@@ -184,14 +184,14 @@ def adapter_batch(draw):
 def test_mrope_and_language_adapter_fills(case):
     ctx, gen = case
     b = make_buffers("qwen2_vl", **MROPE)
-    step = b.prepare_step(*_without(case, "language_adapter_uid"))  # a field it does not read
+    step = b.prepare_step(*without(case, "language_adapter_uid"))  # a field it does not read
     check_core(b, step, ctx, gen)
     assert step.inputs["mrope_position_deltas"].tolist() == R.mrope_position_deltas(ctx, gen)
     cos_sin = step.inputs["mrope_rotary_cos_sin"]
     for i, r in enumerate(ctx):
         assert torch.equal(cos_sin[i], r.mrope_rotary_cos_sin)
     b = make_buffers("gpt_language_adapter", num_languages=4)
-    step = b.prepare_step(*_without(case, "mrope_rotary_cos_sin", "mrope_position_deltas"))
+    step = b.prepare_step(*without(case, "mrope_rotary_cos_sin", "mrope_position_deltas"))
     check_core(b, step, ctx, gen)
     assert step.inputs["language_adapter_routings"].tolist() == R.language_adapter_routings(
         ctx, gen

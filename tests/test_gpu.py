@@ -110,9 +110,18 @@ def feature_families():
         "enc_dec": (F.enc_dec_batch, F.ENC),
         "gpt_lora": (F.lora_batch, {"lora_modules": F.MODULES}),
         "gpt_prompt_tuning": (F.prompt_batch, F.PROMPT),
-        "qwen2_vl": (F.adapter_batch, F.MROPE),
-        "gpt_language_adapter": (F.adapter_batch, {"num_languages": 4}),
+        # the adapter batch sets both families' fields: each refuses the other's
+        "qwen2_vl": (_dropping(F.adapter_batch, "language_adapter_uid"), F.MROPE),
+        "gpt_language_adapter": (
+            _dropping(F.adapter_batch, "mrope_rotary_cos_sin", "mrope_position_deltas"),
+            {"num_languages": 4},
+        ),
     }
+
+
+def _dropping(strategy, *fields: str):
+    """`strategy` with `fields` of its requests at their defaults."""
+    return lambda: strategy().map(lambda case: F.without(case, *fields))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
