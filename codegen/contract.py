@@ -40,8 +40,6 @@ ROLES: dict[str, tuple[str, str]] = {
     "advance_check": ("_advance_check", "the advance check of rule '{}'"),
     "advance": ("_advance", "the advance form of rule '{}'"),
     "device_advance": ("_advance_on_device", "the device advance form of rule '{}'"),
-    "continue_check": ("_continue_check", "the continue check of rule '{}'"),
-    "continue": ("_continue", "the continue form of rule '{}'"),
     "derive": ("Config", "the function of derived value '{}'"),
 }
 
@@ -93,7 +91,7 @@ def calls(
         check = by_name.get(r.check or "")
         result = (f"the result of request check '{check.name}'",) if check and check.result else ()
         out.append(Call("fill", r.name, r.impl, ("out", "the batch", *result), r.reads))
-        ac, cc = r.advance_check, r.continue_check
+        ac = r.advance_check
         state = (
             (f"the state of request check '{check.name}'",)
             if check is not None and check.state is not None
@@ -129,23 +127,6 @@ def calls(
                     r.name,
                     r.device_advance,
                     ("the device mirror", "the decode step"),
-                )
-            )
-        if r.continues is not None:
-            passed = ("the result of its continue check",) if cc is not None and cc.result else ()
-            positional = ("out", "the last step's values", "the continued step", *passed)
-            out.append(
-                Call("continue", r.name, r.continues, positional, r.advance_reads, "advance_reads")
-            )
-        if cc is not None:
-            out.append(
-                Call(
-                    "continue_check",
-                    r.name,
-                    cc.impl,
-                    ("the continued step", *state),
-                    cc.reads,
-                    "continue_check.reads",
                 )
             )
     return out

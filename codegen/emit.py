@@ -21,7 +21,6 @@ from . import emit_lines as L
 from . import expr as E
 from . import vocab
 from .contract import ROLES, describe
-from .emit_continue import continue_program
 from .emit_formulas import capture_source, construct_source, scalar_source, step_source
 from .model import Check, Derived, Impl, Parameter
 from .plan import FamilyPlan, PlannedFill, PlannedIndexSet, PlannedTensor, StepProgram
@@ -29,7 +28,7 @@ from .plan import FamilyPlan, PlannedFill, PlannedIndexSet, PlannedTensor, StepP
 if TYPE_CHECKING:
     from .pipeline import Compiled
 
-FORMAT_VERSION = 5  # the runtime API the generated modules are written against
+FORMAT_VERSION = 6  # the runtime API the generated modules are written against
 MARKER = "@" + "generated"  # split so that grep finds only outputs
 # the headers name no path, so the output does not depend on how --spec and --out were spelled;
 # `bufc check` prints the exact command
@@ -303,10 +302,6 @@ def _roles(program: StepProgram, derived: Sequence[Derived]) -> list[tuple[str, 
             out.append(("advance_check", f.rule, f.advance_check))
         if f.device_advance is not None:
             out.append(("device_advance", f.rule, f.device_advance))
-        if f.continues is not None:
-            out.append(("continue", f.rule, f.continues))
-        if f.continue_check is not None:
-            out.append(("continue_check", f.rule, f.continue_check))
     return out
 
 
@@ -453,7 +448,6 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
         "advances": advances,
         "sampled_tokens": program.sampled_tokens,
         **_scalars_and_captures(program, sizes),
-        **continue_program(plan, alias, sizes),
         "no_advance": program.no_advance,
         "request_readers": program.request_readers,
         "state": [

@@ -1,5 +1,5 @@
-"""The line printers of the generated step program (shared by emit.py and emit_continue.py):
-calls, conditions, comments and the constructor calls of the records a step's checks return."""
+"""The line printers of the generated step program: calls, conditions, comments and the
+constructor calls of the records a step's checks return."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def step_check(
     checks: list[str],
     results: list[dict[str, Any]],
 ) -> None:
-    """A rule's advance or continue check, `fn(first, [state.STATE], **reads)`: its lines
+    """A rule's advance check, `fn(first, [state.STATE], **reads)`: its lines
     into `checks`, or, where the form takes what it returns, an entry of the record the
     checks return into `results` (named by the tensor)."""
     args = [first, *([f"state.{state}"] if state else []), *kwargs(reads)]

@@ -248,9 +248,6 @@ class Rule:
     loc: Location
     field_locs: tuple[tuple[str, Location], ...] = ()
     pads: tuple[str, ...] = ()  # what its tensors' padded rows may hold (vocab.PAD_KINDS)
-    # its form for a step whose context rows repeat the last step's layout, and its check
-    continues: Impl | None = None
-    continue_check: AdvanceCheck | None = None
 
     def field_loc(self, key: str) -> Location:
         return dict(self.field_locs).get(key, self.loc)
@@ -259,8 +256,7 @@ class Rule:
     def all_reads(self) -> tuple[str, ...]:
         """Every Config value the rule's fill and advance forms read."""
         extra = self.advance_check.reads if self.advance_check else ()
-        more = self.continue_check.reads if self.continue_check else ()
-        return tuple(dict.fromkeys((*self.reads, *self.advance_reads, *extra, *more)))
+        return tuple(dict.fromkeys((*self.reads, *self.advance_reads, *extra)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -534,14 +530,6 @@ class _Builder:
                     kl(path),
                     tuple((k, kl((*path, k))) for k in r),
                     tuple(r.get("pads", ())),
-                    self.impl(r["continue"], (*path, "continue")) if "continue" in r else None,
-                    AdvanceCheck(
-                        self.impl(cc["impl"], (*path, "continue_check", "impl")),
-                        tuple(cc.get("reads", ())),
-                        bool(cc.get("result", False)),
-                    )
-                    if (cc := r.get("continue_check"))
-                    else None,
                 )
             )
         return tuple(rules), checks

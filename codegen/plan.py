@@ -146,11 +146,6 @@ class PlannedFill:
     advance_check_state: str | None = None  # the request check whose state it receives
     advance_check_result: bool = False  # the advance form receives what it returns
     device_advance: Impl | None = None  # the advance form on the device mirror
-    continues: Impl | None = None  # its continue form, or None (the family continues no step)
-    continue_check: Impl | None = None
-    continue_check_reads: tuple[str, ...] = ()
-    continue_check_state: str | None = None  # the request check whose state it receives
-    continue_check_result: bool = False  # the continue form receives what it returns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -539,13 +534,6 @@ def _program(
                 else None,
                 advance_check_result=bool(rule.advance_check and rule.advance_check.result),
                 device_advance=rule.device_advance,
-                continues=rule.continues,
-                continue_check=rule.continue_check.impl if rule.continue_check else None,
-                continue_check_reads=rule.continue_check.reads if rule.continue_check else (),
-                continue_check_state=check.name
-                if check is not None and check.state is not None and rule.continue_check
-                else None,
-                continue_check_result=bool(rule.continue_check and rule.continue_check.result),
             )
         )
     for name, cond in spec.requests.checks:  # the family's own checks, beside its rules'

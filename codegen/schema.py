@@ -42,6 +42,14 @@ def _describe(value: Any) -> str:
     }.get(type(value), "a value")
 
 
+# rule keys an earlier format had, and what to do about each
+REMOVED_RULE_KEYS = {
+    key: f"'{key}' is no longer a rule key: every in-flight step runs the rule's fill (no "
+    "continue forms since generated format 6); drop this key and its function"
+    for key in ("continue", "continue_check")
+}
+
+
 def _diagnostics(doc: Document, err: ValidationError) -> list[Diagnostic]:
     path = tuple(err.absolute_path)
     loc = doc.loc(path)
@@ -54,6 +62,9 @@ def _diagnostics(doc: Document, err: ValidationError) -> list[Diagnostic]:
         allowed = set(err.schema.get("properties", {}))
         out = []
         for key in sorted(set(err.instance) - allowed):
+            if len(path) == 2 and path[0] == "rules" and key in REMOVED_RULE_KEYS:
+                out.append(Diagnostic(doc.key_loc((*path, key)), REMOVED_RULE_KEYS[key]))
+                continue
             hint = did_you_mean(key, allowed)
             keys = ", ".join(sorted(allowed))
             out.append(

@@ -39,8 +39,6 @@ def contracts(scope: Scope) -> None:
             r.advance,
             r.advance_check.impl if r.advance_check else None,
             r.device_advance,
-            r.continues,
-            r.continue_check.impl if r.continue_check else None,
         ):
             if isinstance(impl, Impl):
                 check_impl(scope, impl)
@@ -62,11 +60,6 @@ def contracts(scope: Scope) -> None:
             scope.errors.error(
                 r.field_loc(key),
                 f"rule '{r.name}' has no advance form; add 'advance' or drop this key",
-            )
-        if r.continues is None and r.continue_check is not None:
-            scope.errors.error(
-                r.field_loc("continue_check"),
-                f"rule '{r.name}' has no continue form; add 'continue' or drop this key",
             )
 
 

@@ -68,7 +68,7 @@ MEMORY_KINDS: dict[str, str] = {"device": "DEVICE", "host": "HOST", "pinned": "P
 # bufc's own rule modules, imported as their last component (bufc.rules.core as `core`); the
 # emitter gives them these names, and any other module that would take one gets another.
 RULE_MODULES: frozenset[str] = frozenset(
-    {"adapters", "continued", "core", "features", "kv_rows", "paged_attention", "pools"}
+    {"adapters", "core", "features", "kv_rows", "paged_attention", "pools"}
 )
 
 # The names a generated module (family.py.j2, and render_init's generated/__init__.py) binds or
@@ -102,7 +102,6 @@ MODULE_NAMES: frozenset[str] = frozenset(
         "State",
         "Checked",
         "Advancing",
-        "Continuing",
         "RuntimeBuffers",
         # builtins (formulas call min, max and len)
         "object",
@@ -141,9 +140,6 @@ MEMBER_NAMES: frozenset[str] = frozenset(
         "_advance_check",
         "_advance",
         "_advance_on_device",
-        "_continues",
-        "_continue_check",
-        "_continue",
         "_scalars",
         "_capture",
     }
@@ -168,7 +164,6 @@ LOCAL_NAMES: frozenset[str] = frozenset(
         "b",
         "c",
         "d",
-        "g",
         "k",
         "p",
         "r",

@@ -18,13 +18,12 @@ import dataclasses
 
 from bufc import runtime as rt  # first: without torch it says how to install it
 
-rt.check_format_version(5)  # before the imports a newer bufc may not have
+rt.check_format_version(6)  # before the imports a newer bufc may not have
 import typing
 from collections.abc import Sequence
 
 from bufc.requests import batch, stateless, table
 from bufc.rules import decode
-from bufc.rules import continued
 from bufc.rules import core
 from bufc.rules import features
 from bufc.rules import kv_rows
@@ -585,15 +584,6 @@ class Advancing:
     host_kv_cache_block_offsets: typing.Any
 
 
-@dataclasses.dataclass(slots=True)
-class Continuing:
-    """A checked step that continues the last one in place, and what its checks hand on to
-    the continue forms."""
-
-    rows: decode.Continue
-    host_kv_cache_block_offsets: typing.Any
-
-
 class RuntimeBuffers(rt.RuntimeBuffers):
     """The gpt_pp family's buffers: allocated at capacity once, filled every step."""
 
@@ -841,128 +831,6 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             t.host_generation_beam_widths.keep(p.host_generation_beam_widths, d.holds_run)
         # host_seq_slots: Decoder slot of each request, context requests first.
         t.host_seq_slots.keep(p.host_seq_slots, d.holds_run)
-
-    def _continues(self) -> bool:
-        """A step of requests in flight whose context rows repeat the last step's layout
-        continues its generation rows in place (`_continue`) under this Config: every rule
-        tensor it allocates has a continue form and starts with its rows."""
-        c = self.config
-        return c.num_kv_pools == 1 and not (c.max_beam_width > 1)
-
-    def _continue_check(self, g: decode.Continue) -> Continuing:
-        """Every check of a step that continues the last one in place, in order: its sizes,
-        then each continue check (in place of the request checks)."""
-        c, state = self.config, self.state
-        s = g.sizes
-        rt.check_size('num_context_requests', s.num_context_requests, c.max_batch_size)
-        rt.check_size('num_context_tokens', s.num_context_tokens, c.max_num_tokens)
-        rt.check_size('num_generation_requests', s.num_generation_requests, c.max_batch_size)
-        rt.check_size('num_generation_sequences', s.num_generation_sequences, c.max_num_sequences)
-        rt.check_size('num_generation_tokens', s.num_generation_tokens, c.max_num_tokens)
-        rt.check_size('num_logits', s.num_logits, c.max_num_logits)
-        rt.check_size('num_sequences', s.num_sequences, c.max_num_sequences)
-        rt.check_size('num_tokens', s.num_tokens, c.max_num_tokens)
-        rt.check_size('num_requests', s.num_requests, c.max_batch_size)
-        rt.check_size('beam_width', s.beam_width, c.max_beam_width)
-        self.check_shape('host_position_ids', (s.num_context_tokens + s.num_generation_sequences,))
-        return Continuing(
-            g,
-            host_kv_cache_block_offsets=continued.check_kv_continued(
-                g,
-                state.kv_blocks,
-                max_blocks_per_seq=c.max_blocks_per_seq,
-                tokens_per_block=c.tokens_per_block,
-            ),
-        )
-
-    def _continue(self, t: rt.Targets, p: rt.Targets, k: Continuing) -> None:
-        """Write the step that continues the last one in place, from its context requests and
-        the last step's values `p` (every check has passed)."""
-        c, g = self.config, k.rows
-        # host_input_ids: Token ids of the packed batch, staged on the host.
-        if c.pp_rank == 0:
-            t.host_input_ids.wrote(
-                continued.continue_tokens(
-                    t.host_input_ids.out,
-                    p.host_input_ids.out,
-                    g,
-                )
-            )
-        # host_position_ids: Position of every input token (one per generation beam), staged on the
-        # host.
-        t.host_position_ids.wrote(
-            continued.continue_positions(
-                t.host_position_ids.out,
-                p.host_position_ids.out,
-                g,
-            )
-        )
-        # host_context_lengths: Input tokens of each sequence this step (chunk plus drafts, or
-        # prompt plus drafts).
-        t.host_context_lengths.wrote(
-            continued.continue_context_lengths(
-                t.host_context_lengths.out,
-                p.host_context_lengths.out,
-                g,
-            )
-        )
-        # host_sequence_lengths: Tokens of each sequence once this step's inputs are appended,
-        # staged on the host.
-        t.host_sequence_lengths.wrote(
-            continued.continue_sequence_lengths(
-                t.host_sequence_lengths.out,
-                p.host_sequence_lengths.out,
-                g,
-            )
-        )
-        # host_request_types: Kind of each sequence, 0 for context and 1 for generation.
-        t.host_request_types.wrote(
-            continued.continue_request_types(
-                t.host_request_types.out,
-                p.host_request_types.out,
-                g,
-            )
-        )
-        # host_past_key_value_lengths: KV length per sequence as the reference sets it, a context
-        # chunk's tokens through this step, a generation sequence's before it (prompt + generated -
-        # 1, no drafts).
-        t.host_past_key_value_lengths.wrote(
-            continued.continue_past_key_value_lengths(
-                t.host_past_key_value_lengths.out,
-                p.host_past_key_value_lengths.out,
-                g,
-            )
-        )
-        # host_last_token_ids: 1-based index in the packed tokens of the last token of each logit
-        # row.
-        t.host_last_token_ids.wrote(
-            continued.continue_last_token_ids(
-                t.host_last_token_ids.out,
-                p.host_last_token_ids.out,
-                g,
-            )
-        )
-        # host_kv_cache_block_offsets: KV-cache block index of every block of each sequence, K row
-        # then V row.
-        t.host_kv_cache_block_offsets.wrote(
-            continued.continue_kv(
-                t.host_kv_cache_block_offsets.out,
-                p.host_kv_cache_block_offsets.out,
-                g,
-                k.host_kv_cache_block_offsets,
-                max_blocks_per_seq=c.max_blocks_per_seq,
-                kv_pool_layers=c.kv_pool_layers,
-                kv_pool_windows=c.kv_pool_windows,
-            )
-        )
-        # host_seq_slots: Decoder slot of each request, context requests first.
-        t.host_seq_slots.wrote(
-            continued.continue_seq_slots(
-                t.host_seq_slots.out,
-                p.host_seq_slots.out,
-                g,
-            )
-        )
 
     def _advance_on_device(self, v: rt.DeviceStep, a: Advancing) -> None:
         """The decode step's device mirrors when its tokens stay on the device (after

@@ -18,13 +18,12 @@ import dataclasses
 
 from bufc import runtime as rt  # first: without torch it says how to install it
 
-rt.check_format_version(5)  # before the imports a newer bufc may not have
+rt.check_format_version(6)  # before the imports a newer bufc may not have
 import typing
 from collections.abc import Sequence
 
 from bufc.requests import batch, stateless, table
 from bufc.rules import decode
-from bufc.rules import continued
 from bufc.rules import core
 from bufc.rules import kv_rows
 from bufc.rules import pools

@@ -2,9 +2,7 @@
 step produced, accepted and new drafts, KV blocks appended, context chunks; each checked before
 anything is kept, the step's ``Batch`` laid out (``rows.step_view``), and a ``Plan`` that the
 table commits once the step has run (``Plan.undo`` restores the block lists and drafts a failed
-step set). A step where only the tokens changed is planned without a batch (``_steady``), and
-so is one whose context rows repeat the last step's layout (``_continued``: a
-``decode.Continue`` for the family's continue forms).
+step set). A step where only the tokens changed is planned without a batch (``_steady``).
 """
 
 from __future__ import annotations
@@ -17,9 +15,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import BatchError
-from ..rules.decode import Continue, Sampled
-from ..rules.sizes import StepSizes
-from .batch import Batch, FlightLists, Limits, generation_length, step_sizes
+from ..rules.decode import Sampled
+from .batch import Batch, Limits
 from .blocks import BlockTable, check_window_keys, window_lists
 from .rows import (
     TokenGather,
@@ -64,8 +61,6 @@ class Plan:
     # each value it copies back (their state entries once they land)
     gather: TokenGather | None = None
     gathered: tuple[np.ndarray, np.ndarray] | None = None
-    # a step that continues the last one in place (no batch): what its continue forms write
-    continued: Continue | None = None
 
     def undo(self) -> None:
         """The step failed: the block lists and drafts it set are as they were."""
@@ -93,7 +88,6 @@ def plan(
     generation: bool = True,
     steady: bool = False,
     on_device: bool = False,
-    last: StepSizes | None = None,
 ) -> Plan:
     """Check the next step and lay it out; nothing is committed (``commit``) and only the
     block lists and drafts are set on the entries and the block table (``Plan.undo`` restores
@@ -101,9 +95,7 @@ def plan(
     in this step or waits.
 
     `steady`: the last step can be continued in place (generation only, no drafts); the
-    plan then has no batch when nothing but the tokens changed. `last`: the sizes of the last
-    step, whose generation rows can be continued in place (``Plan.continued``) by a step whose
-    context rows have its layout. `on_device`: `tokens` is ``OnDevice``, a tensor on the
+    plan then has no batch when nothing but the tokens changed. `on_device`: `tokens` is ``OnDevice``, a tensor on the
     buffers' device gathered there (``Plan.gather``)."""
     if t.bad:
         _refuse_bad(t)
@@ -115,16 +107,6 @@ def plan(
         and t.n_rows
     ):
         return _steady(t, tokens, blocks, on_device)
-    if (
-        last is not None
-        and generation
-        and not (drafts or accepted or t.drafted)
-        and not (t.n_wide or t.n_explicit or t.encoder)
-        and len(t.kvs) <= 1
-    ):
-        continued = _continued(t, tokens, chunks, blocks, last, on_device)
-        if continued is not None:
-            return continued
     undo_blocks: list[tuple[BlockTable, int, int]] = []
     undo_drafts: list[tuple[Entry, Any]] = []
     try:
@@ -390,22 +372,6 @@ def _steady(
     except BaseException:
         _undo(undo, [])
         raise
-    return _in_place(t, values, undo, gather, gathered)
-
-
-def _in_place(
-    t: RequestTable,
-    values: np.ndarray,
-    undo: list[tuple[BlockTable, int, int]],
-    gather: TokenGather | None,
-    gathered: tuple[np.ndarray, np.ndarray] | None,
-    continued: Continue | None = None,
-    context: tuple[list[tuple[int, int]], list[int], list[int]] = ([], [], []),
-) -> Plan:
-    """The plan of a steady or continued step (no batch: the generation rows, each one token
-    longer, take `values`; `context`: the prompt positions after the step, the prompts that
-    join the rows and those the step finishes)."""
-    positions, promoted, completing = context
     return Plan(
         batch=None,
         tokens=Sampled(values),
@@ -413,110 +379,14 @@ def _in_place(
         last=None,
         ndraft=t.ndraft,
         drafted=[],
-        positions=positions,
-        promoted=promoted,
-        completing=completing,
+        positions=[],
+        promoted=[],
+        completing=[],
         undo_blocks=undo,
         undo_drafts=[],
         gather=gather,
         gathered=gathered,
-        continued=continued,
     )
-
-
-def _continued(
-    t: RequestTable,
-    tokens: Any,
-    chunks: Mapping[int, int] | None,
-    blocks: Mapping[int, Any] | None,
-    last: StepSizes,
-    on_device: bool,
-) -> Plan | None:
-    """A step that continues the last one in place (one beam each, no drafts, no explicit
-    positions): its context rows have the last step's layout (as many requests and tokens),
-    so each tensor's generation rows start where the last step's did. Rows that held the same
-    request in the last step continue; a row a finish refilled and the prompts the last step
-    finished are written whole. Tokens that stay on the device (`on_device`) are gathered
-    into the generation rows there; the host writes the last ones it knows. None where the
-    step is not one (the full plan then runs, and raises its own errors in its own order)."""
-    if len(t.produced) != last.num_generation_sequences or t.n_rows > len(t.produced):
-        # the last step's rows are not the table's, or some sat it out (generation=False)
-        return None
-    promoted = [s for s, serial in t.completing if t.serial[s] == serial]
-    if any(t.held(s).context_drafts for s in promoted):
-        return None
-    try:
-        context, positions, completing = _context(t, chunks)
-    except BatchError:
-        return None
-    ctx_chunk = [size for _, _, size in context]
-    ctx_tokens = sum(ctx_chunk)
-    if (
-        len(context) != last.num_context_requests
-        or ctx_tokens != last.num_context_tokens
-        or any(e.context_drafts for e, _, _ in context)
-    ):
-        return None
-    n_old = t.n_rows
-    rows = np.concatenate((t.rows[:n_old], promoted)) if promoted else t.rows[:n_old]
-    n = len(rows)
-    kept = min(len(t.produced), n_old)
-    if not n or not (context or promoted or any(r < kept for r in t.refilled)):
-        # no row to write whole: a generation-only step of the last step's rows (fewer, if
-        # the last ones finished), which the full plan lays out for advance() to follow
-        return None
-    ctx_slots = [e.seq_slot for e, _, _ in context]
-    ctx_begin = [begin for _, begin, _ in context]
-    ends = [b + k for b, k in zip(ctx_begin, ctx_chunk)]
-    undo: list[tuple[BlockTable, int, int]] = []
-    gather, gathered = None, None
-    try:
-        if on_device:  # every row produced a token: each is gathered into its input position
-            values = t.last[:, 0][rows]
-            gather = TokenGather(rows * tokens.columns, np.arange(ctx_tokens, ctx_tokens + n))
-            gathered = (rows, np.zeros(n, np.int64))
-        else:
-            values = _row_tokens(tokens, rows, t.limits)
-            _check_tokens(values, t.limits)
-        _grow(t, blocks, undo)
-        at = np.array(sorted(r for r in t.refilled if r < kept) + list(range(kept, n)), np.int64)
-        gen_prompt_len = t.prompt_len[rows]
-        gen_tokens = gen_prompt_len + t.generated[rows] + 1
-        flight, grown = None, _EMPTY
-        kv = t.kv
-        if kv is not None:
-            # its own array: the KV form keeps it as the layout a half holds, and the table's
-            # rows (which `rows` may view) change with the next finish
-            slots = np.concatenate((ctx_slots, rows)) if ctx_slots else rows.copy()
-            flight = FlightLists(kv, slots if kv.lists == 1 else slots * kv.lists)
-            if undo:  # the kept rows whose list grew (a step's few: one by one)
-                row_of, lists = t.row_of.item, kv.lists
-                grew = [r for r in (row_of(row // lists) for _, row, _ in undo) if 0 <= r < kept]
-                grown = np.array(grew, np.int64) if grew else _EMPTY
-        prompts: list[np.ndarray] = [t.prompt_arrays[s] for s in ctx_slots]  # type: ignore[misc]
-        longest = max(map(len, prompts), default=0)
-        cont = Continue(
-            sizes=step_sizes(
-                len(context), ctx_tokens, 0, longest, n, n, 0, 1, generation_length(n, 0, t.limits)
-            ),
-            ctx_slots=ctx_slots,
-            ctx_begin=ctx_begin,
-            ctx_chunk=ctx_chunk,
-            ctx_prompts=prompts,
-            ctx_ends=ends,
-            rows=rows,
-            tokens=values,
-            seq_tokens=np.concatenate((ends, gen_tokens)) if ends else gen_tokens,
-            kept=kept,
-            at=at,
-            gen_prompt_len=gen_prompt_len,
-            flight=flight,
-            grown=grown,
-        )
-    except BaseException:
-        _undo(undo, [])
-        raise
-    return _in_place(t, values, undo, gather, gathered, cont, (positions, promoted, completing))
 
 
 def _context(

@@ -324,7 +324,7 @@ class RequestTable:
 
     def commit(self, plan: Plan) -> None:
         """The planned step ran: the state is the one it leaves."""
-        in_place = plan.generated is None  # a steady or continued step's tokens
+        in_place = plan.generated is None  # a steady step's tokens
         self.refilled.clear()
         if plan.gathered is not None:
             slots, beams = plan.gathered
@@ -332,19 +332,10 @@ class RequestTable:
             # or leaves before the values are back (_serials_pending)
             one_beam = in_place and not self.n_wide
             self.pending = (slots, beams, None if one_beam else self.serial[slots])
-        if in_place:  # the rows (and the promoted prompts), each one token longer
+        if in_place:  # the rows, each one token longer; nothing else changed
             assert plan.tokens is not None
-            if plan.continued is not None:  # its rows, the promoted prompts included
-                g = plan.continued
-                rows = g.rows
-                # each row's tokens after the step less its prompt, scattered (cheaper than +=
-                # on the rows' fancy index)
-                self.generated[rows] = g.seq_tokens[len(g.ctx_ends) :] - g.gen_prompt_len
-            else:
-                rows = self.rows[: self.n_rows]
-                if plan.promoted:
-                    rows = np.concatenate((rows, plan.promoted))
-                self.generated[rows] += 1
+            rows = self.rows[: self.n_rows]
+            self.generated[rows] += 1
             widths = self.beam_width[rows] if self.n_wide else None
             if plan.gathered is not None:
                 pass  # the tokens are the device's: tokens_back sets them
@@ -352,8 +343,7 @@ class RequestTable:
                 self.last[:, 0][rows] = plan.tokens.values  # one axis: a cheaper scatter
             else:
                 self.last[_beam_index(rows, widths)] = plan.tokens.values
-            if plan.continued is None:  # steady: nothing else changed
-                return
+            return
         else:
             assert plan.last is not None and plan.generated is not None
             self.generated, self.last, self.ndraft, self.drafted = (

@@ -8,9 +8,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import BatchError
-from ..requests.batch import Batch, FlightLists, Limits
+from ..requests.batch import Batch, Limits
 from ..requests.values import check_token_dtype, in_range, int_array
-from .sizes import StepSizes
 
 
 @dataclasses.dataclass(slots=True)
@@ -26,37 +25,6 @@ class Decode:
     tokens: np.ndarray
     seq_tokens: np.ndarray
     holds_run: bool = False
-
-
-@dataclasses.dataclass(slots=True)
-class Continue:
-    """A step of requests in flight that continues the last one in place (one beam each, no
-    drafts, no explicit positions): its context rows have the last step's layout (as many
-    requests and tokens), so every tensor's generation rows start where the last step's did,
-    and a continue form writes the step from the last step's values.
-
-    Context rows (a step has few) are given as Python lists, every generation row's values as
-    columns (``rows``, ``tokens``, ``seq_tokens``, ``gen_prompt_len``), which a form writes
-    whole. ``kept`` and ``at`` say which rows hold what they held in the last step, for a form
-    that continues rows rather than rewriting them (the KV rows): rows ``[0, kept)`` held the
-    same requests, except the rows ``at``: a row that a finish refilled with the last row's
-    request, and every row from ``kept`` on (the prompts the last step finished, which join
-    the generation rows now)."""
-
-    sizes: StepSizes  # the whole step's
-    ctx_slots: list[int]  # each context request's seq slot
-    ctx_begin: list[int]  # the first prompt token of its chunk
-    ctx_chunk: list[int]  # the chunk's tokens
-    ctx_prompts: list[np.ndarray]  # its prompt (int64)
-    ctx_ends: list[int]  # its prompt tokens through this step (begin + chunk)
-    rows: np.ndarray  # each generation row's seq slot
-    tokens: np.ndarray  # each generation row's new input token, its last sampled one (checked)
-    seq_tokens: np.ndarray  # every row's tokens after this step, the context rows first
-    kept: int
-    at: np.ndarray  # ascending
-    gen_prompt_len: np.ndarray  # each generation row's prompt length
-    flight: FlightLists | None  # every row's block list, the context rows first (paged KV)
-    grown: np.ndarray  # the kept generation rows whose block list grew in this step
 
 
 class Sampled:

@@ -85,13 +85,10 @@ class Held:
     maps a block-table row to its sequence (made when a decode step first needs it; `shared`
     where two sequences read one list, and the step copies every row instead)."""
 
-    __slots__ = ("out", "index", "synced", "held", "inverse", "counts", "shared", "version")
+    __slots__ = ("out", "index", "synced", "held", "inverse", "counts", "shared")
 
     def __init__(self, out: np.ndarray, index: np.ndarray, synced: int, held: np.ndarray):
         self.out, self.index, self.synced = out, index, synced
-        # a continued step's rows: the version of the list each was written from
-        # (continued.continue_kv compares them; None for the layouts from_slots writes)
-        self.version: np.ndarray | None = None
         self.held = held  # the ids each sequence's row held when the layout was written
         # made when a decode step first needs them (plain lists: a few are read one by one)
         self.inverse: list[int] | None = None  # each block-table row's sequence (-1: none)

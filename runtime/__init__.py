@@ -51,18 +51,19 @@ from .project import ProjectImpl, rule_module
 from .staging import REPEAT_LAST, Targets, write_all, written_max
 from .step import Step
 
-FORMAT_VERSION = 5
-"""The generated-module format this runtime implements; bumped on incompatible changes (5: the
-continue program, ``_continues``, ``_continue_check`` and ``_continue``, on the rules of
+FORMAT_VERSION = 6
+"""The generated-module format this runtime implements; bumped on incompatible changes (6: no
+continue program, every in-flight step runs the family's ``_check`` and ``_fill`` or
+advances; 5: the continue program, ``_continues``, ``_continue_check`` and ``_continue``, on the rules of
 ``bufc.rules.continued``; 4: the request layer is ``bufc.requests`` (``batch``, ``stateless``,
 ``table``), the format check comes before every other import, arrival checks (``_admit``),
 step scalars (``_scalars``) and capture values (``_capture``); 3: a spec's own implementation
 modules imported through ``rule_module``, and ``project_impls``)."""
 
 READS_FORMATS = (4, FORMAT_VERSION)
-"""The formats it reads (a module of format 4 has no continue program: its in-flight steps
-run in full or advance; one of format 3 or earlier imports ``bufc.rules.batch``, which is
-``bufc.requests.batch`` now: regenerate it)."""
+"""The formats it reads (a module of format 4 has no continue program either; one of format 5
+imports ``bufc.rules.continued``, which is gone, and one of format 3 or earlier imports
+``bufc.rules.batch``, which is ``bufc.requests.batch`` now: regenerate those)."""
 
 
 def check_format_version(version: int) -> None:

@@ -5,8 +5,7 @@ lays the mirrored host tensors out in the staging arena (``staging.Staging``) an
 half's fill targets, so a step allocates no tensor and decides nothing the generator decided.
 A step is the family's generated program: ``_check`` (every check, before a byte is written),
 ``_fill`` (every rule tensor), then the one host-to-device copy and the views; ``advance``
-runs the generated ``_advance_check`` and ``_advance``, and an in-flight step whose context
-rows repeat the last step's layout the generated ``_continue_check`` and ``_continue``.
+runs the generated ``_advance_check`` and ``_advance``.
 Nothing here names a tensor or a rule: what a family has, and what its step does, is in its
 generated module.
 """
@@ -120,8 +119,6 @@ class RuntimeBuffers:
         self._flight = self._in_flight()  # the requests in flight (add, finish, step)
         # the Request fields the family never reads: refused when set (add, prepare_step)
         self.limits = self._flight.limits = reading(self)
-        # a step whose context rows repeat the last step's layout continues it in place
-        self._continuing = self._continues()
 
     def _sampled_tokens(self, decls: list[TensorDecl]) -> tuple[str | None, str | None]:
         """The host tensor whose generation rows take the sampled tokens, and its mirror."""
@@ -158,15 +155,6 @@ class RuntimeBuffers:
         raise NotImplementedError
 
     def _advance_on_device(self, v: DeviceStep, advancing: Any) -> None:
-        raise NotImplementedError
-
-    def _continues(self) -> bool:  # generated where the family has continue forms
-        return False
-
-    def _continue_check(self, continued: Any) -> Any:
-        raise NotImplementedError
-
-    def _continue(self, targets: Targets, prev: Targets, checked: Any) -> None:
         raise NotImplementedError
 
     def _scalars(self, targets: Targets, sizes: Any) -> Mapping[str, int]:
@@ -272,19 +260,12 @@ class RuntimeBuffers:
         self._by_step = False
         return step
 
-    def _prepare(
-        self, batch: Callable[[], Any] | None, gather: Gather | None = None, continued: Any = None
-    ) -> Step:
+    def _prepare(self, batch: Callable[[], Any], gather: Gather | None = None) -> Step:
         """Check and fill the step of the batch `batch()` reads, copy it (and gather the
-        sampled tokens of `gather` on the device), and hand out its views; or, with `continued`
-        (a ``decode.Continue``, no batch), the step that continues the last one in place."""
+        sampled tokens of `gather` on the device), and hand out its views."""
         try:
-            if continued is None:
-                assert batch is not None
-                checked = self._check(batch())
-                s = checked.batch.sizes
-            else:
-                checked, s = self._continue_check(continued), continued.sizes
+            checked = self._check(batch())
+            s = checked.batch.sizes
         except BatchError:
             raise
         except Exception as exc:  # a value a check could not even read (an odd type)
@@ -299,11 +280,7 @@ class RuntimeBuffers:
         self._staging.wait(h)
         targets = self._targets[h]
         try:
-            if continued is None:
-                decode = self._fill(targets, checked)
-            else:
-                self._continue(targets, self._targets[self._half], checked)
-                decode = None  # advance() follows a full step
+            decode = self._fill(targets, checked)
         except FillCountError as exc:  # a rule returned a bad count: the error names it
             self._abandon_half(h)
             raise self._noted(exc) from None
@@ -480,13 +457,6 @@ class RuntimeBuffers:
         # the in-flight state continues in place only a step of its own (prepare_step and
         # advance are refused while it holds requests)
         steady = self._decode is not None and not self.no_advance and self._by_step
-        # ... or its generation rows, where its context rows repeat the last step's layout
-        # (a half that prepare_for_cuda_graph wrote capture values into holds no run)
-        last = (
-            self._last
-            if self._continuing and self._by_step and self._half_run[self._half] is not None
-            else None
-        )
         on_device = (
             self._tokens is not None
             and isinstance(tokens, torch.Tensor)
@@ -510,7 +480,6 @@ class RuntimeBuffers:
                 generation=generation,
                 steady=steady,
                 on_device=on_device,
-                last=last,
             )
         except BatchError:
             raise
@@ -522,9 +491,7 @@ class RuntimeBuffers:
         if plan.gather is not None:  # the tokens stay on the device: gathered there
             gather = Gather(tensor, plan.gather.src, plan.gather.dst, self.limits.token_limit)
         try:
-            if plan.continued is not None:
-                step = self._prepare(None, gather, plan.continued)
-            elif plan.batch is not None:
+            if plan.batch is not None:
                 step = self._prepare(lambda: plan.batch, gather)
             else:
                 step = self._advance_step(plan.tokens, gather)

@@ -275,7 +275,7 @@ def run_traffic(
     seen: Counter = Counter()
     in_place = flight._advance_step
 
-    def counted(*args):  # a step that continued the last one in place
+    def counted(*args):  # a steady step (advance forms)
         seen["steady"] += 1
         return in_place(*args)
 

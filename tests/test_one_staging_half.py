@@ -1,6 +1,6 @@
 """RuntimeBuffers(double_buffered=False): one staging half, each step written in place.
 
-The differential tests of every path run with one half too (test_in_flight, test_continue,
+The differential tests of every path run with one half too (test_in_flight, test_staging_twins,
 test_advance). Here: what the option changes (one host arena, one fill target per tensor), and
 what a step that fails after it started writing leaves: the next steps equal those of buffers
 that never saw it.
@@ -13,7 +13,7 @@ import pytest
 import torch
 from fuzz_configs import make_buffers
 
-from bufc.rules import continued, core
+from bufc.rules import core
 from bufc.runtime import BatchError, Request
 from bufc.runtime.staging import Staging
 
@@ -40,7 +40,7 @@ def test_one_half_is_one_arena_with_one_target_per_tensor() -> None:
 
 
 class _Serving:
-    """A churn the continue path takes: each step the oldest decoding request finishes, a
+    """A serving churn: each step the oldest decoding request finishes, a
     3-token prompt arrives in its slot, every decoding sequence gets a token and, where its
     next token starts a block, the block."""
 
@@ -91,8 +91,7 @@ def _raising_after(real):
 
 @pytest.mark.parametrize(
     "where, at",
-    # step 1 runs in full (its layout is new), steps 4 and 5 continue the last in place
-    [("fill", 1), ("continue form", 4), ("continue form", 5), ("copy", 1), ("copy", 5)],
+    [("fill", 1), ("fill", 4), ("fill", 5), ("copy", 1), ("copy", 5)],
 )
 def test_a_failed_step_in_one_half_is_noted_and_the_next_steps_are_right(
     monkeypatch, where: str, at: int
@@ -114,9 +113,6 @@ def test_a_failed_step_in_one_half_is_noted_and_the_next_steps_are_right(
             with monkeypatch.context() as mp:
                 if where == "fill":
                     mp.setattr(core, "last_token_ids", _raising_after(core.last_token_ids))
-                elif where == "continue form":
-                    name = "continue_last_token_ids"
-                    mp.setattr(continued, name, _raising_after(getattr(continued, name)))
                 else:
                     mp.setattr(Staging, "copy", _raising_after(Staging.copy))
                 try:

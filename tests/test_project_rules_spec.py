@@ -260,11 +260,19 @@ def test_a_project_rule_gets_located_diagnostics():
     ]
     orphan = SPEC.replace(
         "    check: short_queries\n",
-        "    check: short_queries\n    continue_check:\n      impl: mypkg.rules:cu_seqlens_q\n",
+        "    check: short_queries\n    advance_check:\n      impl: mypkg.rules:cu_seqlens_q\n",
     )
     assert _errors(orphan) == [
-        "buffers.yaml:30:5: rule 'cu_seqlens_q' has no continue form; add 'continue' or drop "
-        "this key"
+        "buffers.yaml:30:5: rule 'cu_seqlens_q' has no advance form; add 'advance' or drop this key"
+    ]
+    gone = SPEC.replace(
+        "    check: short_queries\n",
+        "    check: short_queries\n    continue: mypkg.rules:cu_seqlens_q\n",
+    )
+    assert _errors(gone) == [
+        "buffers.yaml:30:5: 'continue' is no longer a rule key: every in-flight step runs the "
+        "rule's fill (no continue forms since generated format 6); drop this key and its "
+        "function"
     ]
     size = SPEC.replace("sizes: [num_sequences]", "sizes: [num_sequence]")
     assert _errors(size) == [

@@ -1,5 +1,5 @@
-"""Targeted scenarios for steps continued in place, on the continue battery's twins
-(continue_twins.py): refusals between continued steps, CUDA-graph captures, slots finished and
+"""Targeted scenarios for in-flight steps, on the battery's twins (staging_twins.py):
+refusals between steps, CUDA-graph captures, slots finished and
 reused, chunked prompts and computed prefixes, alternating paths, token forms, many block
 appends and the window, drafts, stateless steps between runs in flight, failed fills. After
 every call both twins agree, and each scenario checks the path it targets was taken.
@@ -12,7 +12,8 @@ import random
 import numpy as np
 import pytest
 import torch
-from continue_twins import (
+from fuzz_configs import make_buffers
+from staging_twins import (
     FAMILIES,
     Traffic,
     Twins,
@@ -21,15 +22,14 @@ from continue_twins import (
     _grow,
     _serving,
 )
-from fuzz_configs import make_buffers
 
 from bufc.runtime import Request
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_refusals_between_continued_steps(name: str) -> None:
-    """Every kind of refusal in a run of continued steps: each changes nothing (on both
-    twins) and the next continued step equals the full one."""
+def test_refusals_between_in_flight_steps(name: str) -> None:
+    """Every kind of refusal in a run of in-flight steps: each changes nothing (on both
+    twins) and the next step equals the twin's."""
     tw = _serving(name, tpb=1, extra=0)  # every row takes a block every step
     traffic = Traffic(tw, random.Random(1))
     c = tw.c
@@ -91,12 +91,12 @@ def test_refusals_between_continued_steps(name: str) -> None:
         elif kind == "int8_tokens":
             bad_tokens = tokens.astype(np.int8)
         tw.step(bad_tokens, chunks=chunks, blocks=bad_blocks, expect="refused")
-        tw.step(tokens, blocks=blocks, expect="continued")
+        tw.step(tokens, blocks=blocks, expect="full")
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_refused_twice_then_continued(name: str) -> None:
-    """Two refusals in a row (blocks appended then taken back, twice), then continued steps
+def test_refused_twice_then_in_flight(name: str) -> None:
+    """Two refusals in a row (blocks appended then taken back, twice), then in-flight steps
     on both halves."""
     tw = _serving(name, tpb=1)
     for i in range(6):
@@ -111,13 +111,13 @@ def test_refused_twice_then_continued(name: str) -> None:
             tw.step(
                 tokens, blocks={s: v for s, v in blocks.items() if s != first}, expect="refused"
             )  # uncovered
-        tw.step(tokens, blocks=blocks, expect="continued")
+        tw.step(tokens, blocks=blocks, expect="full")
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("arrivals", [False, True])
 def test_cuda_graph_capture_then_steps(name: str, arrivals: bool) -> None:
-    """prepare_for_cuda_graph after a generation-only step (full, steady or continued), then
+    """prepare_for_cuda_graph after a generation-only step (full or steady), then
     more steps, with and without arrivals."""
     tw = _serving(name)
     tw.step(tw.tokens(seed=2), blocks=_grow(tw), expect="full")  # generation only
@@ -147,28 +147,28 @@ def test_cuda_graph_capture_then_steps(name: str, arrivals: bool) -> None:
             tw.add(tw.request(1, [1, 2, 3]))
             tw.step(tw.tokens(seed=m + 4), blocks=_grow(tw))
             tw.step(tw.tokens(seed=m + 5), blocks=_grow(tw))
-    assert "continued" in tw.paths, tw.paths
+    assert "full" in tw.paths, tw.paths
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_capture_after_a_continued_generation_only_step(name: str) -> None:
-    """A continued step without context rows (a finish refilled a row), captured, then a
-    continued step again two steps on (the captured half written again)."""
+def test_capture_after_a_in_flight_generation_only_step(name: str) -> None:
+    """An in-flight step without context rows (a finish refilled a row), captured, then a
+    full step again two steps on (the captured half written again)."""
     tw = _serving(name, rows=6)
     tw.step(tw.tokens(seed=2), blocks=_grow(tw), expect="full")
     tw.finish(1)
-    tw.step(tw.tokens(seed=3), blocks=_grow(tw), expect="continued")
+    tw.step(tw.tokens(seed=3), blocks=_grow(tw), expect="full")
     for b in (tw.ours, tw.full):
         b.prepare_for_cuda_graph(5)
     tw.check()
-    for i, expect in enumerate(["full", "continued", "continued", "continued"]):
+    for i, expect in enumerate(["full", "full", "full", "full"]):
         tw.finish(int(tw.full._flight.rows[0]))  # row 0 refilled by the last row
         tw.step(tw.tokens(seed=4 + i), blocks=_grow(tw), expect=expect)  # after a capture: full
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_same_slot_finished_and_reused(name: str) -> None:
-    """The same slot finished and taken again by add() before each of many continued steps:
+    """The same slot finished and taken again by add() before each of many in-flight steps:
     a decoding row's slot, a waiting prompt's slot, the slot of the prompt just completed."""
     tw = _serving(name)
     for i in range(12):
@@ -186,26 +186,26 @@ def test_same_slot_finished_and_reused(name: str) -> None:
             slot = Traffic(tw, random.Random(0)).promoted()[0]
             tw.finish(slot)
             _arrive(tw, slot)
-        tw.step(tw.tokens(seed=i), blocks=_grow(tw), expect="continued")
+        tw.step(tw.tokens(seed=i), blocks=_grow(tw), expect="full")
         tw.check()
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_finish_while_waiting_or_just_completed(name: str) -> None:
     """A request finished while its prompt waits (chunked, partly computed), and one finished
-    right after its prompt completed, between continued steps."""
+    right after its prompt completed, between in-flight steps."""
     tw = _serving(name)
     tw.add(tw.request(6, list(range(1, 13))))  # 12 tokens, chunked 3 a step
     _arrive(tw, 7)
-    tw.step(tw.tokens(seed=2), chunks={6: 3}, blocks=_grow(tw), expect="continued")  # 7 waits
-    tw.step(tw.tokens(seed=3), chunks={6: 3}, blocks=_grow(tw), expect="continued")
+    tw.step(tw.tokens(seed=2), chunks={6: 3}, blocks=_grow(tw), expect="full")  # 7 waits
+    tw.step(tw.tokens(seed=3), chunks={6: 3}, blocks=_grow(tw), expect="full")
     tw.finish(6)  # mid-prompt
-    tw.step(tw.tokens(seed=4), chunks={7: 3}, blocks=_grow(tw), expect="continued")
+    tw.step(tw.tokens(seed=4), chunks={7: 3}, blocks=_grow(tw), expect="full")
     tw.finish(7)  # its prompt just completed: it never joins the generation rows
     _arrive(tw, 8)
-    tw.step(tw.tokens(seed=5), blocks=_grow(tw), expect="continued")
+    tw.step(tw.tokens(seed=5), blocks=_grow(tw), expect="full")
     _arrive(tw, 7)
-    tw.step(tw.tokens(seed=6), blocks=_grow(tw), expect="continued")
+    tw.step(tw.tokens(seed=6), blocks=_grow(tw), expect="full")
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -227,15 +227,15 @@ def test_chunked_prompts_of_one_layout(name: str) -> None:
             tw.tokens(seed=i),
             chunks=chunks,
             blocks=_grow(tw),
-            expect="full" if i == 0 else "continued",
+            expect="full" if i == 0 else "full",
         )
     tw.add(tw.request(8, [3] * 6))
     tw.add(tw.request(9, [4] * 7))
-    tw.step(tw.tokens(seed=9), chunks={8: 4, 9: 1}, blocks=_grow(tw), expect="continued")
+    tw.step(tw.tokens(seed=9), chunks={8: 4, 9: 1}, blocks=_grow(tw), expect="full")
     tw.step(tw.tokens(seed=10), chunks={8: 2}, blocks=_grow(tw), expect="full")
-    tw.step(tw.tokens(seed=11), chunks={9: 2}, blocks=_grow(tw), expect="continued")
-    tw.step(tw.tokens(seed=12), chunks={9: 2}, blocks=_grow(tw), expect="continued")
-    tw.step(tw.tokens(seed=13), blocks=_grow(tw), expect="continued")  # its last 2
+    tw.step(tw.tokens(seed=11), chunks={9: 2}, blocks=_grow(tw), expect="full")
+    tw.step(tw.tokens(seed=12), chunks={9: 2}, blocks=_grow(tw), expect="full")
+    tw.step(tw.tokens(seed=13), blocks=_grow(tw), expect="full")  # its last 2
     tw.step(tw.tokens(seed=14), blocks=_grow(tw), expect="full")
 
 
@@ -249,24 +249,24 @@ def test_prompts_with_computed_prefix(name: str) -> None:
         r = tw.request(slot, [i + 1] * length)
         r.context_position = begin
         tw.add(r)
-        tw.step(tw.tokens(seed=i), blocks=_grow(tw), expect="continued")
+        tw.step(tw.tokens(seed=i), blocks=_grow(tw), expect="full")
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_alternating_paths(name: str) -> None:
-    """continued, full (another layout), steady (generation only, nothing changed),
-    continued (a refill) ... with `tensors` read between steps."""
+    """full, full (another layout), steady (generation only, nothing changed),
+    full (a refill) ... with `tensors` read between steps."""
     tw = _serving(name, tpb=1)
     for i in range(4):
         _arrive(tw, Traffic(tw, random.Random(0)).free()[0])
-        tw.step(tw.tokens(seed=10 * i), blocks=_grow(tw), expect="continued")
+        tw.step(tw.tokens(seed=10 * i), blocks=_grow(tw), expect="full")
         tw.check()
         tw.step(tw.tokens(seed=10 * i + 1), blocks=_grow(tw), expect="full")  # 6 joins
         tw.step(tw.tokens(seed=10 * i + 2), blocks=_grow(tw), expect="steady")
         tw.check()
         tw.step(tw.tokens(seed=10 * i + 3), blocks=_grow(tw), expect="steady")
         tw.finish(0)
-        tw.step(tw.tokens(seed=10 * i + 4), blocks=_grow(tw), expect="continued")
+        tw.step(tw.tokens(seed=10 * i + 4), blocks=_grow(tw), expect="full")
         tw.finish(int(tw.full._flight.rows[tw.full._flight.n_rows - 1]))  # the last row
         tw.step(tw.tokens(seed=10 * i + 5), blocks=_grow(tw), expect="full")
         free = Traffic(tw, random.Random(0)).free()
@@ -278,7 +278,7 @@ def test_alternating_paths(name: str) -> None:
 @pytest.mark.parametrize("name", FAMILIES)
 def test_token_forms(name: str) -> None:
     """The sampled tokens as numpy arrays of other integer dtypes, lists, [slots, k] tables,
-    longer arrays and torch CPU tensors, in continued steps."""
+    longer arrays and torch CPU tensors, in in-flight steps."""
     tw = _serving(name)
     forms = [
         lambda t: t.astype(np.int32),
@@ -300,7 +300,7 @@ def test_token_forms(name: str) -> None:
             tw.finish(slot)
         _arrive(tw, slot)
         tokens = tw.tokens(seed=i)
-        tw.step(form(tokens), blocks=_grow(tw), expect="continued", full_tokens=tokens)
+        tw.step(form(tokens), blocks=_grow(tw), expect="full", full_tokens=tokens)
 
 
 @pytest.mark.parametrize(
@@ -316,7 +316,7 @@ def test_token_forms(name: str) -> None:
     ids=["int64", "int32", "table", "strided", "longer", "int16"],
 )
 def test_device_token_forms(form) -> None:
-    """Tokens as a tensor on the buffers' device (CPU, device_tokens=True) in continued
+    """Tokens as a tensor on the buffers' device (CPU, device_tokens=True) in in-flight
     steps, gathered there: against host tokens in full."""
     tw = Twins("llama", 2, device_tokens=True)
     for s in range(4):
@@ -332,7 +332,7 @@ def test_device_token_forms(form) -> None:
             form(tokens),
             blocks=_grow(tw),
             full_tokens=tokens,
-            expect="full" if i == 0 else "continued",
+            expect="full" if i == 0 else "full",
         )
         tw.check()
 
@@ -342,8 +342,7 @@ def test_many_appends_and_the_window(tpb: int) -> None:
     """Ten decoding rows that each take a block every step or two (more than 8 slots: the
     appends checked and written at once), their lists growing to max_blocks_per_seq and
     staying there (the window); each step one prompt arrives (its layout repeats) and the
-    one that joined the step before finishes (the last row: no refill), so that every step
-    continues in place."""
+    one that joined the step before finishes (the last row: no refill)."""
     tw = Twins("llama", tpb)
     width = tw.c.max_blocks_per_seq
     for s in range(10):
@@ -354,15 +353,15 @@ def test_many_appends_and_the_window(tpb: int) -> None:
     for i in range(width * tpb - 6):
         slot = 11 - i % 2
         tw.add(tw.request(slot, [2] * 2, extra=0))
-        tw.step(tw.tokens(seed=i + 1), blocks=_grow(tw), expect="continued")
+        tw.step(tw.tokens(seed=i + 1), blocks=_grow(tw), expect="full")
         tw.finish(21 - slot)  # the prompt of the step before, now the last row
     counts = tw.full._flight.kv.count[:10]
     assert (counts == width).all(), counts
-    assert tw.paths.count("continued") > 20
+    assert tw.paths.count("full") > 20
 
 
 def test_many_appends_one_block_each_and_lists() -> None:
-    """Appends to more than 8 slots in one continued step in each form: one id each, several
+    """Appends to more than 8 slots in one in-flight step in each form: one id each, several
     ids, numpy rows (not checked at once), an empty list."""
     tw = Twins("llama", 1)
     for s in range(10):
@@ -386,11 +385,11 @@ def test_many_appends_one_block_each_and_lists() -> None:
         elif style == "tuple":
             blocks = {s: tuple(v) for s, v in blocks.items()}
         assert len(blocks) > 8, blocks
-        tw.step(tw.tokens(seed=i + 1), blocks=blocks, expect="continued")
+        tw.step(tw.tokens(seed=i + 1), blocks=blocks, expect="full")
 
 
 def test_a_prompt_longer_than_the_window() -> None:
-    """Prompts longer than the attention window (their lists fill it) in continued steps."""
+    """Prompts longer than the attention window (their lists fill it) in in-flight steps."""
     tw = Twins("llama", 1)
     width = tw.c.max_blocks_per_seq
     for s in range(2):
@@ -402,7 +401,7 @@ def test_a_prompt_longer_than_the_window() -> None:
         tw.finish(int(tw.full._flight.rows[0]))
         slot = Traffic(tw, random.Random(0)).free()[0]
         tw.add(tw.request(slot, [3] * (width + 5)))
-        tw.step(tw.tokens(seed=i + 1), blocks=_grow(tw), expect="continued")
+        tw.step(tw.tokens(seed=i + 1), blocks=_grow(tw), expect="full")
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -412,7 +411,7 @@ def test_generation_false_with_no_producer(name: str) -> None:
     nothing produced, so the full step takes tokens=None."""
     tw = _serving(name)
     tw.add(tw.request(6, list(range(1, 13))))
-    tw.step(tw.tokens(seed=2), chunks={6: 3}, blocks=_grow(tw), expect="continued")
+    tw.step(tw.tokens(seed=2), chunks={6: 3}, blocks=_grow(tw), expect="full")
     tw.step(tw.tokens(seed=3), chunks={6: 3}, generation=False, expect="full")
     tw.step(None, chunks={6: 3}, generation=False, expect="full")  # nothing produced
     tw.step(None, chunks={6: 3}, blocks=_grow(tw))  # nothing to read: tokens=None
@@ -423,7 +422,7 @@ def test_generation_false_with_no_producer_tokens_given(name: str) -> None:
     """As above, the caller passing a token array anyway."""
     tw = _serving(name)
     tw.add(tw.request(6, list(range(1, 13))))
-    tw.step(tw.tokens(seed=2), chunks={6: 3}, blocks=_grow(tw), expect="continued")
+    tw.step(tw.tokens(seed=2), chunks={6: 3}, blocks=_grow(tw), expect="full")
     tw.step(tw.tokens(seed=3), chunks={6: 3}, generation=False, expect="full")
     tw.step(None, chunks={6: 3}, generation=False, expect="full")
     tw.step(tw.tokens(seed=4), chunks={6: 3}, blocks=_grow(tw))
@@ -446,7 +445,7 @@ def test_context_drafts_finished_before_joining(name: str) -> None:
 
 
 def test_a_steady_step_ignores_chunks() -> None:
-    """(Not the continue path.) chunks naming a slot that holds no prompt in its context
+    """chunks naming a slot that holds no prompt in its context
     phase are refused by a steady step (generation only, nothing changed) as by a full step:
     whether a call is refused does not depend on the path it would take."""
     tw = _serving("llama")
@@ -477,12 +476,12 @@ def test_battery_both_on_device(seed: int) -> None:
         tw.step(tokens, blocks=traffic.grow(1))
         if rng.random() < 0.3:
             tw.check()
-    assert "continued" in tw.paths
+    assert "full" in tw.paths
 
 
 @pytest.mark.parametrize("name", ["llama"])
 def test_a_bad_token_on_the_device(name: str) -> None:
-    """A token outside the vocabulary, on the device, in a continued step: both twins
+    """A token outside the vocabulary, on the device, in an in-flight step: both twins
     write the pad there and refuse the next step until that request finishes; then the
     steps go on alike."""
     tw = Twins(name, 2, both_on_device=True)
@@ -494,18 +493,18 @@ def test_a_bad_token_on_the_device(name: str) -> None:
     tw.add(tw.request(5, [9] * 3))
     bad = tw.tokens(seed=2)
     bad[2] = tw.c.vocab_size + 5
-    tw.step(torch.as_tensor(bad), blocks=_grow(tw), expect="continued")
+    tw.step(torch.as_tensor(bad), blocks=_grow(tw), expect="full")
     tw.check()
     tw.step(torch.as_tensor(tw.tokens(seed=3)), blocks=_grow(tw), expect="refused")
     tw.finish(2)
     tw.add(tw.request(2, [9] * 3))
-    tw.step(torch.as_tensor(tw.tokens(seed=4)), blocks=_grow(tw), expect="continued")
+    tw.step(torch.as_tensor(tw.tokens(seed=4)), blocks=_grow(tw), expect="full")
     tw.check()
 
 
-def test_explicit_positions_leave_then_continued() -> None:
+def test_explicit_positions_leave_then_in_flight() -> None:
     """(gpt) A request with explicit position ids in flight keeps every step in full; once
-    it finishes (its row refilled), the steps continue in place from a full step's rows."""
+    it finishes (its row refilled), the steps after it agree."""
     tw = _serving("gpt")
     r = tw.request(6, [5, 5, 5])
     r.position_ids = [10, 20, 30]
@@ -515,15 +514,15 @@ def test_explicit_positions_leave_then_continued() -> None:
     tw.step(tw.tokens(seed=3), expect="full")
     tw.finish(6)
     _arrive(tw, 8)
-    tw.step(tw.tokens(seed=4), expect="continued")
+    tw.step(tw.tokens(seed=4), expect="full")
     tw.finish(0)
     _arrive(tw, 9)
-    tw.step(tw.tokens(seed=5), expect="continued")
+    tw.step(tw.tokens(seed=5), expect="full")
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_drafts_then_continued(name: str) -> None:
-    """Draft tokens verified on two rows, some accepted, then continued steps (arrivals and
+def test_drafts_then_in_flight(name: str) -> None:
+    """Draft tokens verified on two rows, some accepted, then in-flight steps (arrivals and
     refills): the kept rows' values follow the full steps that took the drafts."""
     tw = _serving(name, tpb=1, extra=8)
     tw.step(tw.tokens(seed=2), drafts={0: [4, 5], 3: [6]}, blocks=_grow(tw, 3), expect="full")
@@ -531,26 +530,26 @@ def test_drafts_then_continued(name: str) -> None:
     _arrive(tw, 6)
     tw.step(tw.tokens(seed=4), blocks=_grow(tw, 3), expect="full")
     _arrive(tw, 7)
-    tw.step(tw.tokens(seed=5), blocks=_grow(tw, 3), expect="continued")
+    tw.step(tw.tokens(seed=5), blocks=_grow(tw, 3), expect="full")
     tw.finish(1)
     _arrive(tw, 1)
-    tw.step(tw.tokens(seed=6), blocks=_grow(tw, 3), expect="continued")
+    tw.step(tw.tokens(seed=6), blocks=_grow(tw, 3), expect="full")
     tw.step(tw.tokens(seed=7), drafts={3: [1, 2, 3]}, blocks=_grow(tw, 4), expect="full")
     tw.finish(3)  # its drafts verified, it leaves: no draft in flight
     _arrive(tw, 3)
     tw.step(tw.tokens(seed=8), blocks=_grow(tw, 3))
     _arrive(tw, 8)
-    tw.step(tw.tokens(seed=9), blocks=_grow(tw, 3), expect="continued")
+    tw.step(tw.tokens(seed=9), blocks=_grow(tw, 3), expect="full")
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_stateless_steps_between_runs_in_flight(name: str) -> None:
-    """A run in flight with continued steps, every request finished, stateless steps
+    """A run in flight with in-flight steps, every request finished, stateless steps
     (prepare_step, advance) on both halves, then requests in flight again."""
     tw = _serving(name, tpb=1, extra=6)
     for i in range(3):
         _arrive(tw, 5 + i)
-        tw.step(tw.tokens(seed=i), blocks=_grow(tw), expect="continued")
+        tw.step(tw.tokens(seed=i), blocks=_grow(tw), expect="full")
     for s in list(Traffic(tw, random.Random(0)).rows()) + [7]:
         tw.finish(s)
     assert tw.full._flight.entries.count(None) == tw.c.max_batch_size
@@ -577,13 +576,13 @@ def test_stateless_steps_between_runs_in_flight(name: str) -> None:
     tw.step(expect="full")
     for i in range(4):
         _arrive(tw, 4 + i)
-        tw.step(tw.tokens(seed=10 + i), blocks=_grow(tw), expect="full" if i == 0 else "continued")
+        tw.step(tw.tokens(seed=10 + i), blocks=_grow(tw), expect="full" if i == 0 else "full")
         tw.finish(int(tw.full._flight.rows[0]))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_block_keys_and_values_of_other_types(name: str) -> None:
-    """blocks keyed by numpy integers, their ids numpy arrays or tuples, in continued
+    """blocks keyed by numpy integers, their ids numpy arrays or tuples, in in-flight
     steps with more and fewer than 8 slots appending."""
     if name == "gpt":
         pytest.skip("no paged KV cache")
@@ -606,12 +605,12 @@ def test_block_keys_and_values_of_other_types(name: str) -> None:
         if style == "npkey_few":  # the rows left out are uncovered: refused by both
             tw.step(tw.tokens(seed=i), blocks=blocks, expect="refused")
             blocks = _grow(tw)
-        tw.step(tw.tokens(seed=i), blocks=blocks, expect="continued")
+        tw.step(tw.tokens(seed=i), blocks=blocks, expect="full")
         tw.finish(10 + i % 2)
 
 
 def test_prepare_step_after_every_request_finished() -> None:
-    """(Not the continue path.) Every request in flight finished, the last one right after
+    """Every request in flight finished, the last one right after
     its prompt completed: nothing is in flight, and prepare_step runs (the finish takes the
     prompt off the table's completing list)."""
     b = make_buffers("gpt", max_beam_width=1)
@@ -623,16 +622,16 @@ def test_prepare_step_after_every_request_finished() -> None:
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_a_failed_fill_then_continued_steps(name: str) -> None:
-    """A fill that raises after its checks passed (a bug, injected: the last continue form in
-    ours, the last rule in the full twin) abandons the half it was writing on both; the steps
-    after it (continued ones writing that half again) still agree."""
-    from bufc.rules import continued as continue_forms
+def test_a_failed_fill_then_in_flight_steps(name: str) -> None:
+    """A fill that raises after its checks passed (a bug, injected: the last rule) abandons
+    the half it was writing on both; the steps after it (writing that half again) still
+    agree. (Both have two staging halves: with one, the failed step's half is the last
+    step's, partly written.)"""
     from bufc.rules import core
 
-    tw = _serving(name)
+    tw = _serving(name, halves=2)
     _arrive(tw, 5)
-    tw.step(tw.tokens(seed=2), blocks=_grow(tw), expect="continued")
+    tw.step(tw.tokens(seed=2), blocks=_grow(tw), expect="full")
     _arrive(tw, 6)
     tokens, blocks = tw.tokens(seed=3), _grow(tw)
 
@@ -640,13 +639,12 @@ def test_a_failed_fill_then_continued_steps(name: str) -> None:
         raise RuntimeError("injected")
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(continue_forms, "continue_seq_slots", boom)
         mp.setattr(core, "seq_slots", boom)
         tw.step(tokens, blocks=blocks, expect="refused", same_message=True)
-    tw.step(tokens, blocks=blocks, expect="continued")  # the step again, into that half
+    tw.step(tokens, blocks=blocks, expect="full")  # the step again, into that half
     for i in range(6):
         _arrive(tw, Traffic(tw, random.Random(0)).free()[0])
         if i % 2:
             tw.finish(int(tw.full._flight.rows[0]))
-        tw.step(tw.tokens(seed=4 + i), blocks=_grow(tw), expect="continued")
+        tw.step(tw.tokens(seed=4 + i), blocks=_grow(tw), expect="full")
         tw.check()

@@ -1,7 +1,8 @@
-"""The twins that the continue battery (test_continue_battery.py) and its targeted scenarios
-(test_continue_scenarios.py) drive: two RuntimeBuffers of one family take identical calls, one
-continuing steps in place, the other (``_continuing = False``) running every step in full, and
-are compared after every call; the battery's random traffic; the set-ups scenarios start from.
+"""The twins that the battery (test_staging_twins_battery.py) and its targeted scenarios
+(test_staging_twins_scenarios.py) drive: two RuntimeBuffers of one family take identical calls,
+one with two staging halves (or tokens on the device), the other with one half and host tokens
+(``test_staging_twins._pair``), and are compared after every call; the battery's random
+traffic; the set-ups scenarios start from.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from fuzz_configs import make_buffers
-from test_continue import _pair, _same
+from test_staging_twins import _pair, _same
 
 from bufc.requests import step as request_step
 from bufc.runtime import BatchError, Request
@@ -25,19 +26,25 @@ class Twins:
     """Both buffers of `_pair`, driven by identical calls and compared after each."""
 
     def __init__(
-        self, name: str, tpb: int = 2, device_tokens: bool = False, both_on_device: bool = False
+        self,
+        name: str,
+        tpb: int = 2,
+        device_tokens: bool = False,
+        both_on_device: bool = False,
+        halves: int = 1,
     ) -> None:
         """`device_tokens`: ours takes tokens on the device (the full twin on the host);
         `both_on_device`: both do (a token out of the vocabulary is then refused one step
-        later by both)."""
+        later by both); `halves`: the twin's staging halves (2: as ours)."""
         self.name = name
-        self.ours, self.full = _pair(name, tpb, device_tokens or both_on_device)
+        self.ours, self.full = _pair(
+            name, tpb, device_tokens or both_on_device, twin_double_buffered=halves == 2
+        )
         if both_on_device:
             kw = dict(max_batch_size=12, max_beam_width=1, tokens_per_block=tpb, num_kv_blocks=0)
             if name == "llama":
                 kw["max_attention_window"] = 32 * tpb
-            self.full = make_buffers(name, "cpu", device_tokens=True, **kw)
-            self.full._continuing = False
+            self.full = make_buffers(name, "cpu", device_tokens=True, double_buffered=False, **kw)
             device_tokens = True
         self.c = self.ours.config
         self.paged = hasattr(self.c, "max_blocks_per_seq")
@@ -81,17 +88,12 @@ class Twins:
     def step(
         self, tokens=None, *, expect: str | None = None, full_tokens=None, same_message=False, **kw
     ):
-        """One step on both; `expect`: the path ours must take ('continued', 'full',
-        'steady'), or 'refused' (both raise BatchError, nothing changes)."""
+        """One step on both; `expect`: the path ours must take ('full' or 'steady'), or
+        'refused' (both raise BatchError, nothing changes)."""
         where = (self.name, self.steps)
         before = self._snapshot()
         log: list[str] = []
-        real_continued, real_steady = request_step._continued, request_step._steady
-
-        def continued(*args, **kwargs):
-            plan = real_continued(*args, **kwargs)
-            log.append("continued" if plan is not None else "full")
-            return plan
+        real_steady = request_step._steady
 
         def steady(*args, **kwargs):
             log.append("steady")
@@ -106,7 +108,6 @@ class Twins:
             kwargs = copy.deepcopy(kwargs)
             with pytest.MonkeyPatch.context() as mp:
                 if b is self.ours:
-                    mp.setattr(request_step, "_continued", continued)
                     mp.setattr(request_step, "_steady", steady)
                 try:
                     results.append(("ok", b.step(given, **kwargs)))
@@ -424,11 +425,12 @@ def _refused(tw, traffic, rng, tokens, chunks, blocks, generation) -> None:
 
 
 # ------------------------------------------------------------- the scenarios' set-ups
-def _serving(name: str, tpb: int = 2, rows: int = 4, length: int = 3, extra: int = 4) -> Twins:
+def _serving(
+    name: str, tpb: int = 2, rows: int = 4, length: int = 3, extra: int = 4, halves: int = 1
+) -> Twins:
     """Twins two steps in: `rows` decoding requests (slots 0 ..), one prompt of `length`
-    tokens (the next slot) finished in the last step, so a step with one arrival of `length`
-    tokens continues the last one in place."""
-    tw = Twins(name, tpb)
+    tokens (the next slot) finished in the last step (`halves`: the twin's staging halves)."""
+    tw = Twins(name, tpb, halves=halves)
     for s in range(rows):
         tw.add(tw.request(s, [1 + s] * length, extra=extra))
     tw.step(expect="full")
@@ -454,7 +456,7 @@ def _sat_out(name: str) -> Twins:
     tw.add(tw.request(0, [1, 2, 3]))
     tw.step(expect="full")
     tw.add(tw.request(1, [4, 5, 6]))
-    tw.step(tw.tokens(seed=1), expect="continued")
+    tw.step(tw.tokens(seed=1), expect="full")
     tw.add(tw.request(2, [7, 8, 9]))
     tw.step(tw.tokens(seed=2), generation=False, expect="full")
     tw.add(tw.request(3, [1, 1, 1]))

@@ -1,21 +1,19 @@
-"""Adversarial scenarios for steps continued in place (``requests.step._continued`` and the
-continue forms): two RuntimeBuffers of one family take identical calls, one continuing steps
-in place, the other (``_continuing = False``) running every step in full; after every call the
-two must agree (every tensor, the step's sizes, scalars and views), a call refused by one must
-be refused by the other, and a refused call changes nothing (on either). The messages are
-compared only where a test asks (``same_message``): a continued step words a short KV list
-its own way (test_continue.py holds it to that wording).
+"""Adversarial scenarios for in-flight steps: two RuntimeBuffers of one family take identical
+calls, one with two staging halves (or tokens on the device), the other with one half and host
+tokens; after every call the two must agree (every tensor, the step's sizes, scalars and
+views), a call refused by one must be refused by the other, and a refused call changes nothing
+(on either). The messages are compared only where a test asks (``same_message``).
 
-Each scenario also checks that the path it targets was taken (continued, full or steady), so
-a scenario that drifts off the continue path is noticed.
+Each scenario also checks that the path it targets was taken (full or steady), so a scenario
+that drifts off it is noticed.
 
-Found by this battery, and fixed: a step after a generation=False step (whose rows produced no
-token) was continued as if every row had produced one (test_*generation_false*, test_sat_out_*);
-a steady step took `chunks` for a slot not in its context phase, which a full step refuses;
-a prompt finished right after its last chunk kept the buffers "in flight" for prepare_step
-(test_continue_scenarios.py: test_a_steady_step_ignores_chunks,
-test_prepare_step_after_every_request_finished). The twins and the battery's traffic are in
-continue_twins.py.
+Found by this battery when steps could continue the last one in place, and fixed: a step after
+a generation=False step (whose rows produced no token) was continued as if every row had
+produced one (test_*generation_false*, test_sat_out_*); a steady step took `chunks` for a slot
+not in its context phase, which a full step refuses; a prompt finished right after its last
+chunk kept the buffers "in flight" for prepare_step (test_staging_twins_scenarios.py:
+test_a_steady_step_ignores_chunks, test_prepare_step_after_every_request_finished). The twins
+and the battery's traffic are in staging_twins.py.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import contextlib
 
 import pytest
 import torch
-from continue_twins import (
+from staging_twins import (
     FAMILIES,
     Twins,
     _arrive,
@@ -39,7 +37,7 @@ from bufc.runtime import BatchError
 
 # ------------------------------------------------------------------------------------ basics
 @pytest.mark.parametrize("name", FAMILIES)
-def test_generation_false_then_continued(name: str) -> None:
+def test_generation_false_then_in_flight(name: str) -> None:
     """A step with generation=False (the generation rows sit out, produce nothing), then a
     step of the same context layout: the rows that sat out produced no token, so their input
     is their last token and their length does not grow."""
@@ -47,7 +45,7 @@ def test_generation_false_then_continued(name: str) -> None:
     tw.add(tw.request(0, [1, 2, 3]))
     tw.step(expect="full")
     tw.add(tw.request(1, [4, 5, 6]))
-    tw.step(tw.tokens(seed=1), expect="continued")  # slot 1's prompt, slot 0 joins
+    tw.step(tw.tokens(seed=1), expect="full")  # slot 1's prompt, slot 0 joins
     tw.add(tw.request(2, [7, 8, 9]))
     tw.step(tw.tokens(seed=2), generation=False, expect="full")  # slot 0 sits out
     tw.add(tw.request(3, [1, 1, 1]))
@@ -55,12 +53,12 @@ def test_generation_false_then_continued(name: str) -> None:
     tw.step(tw.tokens(seed=3))
     tw.add(tw.request(4, [2, 2, 2]))
     tw.step(tw.tokens(seed=4))
-    # the rows that sat out did not produce: that step runs in full, the next continues
-    assert tw.paths[-2:] == ["full", "continued"], tw.paths
+    # the rows that sat out did not produce: that step and the next run in full
+    assert tw.paths[-2:] == ["full", "full"], tw.paths
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_drafted_row_finished_then_continued(name: str) -> None:
+def test_drafted_row_finished_then_in_flight(name: str) -> None:
     """The last step verified draft tokens on generation row 0 (three input tokens there);
     that request finishes, the last row refills row 0, and row 1 is kept: its input
     position in the last step was not its row index (the drafts came before it)."""
@@ -77,7 +75,7 @@ def test_drafted_row_finished_then_continued(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_drafted_row_finished_then_arrival_continued(name: str) -> None:
+def test_drafted_row_finished_then_arrival_in_flight(name: str) -> None:
     """As above, with a prompt arriving (context rows of the last step's layout: none, then
     one of as many tokens as the last step's context drafts and prompt)."""
     tw = Twins(name)
@@ -102,17 +100,15 @@ def test_battery(name: str, seed: int) -> None:
     fuzz(name, seed)
 
 
-def test_the_battery_continues_steps() -> None:
-    """The battery's traffic itself: a good share of its steps continue in place, and it
-    refuses, runs in full and advances too."""
+def test_the_battery_takes_every_path() -> None:
+    """The battery's traffic itself: it runs steps in full, refuses some and advances some."""
     from collections import Counter
 
     paths = Counter()
     for name in FAMILIES:
         for seed in range(4):
             paths.update(fuzz(name, seed))
-    assert paths["continued"] >= 40 and paths["refused"] >= 15, paths
-    assert paths["full"] >= 40 and paths["steady"] >= 3, paths
+    assert paths["full"] >= 40 and paths["refused"] >= 15 and paths["steady"] >= 3, paths
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -158,7 +154,7 @@ def test_sat_out_rows_block_check() -> None:
     tw.add(tw.request(0, [1, 2, 3], extra=0))
     tw.step(expect="full")
     tw.add(tw.request(1, [4, 5, 6], extra=0))
-    tw.step(tw.tokens(seed=1), blocks={0: tw.ids(1)}, expect="continued")  # slot 0: 4 tokens
+    tw.step(tw.tokens(seed=1), blocks={0: tw.ids(1)}, expect="full")  # slot 0: 4 tokens
     tw.add(tw.request(2, [7, 8, 9], extra=0))
     # slots 0 and 1 sit out (their tokens 5 and 4 are computed in a later step)
     tw.step(tw.tokens(seed=2), generation=False, expect="full")
@@ -170,12 +166,12 @@ def test_sat_out_rows_block_check() -> None:
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_sat_out_rows_with_device_tokens(name: str) -> None:
-    """As test_generation_false_then_continued, both twins taking tokens on the device."""
+    """As test_generation_false_then_in_flight, both twins taking tokens on the device."""
     tw = Twins(name, both_on_device=True)
     tw.add(tw.request(0, [1, 2, 3]))
     tw.step(expect="full")
     tw.add(tw.request(1, [4, 5, 6]))
-    tw.step(torch.as_tensor(tw.tokens(seed=1)), expect="continued")
+    tw.step(torch.as_tensor(tw.tokens(seed=1)), expect="full")
     tw.add(tw.request(2, [7, 8, 9]))
     tw.step(torch.as_tensor(tw.tokens(seed=2)), generation=False, expect="full")
     tw.add(tw.request(3, [1, 1, 1]))
@@ -187,7 +183,7 @@ def test_sat_out_rows_with_device_tokens(name: str) -> None:
 def test_two_bad_tokens(name: str) -> None:
     """Two tokens out of the vocabulary, a kept row's and a joining prompt's: both twins
     refuse (the messages name different ones: ours the first in row order, the full step
-    the joining prompt's first), and the next continued step runs."""
+    the joining prompt's first), and the next in-flight step runs."""
     tw = _serving(name)
     _arrive(tw, 5)
     tokens, blocks = tw.tokens(seed=3), _grow(tw)
@@ -195,4 +191,4 @@ def test_two_bad_tokens(name: str) -> None:
     bad[4] = tw.c.vocab_size + 4  # slot 4: the prompt the last step completed
     bad[0] = tw.c.vocab_size  # slot 0: a kept row
     tw.step(bad, blocks=blocks, expect="refused")
-    tw.step(tokens, blocks=blocks, expect="continued")
+    tw.step(tokens, blocks=blocks, expect="full")

@@ -1,14 +1,12 @@
-"""Steps that continue the last one in place (requests in flight whose context rows repeat the
-last step's layout): the continue forms against the full step, which the other in-flight tests
-hold to the stateless step and the reference.
+"""In-flight steps on two stagings: two RuntimeBuffers of one family take the same calls, one
+with the staging it is asked for (two halves, one half, sampled tokens on the device), the other
+with the other number of halves and host tokens; after each step every tensor (at capacity,
+pads included), the step's sizes, scalars and views must be equal. The other in-flight tests
+hold these steps to the stateless step and the reference.
 
-Two RuntimeBuffers of one family take the same calls, one continuing such steps, the other
-running every step in full; after each step every tensor (at capacity, pads included), the
-step's sizes, scalars and views must be equal. The traffic is serving churn: each step some
-generation requests finish (their rows refilled by the last), as many prompts of one length
-arrive (so the context layout repeats), the last step's prompts join the generation rows, every
-sequence gets its sampled token and, where it needs one, a new KV block; now and then a step
-breaks the layout (another number of prompts, or a chunked one) and runs in full.
+The traffic is serving churn: each step some generation requests finish (their rows refilled
+by the last), prompts arrive, the last step's prompts join the generation rows, every sequence
+gets its sampled token and, where it needs one, a new KV block; now and then a chunked prompt.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bufc.requests import step as request_step
-from bufc.rules import continued, kv_rows
+from bufc.rules import kv_rows
 from bufc.runtime import BatchError, Request
 
 FAMILIES = ("llama", "gpt", "gpt_outputs", "gpt_pp")
@@ -37,7 +35,9 @@ def _pair(
     device_tokens: bool = False,
     device: str = "cpu",
     double_buffered: bool = True,
+    twin_double_buffered: bool | None = None,
 ):
+    """Ours, and its twin: by default the other number of staging halves, tokens on the host."""
     kw = dict(
         max_batch_size=12,
         max_beam_width=1,
@@ -50,9 +50,11 @@ def _pair(
     ours = make_buffers(
         name, device, device_tokens=device_tokens, double_buffered=double_buffered, **kw
     )
-    full = make_buffers(name, device, device_tokens=False, **kw)
-    full._continuing = False
-    assert ours._continuing
+    if twin_double_buffered is None:
+        twin_double_buffered = not double_buffered
+    full = make_buffers(
+        name, device, device_tokens=False, double_buffered=twin_double_buffered, **kw
+    )
     return ours, full
 
 
@@ -114,13 +116,12 @@ def run_churn(
 ) -> int:
     """The churn through both buffers on `device` (`device_tokens`: ours takes the sampled
     tokens as a tensor there, gathered there; `double_buffered` False: ours has one staging
-    half, written in place); returns the steps that continued in place."""
+    half, written in place); returns the steps the twins took."""
     rng = random.Random(seed)
     ours, full = _pair(name, rng.choice((1, 2, 4)), device_tokens, device, double_buffered)
     c = ours.config
     traffic = Churn(rng, c, paged=hasattr(c, "max_blocks_per_seq"))
     length, per_step = rng.randint(1, 6), rng.randint(1, 2)
-    plans: list = []
     waiting: list[int] = []
     computed: dict[int, int] = {}  # prompt tokens computed of each waiting request
     for i in range(steps):
@@ -151,9 +152,7 @@ def run_churn(
         given = tokens
         if device_tokens and tokens is not None:
             given = torch.as_tensor(tokens, device=device)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(request_step, "_continued", _recording(plans))
-            a = ours.step(given, chunks=chunks, blocks=dict(blocks))
+        a = ours.step(given, chunks=chunks, blocks=dict(blocks))
         b = full.step(tokens, chunks=chunks, blocks=dict(blocks))
         _same(ours, full, a, b, (seed, i), host=not device_tokens or i % 2 == 1)
         for slot in traffic.decoding:
@@ -167,24 +166,13 @@ def run_churn(
             traffic.decoding.append(s)
             del computed[s]
         waiting = [s for s in waiting if s not in done]
-    return sum(plan is not None for plan in plans)
-
-
-def _recording(plans: list):
-    """request_step._continued, each plan it returns (None: not continued) kept in `plans`."""
-    real = request_step._continued
-
-    def record(*args, **kwargs):
-        plans.append(real(*args, **kwargs))
-        return plans[-1]
-
-    return record
+    return steps
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1))
-def test_a_continued_step_equals_the_full_step(name: str, seed: int) -> None:
+def test_an_in_flight_step_equals_its_twin(name: str, seed: int) -> None:
     run_churn(name, seed)
 
 
@@ -201,12 +189,12 @@ CUDA = pytest.param(
 @pytest.mark.parametrize("name", FAMILIES)
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), device_tokens=st.booleans())
-def test_a_step_continued_in_one_staging_half_equals_the_full_step(
+def test_a_step_in_one_staging_half_equals_its_twin(
     device: str, name: str, seed: int, device_tokens: bool
 ) -> None:
-    """double_buffered=False: the continue forms overwrite the values they continue from (the
-    kept rows in place, the KV rows changed since the last step only); on CUDA each step waits
-    for the last one's copy and the tokens it copied back."""
+    """double_buffered=False: every step is written over the values of the last (the KV rows
+    changed since the last step only), against two halves; on CUDA each step waits for the
+    last one's copy and the tokens it copied back."""
     run_churn(
         name,
         seed,
@@ -231,26 +219,16 @@ def test_a_step_continued_in_one_staging_half_equals_the_full_step(
 )
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1))
-def test_a_continued_step_with_tokens_on_the_device_equals_the_full_step(
-    device: str, seed: int
-) -> None:
-    """The sampled tokens as a tensor on the buffers' device: a continued step gathers them
-    into its generation rows there, and equals the full step with host tokens (on the same
-    device)."""
+def test_a_step_with_tokens_on_the_device_equals_its_twin(device: str, seed: int) -> None:
+    """The sampled tokens as a tensor on the buffers' device: a step gathers them into its
+    generation rows there, and equals the twin's with host tokens (on the same device)."""
     run_churn("llama", seed, device_tokens=True, device=device)
-
-
-def test_the_churn_continues_most_steps_in_place() -> None:
-    """The test traffic itself: most of its steps take the continue path."""
-    continued = sum(run_churn(name, seed) for name in FAMILIES for seed in range(6))
-    assert continued >= 150, continued
-    assert sum(run_churn("llama", seed, device_tokens=True) for seed in range(3)) >= 40
 
 
 def _churning():
     """Buffers two steps in (two tokens a block): three decoding requests of 4 tokens (slot 1
     finished, its row refilled), slot 4's prompt done in the last step, and slot 5 arriving
-    with a prompt as long: the next step can continue the last in place."""
+    with a prompt as long."""
     b, _ = _pair("llama", 2)
     ids = iter(range(1, 10_000))
     for s in range(4):
@@ -264,41 +242,29 @@ def _churning():
     return b, tokens, ids
 
 
-def test_a_refused_continued_step_changes_nothing_and_the_next_one_runs() -> None:
+def test_a_refused_step_changes_nothing_and_the_next_one_runs() -> None:
     b, tokens, ids = _churning()
     before = {k: v.clone() for k, v in b.tensors.items()}
     bad = tokens.copy()
     bad[4] = b.config.vocab_size
     with pytest.raises(BatchError, match=r"token 1000 of a request in flight is outside"):
         b.step(bad)
-    with pytest.raises(BatchError, match=r"generation request in seq_slot 0: its token 5 needs"):
+    with pytest.raises(
+        BatchError,
+        match=r"generation request 0 \(seq_slot 0\): kv_block_ids holds 2 blocks, but its tokens after this step need 3",
+    ):
         b.step(tokens)  # the decoding sequences' fifth tokens need a third block
     with pytest.raises(BatchError, match=r"blocks\[1\]: that seq slot holds no request"):
         b.step(tokens, blocks={0: [next(ids)], 1: [next(ids)]})
     assert all(torch.equal(before[k], v) for k, v in b.tensors.items())
-    plans: list = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(request_step, "_continued", _recording(plans))
-        step = b.step(tokens, blocks={s: [next(ids)] for s in (0, 2, 3)})
-    assert plans[-1] is not None  # it continued the last step
+    step = b.step(tokens, blocks={s: [next(ids)] for s in (0, 2, 3)})
     n = step.sizes.num_sequences
     assert b.tensors["host_seq_slots"][:n].tolist() == [5, 0, 3, 2, 4]
     assert b.tensors["host_sequence_lengths"][:n].tolist() == [3, 5, 5, 5, 4]
 
 
-def test_a_family_continues_only_where_every_rule_has_a_continue_form() -> None:
-    assert make_buffers("llama", max_beam_width=1)._continuing
-    assert make_buffers("gpt", max_beam_width=1)._continuing
-    # beam search tensors have no continue form; nor does a second KV pool lead its rows
-    assert not make_buffers("llama", max_beam_width=2)._continuing
-    assert not make_buffers("llama", max_beam_width=1, kv_heads_per_layer=(2, 4))._continuing
-    # medusa's fixed-drafts check has no continue check to stand in for it
-    assert not make_buffers("medusa")._continuing
-
-
 def test_a_run_without_arrivals_returns_to_decode_steps() -> None:
-    """Finishes alone: a refilled row is one continued step; then (no row to write whole) a
-    full step lays the rows out and the steps after it advance (the decode steps that tokens
+    """Finishes alone: a refilled row is a full step, and the steps after it advance (the decode steps that tokens
     on the device replay as CUDA graphs)."""
     b, _ = _pair("llama", 4)
     for s in range(4):
@@ -306,31 +272,25 @@ def test_a_run_without_arrivals_returns_to_decode_steps() -> None:
     b.step()
     tokens = np.full(b.config.max_batch_size, 7)
     log: list[str] = []
-    real_steady, real_continued = request_step._steady, request_step._continued
+    real_steady = request_step._steady
 
     def steady(*args, **kwargs):
         log.append("steady")
         return real_steady(*args, **kwargs)
 
-    def continued(*args, **kwargs):
-        plan = real_continued(*args, **kwargs)
-        log.append("continued" if plan is not None else "full")
-        return plan
-
     kinds = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(request_step, "_steady", steady)
-        mp.setattr(request_step, "_continued", continued)
         for finish in (None, 1, None, None, 2, None, None):  # 2: the last row, by then
             if finish is not None:
                 b.finish(finish)
             log.clear()
             b.step(tokens)
             kinds.append(log[0] if log else "full")
-    assert kinds == ["full", "continued", "full", "steady", "full", "steady", "steady"]
+    assert kinds == ["full", "full", "steady", "steady", "full", "steady", "steady"]
 
 
-def test_continued_steps_of_finishes_alone_equal_the_full_step() -> None:
+def test_steps_of_finishes_alone_equal_the_twin() -> None:
     """Steps without context rows whose finishes refill rows, one after another: each half's
     KV rows are compared against the layout it was written with (not the table's rows as they
     are now), and equal the full step's."""
@@ -354,16 +314,10 @@ def test_continued_steps_of_finishes_alone_equal_the_full_step() -> None:
 
 @pytest.mark.parametrize("double_buffered", (True, False))
 @pytest.mark.parametrize("few", (0, 1000))
-@pytest.mark.parametrize("kept_copy", (0, 1 << 40))
-def test_the_kv_rows_by_comparison_or_by_copy_equal_the_full_step(
-    monkeypatch, kept_copy, few, double_buffered
-) -> None:
-    """The KV form's two ways: the rows that differ from what the half holds found by
-    comparison (past KEPT_COPY elements; here always), or the kept rows copied from the last
-    step's half (here always; with one staging half they are in place); V's zeros written row
-    by row or at once (kv_rows.FEW_ROWS)."""
-    monkeypatch.setattr(continued, "KEPT_COPY", kept_copy)
+def test_the_kv_rows_of_the_twins_are_equal(monkeypatch, few, double_buffered) -> None:
+    """V's zeros written row by row or at once (kv_rows.FEW_ROWS), in the churn and in steps
+    of finishes alone."""
     monkeypatch.setattr(kv_rows, "FEW_ROWS", few)
-    runs = [run_churn("llama", seed, double_buffered=double_buffered) for seed in range(4)]
-    assert sum(runs) >= 20
-    test_continued_steps_of_finishes_alone_equal_the_full_step()
+    for seed in range(4):
+        run_churn("llama", seed, double_buffered=double_buffered)
+    test_steps_of_finishes_alone_equal_the_twin()
