@@ -18,6 +18,13 @@ Five implementations prepare the same llama step, timed in the same loop on the 
   this family at these sizes) that re-reads every request, plus one pinned host-to-device copy;
 - the loop-by-loop reference (tests/reference.py) with one tensor and copy per input.
 
+Beside them, the FlashAttention/vLLM contract: bufc's llama_flash module in flight (the same
+events, the buffers of prepare_step.flash_buffers) against the gather feeder
+(bench/gather_flash.py), a hand-written vLLM-V1-style step for that contract (persistent
+per-slot rows, a row -> slot map and a few vectorised gathers per step, one staging buffer and
+one copy per device input), interleaved in alternating order like bufc and lean, and compared
+tensor by tensor on the start-up and the first CHECK_STEPS steps.
+
     python bench/churn.py [--device cpu|cuda] [--steps N] [--batches 64,256,1024] [--busy K]
                           [--json PATH]
 
@@ -25,9 +32,10 @@ Prints medians of host microseconds per step and the ratios bufc / floor and ref
 for B = 64, 256, 1024 requests with 1, 2 and 8 changes per step (and 4 at B = 1024), the steady
 case (no change: prepare_step and advance) and the mixed case of bench/prepare_step.py. The
 in-flight row of each churn and steady case adds the lean median and the ratio bufc in flight /
-lean (the columns `lean` and `flight/lean`). With `--busy K`, every case runs again with K busy
-processes beside it (a loaded host), and the table adds bufc's median and worst step under
-load, as ratios to its quiet median.
+lean (the columns `lean` and `flight/lean`); the line `llama_flash in flight / gather feeder`
+gives the medians of bufc's llama_flash in flight and of the feeder, and their ratio. With
+`--busy K`, every case runs again with K busy processes beside it (a loaded host), and the
+table adds bufc's median and worst step under load, as ratios to its quiet median.
 """
 
 from __future__ import annotations
@@ -51,14 +59,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gather_flash import GatherFlash  # noqa: E402
 from lean_llama import LeanLlama  # noqa: E402
-from prepare_step import bench_buffers, mixed, plain  # noqa: E402
+from prepare_step import bench_buffers, flash_buffers, mixed, plain  # noqa: E402
 
 from bufc.runtime import Constant, Mirror, Request, Rule  # noqa: E402
 
 PROMPT = 512
 TPB = 64  # tokens per KV block (bench_buffers)
 CHECK_STEPS = 5  # the first steps of every case whose tensors lean and bufc must agree on
+Beside = LeanLlama | GatherFlash  # a hand-written step driven beside bufc's
 
 
 class Traffic:
@@ -166,10 +176,11 @@ class InFlightDriver:
     finished, those that arrived, the sampled tokens (indexed by seq slot) and the KV blocks
     added per slot. Derived from consecutive steps of a Traffic outside the timed region;
     `run` is the timed part (finish, add, step). `on_device`: the tokens are handed over as a
-    tensor on the buffers' device (gathered there). `lean`: a LeanLlama driven by the same
-    events (`run_lean`), its start-up included."""
+    tensor on the buffers' device (gathered there). `lean`: a hand-written step driven by the
+    same events (`run_lean`), its start-up included: a LeanLlama beside llama buffers, a
+    GatherFlash beside llama_flash buffers."""
 
-    def __init__(self, buffers, on_device: bool = False, lean: LeanLlama | None = None) -> None:
+    def __init__(self, buffers, on_device: bool = False, lean: Beside | None = None) -> None:
         self.buffers = buffers
         self.lean = lean
         self.tokens = np.zeros(buffers.config.max_batch_size, np.int64)
@@ -246,17 +257,18 @@ class InFlightDriver:
         lean.step(tokens, blocks=blocks)
 
 
-def check_lean(buffers, step, lean: LeanLlama, where: str) -> None:
-    """Every tensor bufc's llama module writes (its rule, mirror and constant tensors) at the
-    step's shapes, against the lean step's: the same names, shapes, dtypes and values, or
-    AssertionError (untimed)."""
+def check_lean(buffers, step, lean: Beside, where: str) -> None:
+    """Every tensor bufc's module writes (its rule, mirror and constant tensors) at the step's
+    shapes, against the hand-written step's (`lean`: a LeanLlama or a GatherFlash): the same
+    names, shapes, dtypes and values, or AssertionError (untimed)."""
     c = buffers.config
+    label = "lean" if isinstance(lean, LeanLlama) else "the feeder"
     written = [n for n, d in buffers.decls.items() if isinstance(d.fill, (Rule, Mirror, Constant))]
     ours, theirs = buffers.tensors, lean.tensors()
     if set(written) != set(theirs):
         raise AssertionError(
-            f"{where}: bufc writes {sorted(set(written) - set(theirs))} that lean does not, "
-            f"lean writes {sorted(set(theirs) - set(written))} that bufc does not"
+            f"{where}: bufc writes {sorted(set(written) - set(theirs))} that {label} does not, "
+            f"{label} writes {sorted(set(theirs) - set(written))} that bufc does not"
         )
     for name in written:
         shape = tuple(buffers.decls[name].shape(c, step.sizes))
@@ -265,14 +277,14 @@ def check_lean(buffers, step, lean: LeanLlama, where: str) -> None:
         if got.shape != want.shape or got.dtype != want.dtype:
             raise AssertionError(
                 f"{where}: {name}: bufc {want.dtype} {list(want.shape)}, "
-                f"lean {got.dtype} {list(got.shape)}"
+                f"{label} {got.dtype} {list(got.shape)}"
             )
         if not torch.equal(got, want):
             diff = (got != want).nonzero()
             first = tuple(diff[0].tolist())
             raise AssertionError(
                 f"{where}: {name} differs at {len(diff)} of {want.numel()} elements; first at "
-                f"{list(first)}: bufc {want[first].item()}, lean {got[first].item()}"
+                f"{list(first)}: bufc {want[first].item()}, {label} {got[first].item()}"
             )
 
 
@@ -285,14 +297,17 @@ def _time(fn, *args) -> float:
 def churn_case(buffers, floor, device: str, batch: int, changes: int, steps: int) -> dict:
     traffic = Traffic(batch, changes, seed=batch * 10 + changes)
     drivers = _drivers(device)
+    flash = _flash_driver(device)
     ours, low, ref = [], [], []
     flight: list[list[float]] = [[] for _ in drivers]
     lean: list[list[float]] = [[] for _ in drivers]
+    t_flash: list[tuple[float, float]] = []
     where = f"B={batch}, {changes} changes"
     for i in range(steps + 3):
         ctx, gen = traffic.step()
         t_ours = _time(buffers.prepare_step, ctx, gen)
         t_flight = [_drive(d, i, ctx, gen, where) for d in drivers]
+        t_pair = _drive(flash, i, ctx, gen, f"{where}, llama_flash")
         t_low = _time(floor, ctx, gen)
         t_ref = _time(plain, ctx, gen, buffers.config, device) if i % 8 == 3 else None
         if i >= 3:  # warm-up
@@ -301,9 +316,10 @@ def churn_case(buffers, floor, device: str, batch: int, changes: int, steps: int
                 times.append(t)
                 lean_times.append(t_lean)
             low.append(t_low)
+            t_flash.append(t_pair)
             if t_ref is not None:
                 ref.append(t_ref)
-    return _with_flight(_row(ours, low, ref), flight, lean)
+    return _with_flash(_with_flight(_row(ours, low, ref), flight, lean), t_flash)
 
 
 def _drivers(device: str) -> list[InFlightDriver]:
@@ -317,6 +333,12 @@ def _drivers(device: str) -> list[InFlightDriver]:
     if device.startswith("cuda"):
         drivers.append(InFlightDriver(bench_buffers(device), on_device=True))
     return drivers
+
+
+def _flash_driver(device: str) -> InFlightDriver:
+    """bufc's llama_flash module in flight (host tokens) with the gather feeder beside it."""
+    buffers = flash_buffers(device)
+    return InFlightDriver(buffers, lean=GatherFlash(buffers.config, device))
 
 
 def _drive(
@@ -366,16 +388,27 @@ def _with_flight(row: dict, flight: list[list[float]], lean: list[list[float]]) 
     return row
 
 
+def _with_flash(row: dict, pairs: list[tuple[float, float]]) -> dict:
+    """The medians of bufc's llama_flash in flight and of the gather feeder, and their ratio."""
+    row["flash_us"] = statistics.median(t for t, _ in pairs)
+    row["feeder_us"] = statistics.median(t for _, t in pairs)
+    row["flash_vs_feeder"] = row["flash_us"] / row["feeder_us"]
+    return row
+
+
 def steady_case(buffers, floor, device: str, batch: int, steps: int) -> dict:
     traffic = Traffic(batch, 0, seed=batch)
     drivers = _drivers(device)
+    flash = _flash_driver(device)
     ours, adv, low, ref = [], [], [], []
     flight: list[list[float]] = [[] for _ in drivers]
     lean: list[list[float]] = [[] for _ in drivers]
+    t_flash: list[tuple[float, float]] = []
     for i in range(steps + 3):
         ctx, gen = traffic.step()
         t_ours = _time(buffers.prepare_step, ctx, gen)
         t_flight = [_drive(d, i, ctx, gen, f"B={batch}, steady") for d in drivers]
+        t_pair = _drive(flash, i, ctx, gen, f"B={batch}, steady, llama_flash")
         t_low = _time(floor, ctx, gen)
         tokens = np.full(len(gen), 7, np.int64)
         t_adv = _time(buffers.advance, tokens)
@@ -389,9 +422,10 @@ def steady_case(buffers, floor, device: str, batch: int, steps: int) -> dict:
             for times, lean_times, (t, t_lean) in zip(flight, lean, t_flight):
                 times.append(t)
                 lean_times.append(t_lean)
+            t_flash.append(t_pair)
             if t_ref is not None:
                 ref.append(t_ref)
-    row = _with_flight(_row(ours, low, ref), flight, lean)
+    row = _with_flash(_with_flight(_row(ours, low, ref), flight, lean), t_flash)
     before = [d.buffers.bytes_to_device for d in drivers]
     for _ in range(4):
         ctx, gen = traffic.step()
@@ -521,6 +555,11 @@ def main() -> None:
                 f"{'  in flight (finish/add/step)':34} {r['in_flight_us']:9.1f} "
                 f"{r['floor_us']:9.1f} {r['in_flight_vs_floor']:9.2f}x {'':10} {'':9} "
                 f"{r['lean_us']:9.1f} {r['in_flight_vs_lean']:10.2f}x"
+            )
+        if "flash_us" in r:
+            print(
+                f"{'  llama_flash in flight / gather feeder':40} {r['flash_us']:9.1f} "
+                f"{r['feeder_us']:9.1f} {r['flash_vs_feeder']:9.2f}x"
             )
         if "in_flight_one_half_us" in r:
             print(

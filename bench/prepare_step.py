@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from reference import reference_step  # noqa: E402
 
-from bufc.generated import llama  # noqa: E402
+from bufc.generated import llama, llama_flash  # noqa: E402
 from bufc.runtime import Request  # noqa: E402
 
 DEVICE_INPUTS = (
@@ -87,6 +87,20 @@ def bench_buffers(device: str, double_buffered: bool = True) -> llama.RuntimeBuf
         tokens_per_block=64,
     )
     return llama.RuntimeBuffers(config, device=device, double_buffered=double_buffered)
+
+
+def flash_buffers(device: str, double_buffered: bool = True) -> llama_flash.RuntimeBuffers:
+    """bench_buffers' configuration for the FlashAttention/vLLM contract (llama_flash): the same
+    7B-class Llama, up to 1024 requests and 8192 tokens, 64-token KV blocks."""
+    config = llama_flash.Config(
+        max_batch_size=1024,
+        max_num_tokens=8192,
+        vocab_size=32000,
+        num_layers=32,
+        max_attention_window=4096,
+        tokens_per_block=64,
+    )
+    return llama_flash.RuntimeBuffers(config, device=device, double_buffered=double_buffered)
 
 
 def plain(ctx, gen, config, device) -> int:
