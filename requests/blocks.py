@@ -3,14 +3,14 @@
 A request's block lists (one shared by its beams, or one per beam) are read once, when it
 arrives (``put``), and grow by the ids a step hands over (``append``); both check every id
 then: an integer in the pool, at most ``width`` per list. A step reads no request's list: the
-KV rules take the ids from ``ids`` and the coverage from ``count``, and keep their own encoded
-rows per (slot, list), rewriting those whose ``version`` moved (a list arrived, grew or was
-taken back by a failed step): only the new columns of a list that grew since (the same ``born``,
-a longer ``count``).
+KV rules gather each sequence's row from ``ids`` (the allocator's ids, as the FlashAttention
+and FlashInfer contracts take them) or from ``encoded`` (TensorRT-LLM's block offsets), and
+the coverage from ``count``. Both are written where the ids are: ``put``, ``append`` and, for
+a failed step, ``undo``; nothing else keeps a copy.
 
-The ids of a list sit at ``ids[slot * lists + k, :count]``; the columns past its count hold 0.
-One pool today (the ``kv_block_ids`` of every family with a paged KV cache); a second pool is
-a second table with its own width and id range.
+The ids of a list sit at ``ids[slot * lists + k, :count]`` (int32: the id bound keeps every
+encoded index within it); the columns past its count hold 0. Each attention window's lists are
+one table.
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ from .values import (
     show,
 )
 
-LOG_KEEP = 1 << 14  # changed rows the log keeps (a reader behind by more compares versions)
-
 
 def id_limit(layers: int, num_kv_blocks: int) -> tuple[int, str]:
     """Block ids lie in 0 .. limit - 1: the pool's blocks (0: unbounded), and at most what the
@@ -52,44 +50,25 @@ class BlockTable:
         self, slots: int, lists: int, width: int, limit: tuple[int, str], field: str
     ) -> None:
         self.lists, self.width, self.limit, self.field = lists, width, limit, field
-        self.ids = np.zeros((slots * lists, width), np.int64)
+        self.ids = np.zeros((slots * lists, width), np.int32)
         self.count = np.zeros(slots * lists, np.int64)
-        self.version = np.zeros(slots * lists, np.int64)  # bumped whenever a list changes
-        self.born = np.zeros(slots * lists, np.int64)  # the version a list arrived with
         self.n_lists = np.zeros(slots, np.int64)  # 1 (shared by the beams) or the beam width
-        self.clock = 0
-        # the rows whose list changed, in order (log[i] is change log_base + i): a reader that
-        # remembers where it stopped rewrites only what changed since (``changed_since``)
-        self.log: list[int] = []
-        self.log_base = 0
+        # TensorRT-LLM's KVCacheIndex of every id: [rows, K/V, width], K = id * per_block
+        # (2 x the layers of the window's first pool), V = K + 1, 0 past a list's count; made
+        # by the first ``encoded`` call (a family whose engine takes the ids as they are never
+        # asks), then written beside the ids
+        self.enc: np.ndarray | None = None
+        self.per_block = 0
 
-    @property
-    def log_end(self) -> int:
-        """The position after the last change logged."""
-        return self.log_base + len(self.log)
-
-    def changed_since(self, position: int) -> list[int] | None:
-        """The rows changed since log position `position` (repeats possible), or None when
-        the log no longer reaches back that far (the reader then compares versions)."""
-        if position < self.log_base:
-            return None
-        return self.log[position - self.log_base :]
-
-    def _logged(self, rows: list[int]) -> None:
-        self.log += rows
-        if len(self.log) > LOG_KEEP:
-            self._trim()
-
-    def _log_one(self, row: int) -> None:
-        self.log.append(row)
-        if len(self.log) > LOG_KEEP:
-            self._trim()
-
-    def _trim(self) -> None:
-        """Keep the recent half: a reader that far behind compares versions."""
-        drop = len(self.log) // 2
-        del self.log[:drop]
-        self.log_base += drop
+    def encoded(self, per_block: int) -> np.ndarray:
+        """[rows, K/V, width] int32: every list's ids encoded with `per_block` (see ``enc``)."""
+        if self.enc is None or self.per_block != per_block:
+            k = self.ids.astype(np.int64) * per_block
+            enc = np.empty((len(self.count), 2, self.width), np.int32)
+            enc[:, 0] = k
+            enc[:, 1] = (k + 1) * (np.arange(self.width) < self.count[:, None])
+            self.enc, self.per_block = enc, per_block
+        return self.enc
 
     def check(
         self, lists: Any, beams: int, w: str
@@ -102,26 +81,26 @@ class BlockTable:
     def put(self, slot: int, arrays: list[np.ndarray | list[int]]) -> None:
         """The checked lists of the request arriving in `slot`."""
         base = slot * self.lists
-        if self.lists == 1:  # one list per slot (no beam search): scalar writes
-            ids = arrays[0]
-            row, n = self.ids[base], len(ids)
-            row[:n] = ids
-            row[n:] = 0  # past a list's count its ids are 0
-            self.count[base] = n
+        if self.lists == 1:  # one list per slot (no beam search)
+            self._write_row(base, arrays[0])
             self.n_lists[slot] = 1
-            self.clock += 1
-            self.version[base] = self.born[base] = self.clock
-            self._log_one(base)
             return
-        self.ids[base : base + self.lists] = 0
-        self.count[base : base + self.lists] = 0
-        for k, a in enumerate(arrays):
-            self.ids[base + k, : len(a)] = a
-            self.count[base + k] = len(a)
+        for k in range(self.lists):
+            self._write_row(base + k, arrays[k] if k < len(arrays) else ())
         self.n_lists[slot] = len(arrays)
-        self._bump(base, base + self.lists)
-        self.born[base : base + self.lists] = self.clock
-        self._logged(list(range(base, base + self.lists)))
+
+    def _write_row(self, row: int, ids: Any) -> None:
+        """Row `row` holds the list `ids` (checked), 0 past it, in ``ids`` and ``enc``."""
+        n = len(ids)
+        self.ids[row, :n] = ids
+        self.ids[row, n:] = 0  # past a list's count its ids are 0
+        self.count[row] = n
+        if self.enc is not None:
+            k = self.ids[row, :n].astype(np.int64) * self.per_block
+            enc = self.enc[row]
+            enc[0, :n] = k
+            enc[1, :n] = k + 1
+            enc[:, n:] = 0
 
     def lists_of(self, slot: int) -> list[list[int]]:
         """The slot's lists, as lists of ids (copies)."""
@@ -133,7 +112,7 @@ class BlockTable:
 
     def clear(self, slot: int) -> None:
         """The slot's request left: its lists are gone (no step reads the slot until ``put``
-        gives it new ones, with a new version)."""
+        gives it new ones, rewriting its rows)."""
         n = int(self.n_lists[slot])
         base = slot * self.lists
         if n == 1:  # the common case: scalar writes
@@ -153,14 +132,7 @@ class BlockTable:
             after = before + len(new)
             if after > self.width:
                 raise BatchError(f"{w}: {after} KV blocks exceed max_blocks_per_seq={self.width}")
-            if after - before == 1:  # a step's usual append: one block, one scalar write
-                self.ids[base, before] = new[0]
-            else:
-                self.ids[base, before:after] = new
-            self.count[base] = after
-            self.clock += 1
-            self.version[base] = self.clock
-            self._log_one(base)
+            self._extend(base, before, new)
             return [(base, before)]
         if type(new) is not list:
             if not (is_ordered(new) or is_ordered(new, 2)):
@@ -182,12 +154,27 @@ class BlockTable:
         done = []
         for k, a in enumerate(added):
             row, before = base + k, int(self.count[base + k])
-            self.ids[row, before : before + len(a)] = a
-            self.count[row] = before + len(a)
+            self._extend(row, before, a)
             done.append((row, before))
-        self._bump(base, base + n)
-        self._logged(list(range(base, base + n)))
         return done
+
+    def _extend(self, row: int, before: int, new: Any) -> None:
+        """Row `row`'s list, `before` ids long, grows by the checked ids `new`."""
+        after = before + len(new)
+        enc = self.enc
+        if after - before == 1:  # a step's usual append: one block, scalar writes
+            block = int(new[0])
+            self.ids[row, before] = block
+            if enc is not None:
+                enc[row, 0, before] = block * self.per_block
+                enc[row, 1, before] = block * self.per_block + 1
+        else:
+            self.ids[row, before:after] = new
+            if enc is not None:
+                k = self.ids[row, before:after].astype(np.int64) * self.per_block
+                enc[row, 0, before:after] = k
+                enc[row, 1, before:after] = k + 1
+        self.count[row] = after
 
     def append_many(self, blocks: Mapping[Any, Any], undo: list[tuple[int, int]]) -> bool:
         """``append`` for many slots at once, each with one list and a list of Python ints
@@ -216,26 +203,24 @@ class BlockTable:
             return False
         if len(flat) == len(values):  # one block each: one scatter
             self.ids[rows, before] = flat
+            if self.enc is not None:
+                k = np.array(flat, np.int64) * self.per_block
+                self.enc[rows, 0, before] = k
+                self.enc[rows, 1, before] = k + 1
+            self.count[rows] = after
         else:
             for row, b, v in zip(rows.tolist(), before.tolist(), values):
-                self.ids[row, b : b + len(v)] = v
-        self.count[rows] = after
-        self.clock += 1
-        self.version[rows] = self.clock
-        changed = rows.tolist()
-        self._logged(changed)
-        undo += zip(changed, before.tolist())
+                self._extend(row, b, v)
+        undo += zip(rows.tolist(), before.tolist())
         return True
 
     def undo(self, done: list[tuple[int, int]]) -> None:
         """Take back what ``append`` wrote (a failed step)."""
         for row, before in done:
             self.ids[row, before:] = 0
+            if self.enc is not None:
+                self.enc[row, :, before:] = 0
             self.count[row] = before
-            self._bump(row, row + 1)
-            # a list taken back is rewritten whole wherever it was written (not as grown)
-            self.born[row] = self.clock
-            self._log_one(row)
 
     def _checked(self, values: Any, have: int, w: str) -> np.ndarray | list[int]:
         """`values` as the ids of a list that holds `have` already: at most `width` ids in
@@ -253,10 +238,6 @@ class BlockTable:
             name_bad_id(list(values), 0, self.field, w, self.limit, "KV")
             raise BatchError(f"{w}: {self.field} needs lists of block ids, got {show(values)}")
         return a
-
-    def _bump(self, start: int, stop: int) -> None:
-        self.clock += 1
-        self.version[start:stop] = self.clock
 
 
 def _ids_in(values: list, limit: int) -> bool:

@@ -27,8 +27,6 @@ from .kv_rows import (
     BlockPlan,
     KeptRows,
     check_block_lists,
-    forget_halves,
-    from_slots,
     sequence_keys,
     write_at,
     write_kv_rows,
@@ -357,17 +355,15 @@ def kv_cache_block_offsets(
     they were built from: a list equal to its copy (compared by value, so a list changed in
     place is seen) keeps its row, so steady decoding converts only the lists that changed; when
     requests finish or arrive, a kept row moves with its sequence, and only the rows of new
-    sequences and of changed lists are built. Requests in flight take each row from the
-    slots' rows (``SlotRows``, where only new or grown lists were rewritten), and only where
-    the buffer half held another row or an older version of it (``from_slots``).
+    sequences and of changed lists are built. Requests in flight gather each row from its
+    block table's encoded rows (``BlockTable.encoded``, written with the ids).
     """
     width, layers = max_blocks_per_seq, kv_pool_layers[0]
     kept = plan.kept
     assert kept is not None  # check_kv_blocks hands its state on
     kept.entered = []  # advance() continues from these rows
     if plan.slots is not None:  # in flight: each sequence's row from its slot's
-        return _in_flight(kept, plan.slots, out, width, kv_pool_layers, kv_pool_windows)
-    forget_halves(kept)
+        return _in_flight(plan.slots, out, width, kv_pool_layers, kv_pool_windows)
     rows = out[: b.sizes.num_sequences * 2 * width].reshape(b.sizes.num_sequences, 2, width)
     n_ctx = b.sizes.num_context_requests
     k = int(plan.lengths[:n_ctx].sum())
@@ -399,22 +395,20 @@ def kv_cache_block_offsets(
 
 
 def _in_flight(
-    kept: KeptRows,
     flight: FlightLists,
     out: np.ndarray,
     width: int,
     pool_layers: tuple[int, ...],
     pool_windows: tuple[int, ...],
 ) -> int:
-    """Requests in flight: the first pool of each window from that window's block table,
-    then the window's other pools from it."""
-    n = len(flight.index) * 2 * width
-    if not flight.tables:  # one window: its first pool is pool 0
-        from_slots(kept, flight.blocks, flight.index, out, 0, width, 2 * pool_layers[0])
-        return other_pools(out, n, width, pool_layers, pool_windows)
-    for k, table in enumerate(flight.tables):
-        p = pool_windows.index(k)  # the window's first pool
-        from_slots(kept, table, flight.index, out, p * n, width, 2 * pool_layers[p])
+    """Requests in flight: the first pool of each window gathered from that window's block
+    table's encoded rows (one take), then the window's other pools from it."""
+    index = flight.index
+    n = len(index) * 2 * width
+    for k, table in enumerate(flight.per_window()):
+        p = pool_windows.index(k) if flight.tables else 0  # the window's first pool
+        rows = out[p * n : (p + 1) * n].reshape(len(index), 2, width)
+        np.take(table.encoded(2 * pool_layers[p]), index, axis=0, out=rows, mode="clip")
     return other_pools(out, n, width, pool_layers, pool_windows)
 
 
@@ -629,9 +623,8 @@ def advance_kv(
     """The last step's rows with the blocks entered this step (and, in a half that holds the
     rows of two steps back, those entered in the step between), in every pool."""
     width = max_blocks_per_seq
-    if entered.flight is not None:  # in flight: only the rows this half lacks
-        return _in_flight(entered.kept, entered.flight, out, width, kv_pool_layers, kv_pool_windows)
-    forget_halves(entered.kept)
+    if entered.flight is not None:  # in flight: every row from the block tables
+        return _in_flight(entered.flight, out, width, kv_pool_layers, kv_pool_windows)
     n = len(d.tokens) * 2 * width
     if d.holds_run:
         written = entered.kept.entered + entered.new  # `out` has the rows of two steps back

@@ -29,9 +29,6 @@ _FIRST = itemgetter(0)
 _LISTS = frozenset((list, tuple))
 _EMPTY = np.zeros(0, np.int64)
 _EMPTY.flags.writeable = False
-FEW = 8  # stale rows past which from_slots rewrites whole rows in a few numpy calls
-FEW_CHANGED = 64  # changed lists past which a decode step rewrites whole rows at once
-FEW_ROWS = 32  # lists write_lists encodes V for row by row (past them, with a mask)
 
 
 def required_blocks(tokens: np.ndarray, tokens_per_block: int, width: int) -> np.ndarray:
@@ -54,58 +51,6 @@ class KeptRows:
     # sequence to its new position instead of being rebuilt
     requests: tuple[Any, ...] = ()
     keys: list | None = None
-    # requests in flight: the rows of every (slot, list) of each block table (one per attention
-    # window), by the table's identity: a step takes its rows from here
-    slots: dict[int, SlotRows] = dataclasses.field(default_factory=dict)
-
-
-class SlotRows:
-    """Requests in flight: the encoded KV rows of every row of the request table's block
-    table (``blocks``: a slot's list), with the version of the list each was written from. A
-    step takes its sequences' rows from here, whatever row each lands on (finish condenses,
-    prompts join), once the rows whose list changed are rewritten; nothing follows rows from
-    step to step."""
-
-    def __init__(self, blocks: Any) -> None:
-        self.blocks = blocks  # the block table these rows are of (held: its versions count)
-        self.rows: np.ndarray | None = None  # [block table rows, K/V, width], the fill's dtype
-        self.version = np.full(len(blocks.count), -1, np.int64)
-        self.born = np.full(len(blocks.count), -1, np.int64)  # of the list each row is from
-        self.length = np.zeros(len(blocks.count), np.int64)  # the ids each row holds
-        self.synced = -1  # the table's log position these rows are current to (-1: none)
-        # per buffer half and offset in it: what its sequence rows were copied from (``Held``),
-        # so a step copies only the rows that differ from what that half holds (written two
-        # steps back)
-        self.halves: dict[tuple[int, int], Held] = {}
-
-
-class Held:
-    """What a buffer half's KV rows hold: the rows of the sequences laid out by `index` (the
-    block-table row of each) with every change the table logged before `synced`; `inverse`
-    maps a block-table row to its sequence (made when a decode step first needs it; `shared`
-    where two sequences read one list, and the step copies every row instead)."""
-
-    __slots__ = ("out", "index", "synced", "held", "inverse", "counts", "shared")
-
-    def __init__(self, out: np.ndarray, index: np.ndarray, synced: int, held: np.ndarray):
-        self.out, self.index, self.synced = out, index, synced
-        self.held = held  # the ids each sequence's row held when the layout was written
-        # made when a decode step first needs them (plain lists: a few are read one by one)
-        self.inverse: list[int] | None = None  # each block-table row's sequence (-1: none)
-        self.counts: list[int] = []  # the ids each sequence's row holds
-        self.shared = False
-
-    def sequence_of(self, rows: int) -> list[int] | None:
-        """Each block-table row's sequence in this layout (-1: none), made once; None where
-        two sequences read one list."""
-        if self.inverse is None and not self.shared:
-            n = len(self.index)
-            inverse = np.full(rows, -1, np.int64)
-            inverse[self.index] = np.arange(n)
-            self.shared = not bool((inverse[self.index] == np.arange(n)).all())
-            if not self.shared:
-                self.inverse, self.counts = inverse.tolist(), self.held.tolist()
-        return self.inverse
 
 
 def sequence_keys(b: Batch) -> list:
@@ -120,7 +65,7 @@ class BlockPlan:
     """One step's checked block lists, for the fill: `blocks` and `lengths` are the converted
     ids of the context lists, then of the generation lists to rebuild: all of them when
     `changed` is None, else the generation sequences listed in `changed`. `lists` holds every
-    sequence's list. In flight only `slots` is set (the rows come from ``SlotRows``)."""
+    sequence's list. In flight only `slots` is set (the rows come from the block tables)."""
 
     lists: list
     blocks: np.ndarray
@@ -131,7 +76,7 @@ class BlockPlan:
     # (-1: a sequence the table does not hold), and the rows' sequence keys
     moved: list[int] | np.ndarray | None = None
     keys: list | None = None
-    slots: FlightLists | None = None  # requests in flight: the rows come from ``SlotRows``
+    slots: FlightLists | None = None  # requests in flight: the rows come from the tables
 
 
 def _block_lists(b: Batch, field: str) -> list | None:
@@ -270,163 +215,6 @@ def _short_window(b: Batch, window: int, seq: int, have: int, need: int) -> NoRe
         f"{windows[window]} holds {have} blocks, but its tokens after this step need {need}; "
         "allocate the blocks before scheduling"
     )
-
-
-def from_slots(
-    kept: KeptRows,
-    blocks: Any,
-    index: np.ndarray,
-    out: np.ndarray,
-    offset: int,
-    width: int,
-    per_block: int,
-) -> int:
-    """Each sequence's row [K/V, width] (sequence i's list at row index[i] of the block table
-    `blocks`) into `out` (a buffer half's rows, flat) from `offset` on, from ``SlotRows``, once
-    the slot rows whose list changed since they were written are rewritten from the table (the
-    table's change log says which). A decode step (the layout this half holds) writes only the
-    rows whose list changed since the half was written; another step copies every row.
-    Returns the elements written."""
-    slots = kept.slots.get(id(blocks))
-    if slots is None or slots.blocks is not blocks:  # the first step of this table
-        slots = kept.slots[id(blocks)] = SlotRows(blocks)
-    n = len(index)
-    rows = out[offset : offset + n * 2 * width].reshape(n, 2, width)
-    key = (id(out), offset)
-    half = slots.halves.get(key)
-    now = blocks.log_end
-    if half is not None and half.out is out and half.index is index:
-        changed = blocks.changed_since(half.synced)
-        inverse = half.sequence_of(len(blocks.count)) if changed is not None else None
-        if inverse is not None:  # a decode step: only the rows whose list changed since,
-            if changed:  # from the block table (the slot rows catch up at the next full step)
-                _write_changed(rows, blocks, inverse, half.counts, changed, per_block)
-            half.synced = now
-            return rows.size
-    if slots.rows is None:
-        slots.rows = np.zeros((len(blocks.count), 2, width), out.dtype)
-    _refresh(slots, per_block)
-    # a new layout: every row (one copy; comparing rows first costs more than it saves)
-    np.take(slots.rows, index, axis=0, out=rows, mode="clip")
-    slots.halves[key] = Held(out, index, now, blocks.count[index])
-    return rows.size
-
-
-def _write_changed(
-    rows: np.ndarray,
-    blocks: Any,
-    inverse: list[int],
-    counts: list[int],
-    changed: list[int],
-    per_block: int,
-) -> None:
-    """Each changed block-table row that is a sequence of this layout rewritten from the
-    block table: a list that grew gets its new columns (a decode step's usual change: one
-    block, two scalar writes), one taken back (a failed step) its whole row; one by one up to
-    FEW_CHANGED (cheaper than numpy's calls: about 0.3 µs a list), past it whole rows at once.
-    `counts` (the ids each row holds) follows."""
-    if len(changed) <= FEW_CHANGED:
-        width = rows.shape[-1]
-        flat, stride = rows.reshape(-1), 2 * width  # rows is a contiguous half of the buffer
-        count, ids = blocks.count.item, blocks.ids.item
-        for r in changed:
-            seq = inverse[r]
-            if seq < 0:
-                continue
-            n, had = count(r), counts[seq]
-            if n == had + 1:
-                k = ids(r, had) * per_block
-                at = seq * stride + had
-                flat[at] = k
-                flat[at + width] = k + 1
-            elif n != had:
-                start = had if n > had else 0
-                k = blocks.ids[r, start:n] * per_block
-                rows[seq, 0, start:n] = k
-                rows[seq, 1, start:n] = k + 1
-                rows[seq, :, n:] = 0
-            counts[seq] = n
-        return
-    pairs = [(inverse[r], r) for r in dict.fromkeys(changed) if inverse[r] >= 0]
-    if not pairs:
-        return
-    at_rows = np.array([s for s, _ in pairs], np.int64)
-    table_rows = np.array([r for _, r in pairs], np.int64)
-    n_ids = write_lists(rows, at_rows, blocks, table_rows, per_block)
-    for (seq, _), held in zip(pairs, n_ids):
-        counts[seq] = held
-
-
-def write_lists(
-    rows: np.ndarray, at: np.ndarray, blocks: Any, table_rows: np.ndarray, per_block: int
-) -> list[int]:
-    """rows[at] = the block lists of `table_rows` of the block table `blocks`, encoded
-    (K = id * per_block, V = K + 1, 0 past each list), vectorised; returns each list's count.
-    Up to FEW_ROWS lists, V's zeros past a list are written row by row (cheaper than the mask
-    at those sizes, measured)."""
-    k = blocks.ids[table_rows] * per_block  # past a list's count its ids are 0
-    rows[at, 0] = k
-    held = blocks.count[table_rows]
-    counts = held.tolist()
-    if len(counts) <= FEW_ROWS:
-        k += 1
-        for i, n in enumerate(counts):
-            k[i, n:] = 0
-    else:
-        k += np.arange(k.shape[1]) < held[:, None]
-    rows[at, 1] = k
-    return counts
-
-
-def _refresh(slots: SlotRows, per_block: int) -> None:
-    """Rewrite the slot rows whose list changed since they were: those the table's log lists
-    since ``slots.synced``, or, when it reaches back no further, those whose version moved."""
-    blocks = slots.blocks
-    changed = blocks.changed_since(slots.synced) if slots.synced >= 0 else None
-    if changed is None:
-        stale = np.flatnonzero(slots.version != blocks.version)
-    elif not changed:
-        return
-    elif len(changed) <= FEW:
-        _rewrite_few(slots, list(dict.fromkeys(changed)), per_block)
-        slots.synced = blocks.log_end
-        return
-    else:
-        # not np.unique: its first call imports numpy.ma (about 10 ms), a stall in the middle
-        # of serving the first time many lists change at once
-        stale = np.array(sorted(set(changed)), np.int64)
-    if len(stale) > FEW:  # many: whole rows, vectorised
-        assert slots.rows is not None
-        write_lists(slots.rows, stale, blocks, stale, per_block)
-        slots.version[stale] = blocks.version[stale]
-        slots.born[stale] = blocks.born[stale]
-        slots.length[stale] = blocks.count[stale]
-    elif len(stale):
-        _rewrite_few(slots, stale.tolist(), per_block)
-    slots.synced = blocks.log_end
-
-
-def forget_halves(kept: KeptRows) -> None:
-    """A step written without ``from_slots`` (a stateless one): no half is known to hold
-    any slot's row."""
-    for slots in kept.slots.values():
-        slots.halves.clear()
-
-
-def _rewrite_few(slots: SlotRows, stale: list[int], per_block: int) -> None:
-    """from_slots' rewrite of a few rows: a list that only grew since its row was written
-    (the same arrival, more ids) gets its new columns; any other its whole row."""
-    blocks, table = slots.blocks, slots.rows
-    assert table is not None
-    for r in stale:
-        n, had = int(blocks.count[r]), int(slots.length[r])
-        start = had if slots.born[r] == blocks.born[r] and had <= n else 0
-        if not start:
-            table[r] = 0
-        k = blocks.ids[r, start:n] * per_block
-        table[r, 0, start:n] = k
-        table[r, 1, start:n] = k + 1
-        slots.version[r], slots.born[r], slots.length[r] = blocks.version[r], blocks.born[r], n
 
 
 def _diagnose(

@@ -74,7 +74,7 @@ def _sequence_blocks(b: Batch, plan: BlockPlan, width: int) -> np.ndarray:
     """[num_sequences, width] block ids of each sequence (0 past its blocks), from the request
     table's block table in flight, else from the lists the KV check converted."""
     if plan.slots is not None:  # in flight: the ids the table checked when it took them
-        return plan.slots.blocks.ids[plan.slots.index]
+        return np.take(plan.slots.blocks.ids, plan.slots.index, axis=0, mode="clip")
     if plan.changed is not None:  # pragma: no cover - only the TensorRT-LLM rows keep lists
         raise AssertionError("the block table needs every list converted")
     n = b.sizes.num_sequences
@@ -90,7 +90,11 @@ def block_table(out: np.ndarray, b: Batch, plan: BlockPlan, *, max_blocks_per_se
     """[num_sequences, max_blocks_per_seq]: each sequence's KV block ids in order (the
     allocator's ids, no encoding); 0 past its blocks."""
     n, width = b.sizes.num_sequences, max_blocks_per_seq
-    out[: n * width].reshape(n, width)[:] = _sequence_blocks(b, plan, width)
+    rows = out[: n * width].reshape(n, width)
+    if plan.slots is not None:  # in flight: one gather from the block table
+        np.take(plan.slots.blocks.ids, plan.slots.index, axis=0, out=rows, mode="clip")
+    else:
+        rows[:] = _sequence_blocks(b, plan, width)
     return n * width
 
 
@@ -99,10 +103,13 @@ def kv_slot_mapping(
 ) -> int:
     """The KV-cache slot of each token: its block's id x tokens_per_block + its offset in the
     block (the block of KV position p is column p // tokens_per_block of the block table)."""
-    rows = _sequence_blocks(b, plan, max_blocks_per_seq)
     seq, pos = _token_kv_positions(b)
-    n = len(seq)
-    out[:n] = rows[seq, pos // tokens_per_block] * tokens_per_block + pos % tokens_per_block
+    n, tpb = len(seq), tokens_per_block
+    if plan.slots is not None:  # in flight: each token's block straight from the block table
+        block = plan.slots.blocks.ids[plan.slots.index[seq], pos // tpb]
+    else:
+        block = _sequence_blocks(b, plan, max_blocks_per_seq)[seq, pos // tpb]
+    np.add(np.multiply(block, tpb, dtype=np.int64), pos % tpb, out=out[:n], casting="unsafe")
     return n
 
 
@@ -136,8 +143,10 @@ def group_slot_mappings(
     seq, pos = _token_kv_positions(b)
     n, tpb = len(seq), tokens_per_block
     index = plan.slots.index  # type: ignore[union-attr]
+    rows, col, offset = index[seq], pos // tpb, pos % tpb
     for k, table in enumerate(tables):
-        out[k * n : (k + 1) * n] = table.ids[index[seq], pos // tpb] * tpb + pos % tpb
+        block = np.multiply(table.ids[rows, col], tpb, dtype=np.int64)
+        np.add(block, offset, out=out[k * n : (k + 1) * n], casting="unsafe")
     return len(tables) * n
 
 

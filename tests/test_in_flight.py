@@ -28,7 +28,6 @@ from hypothesis import strategies as st
 from reference import reference_step
 
 from bufc.requests import step as request_step
-from bufc.rules import kv_rows
 from bufc.runtime import BatchError, Request
 
 # "llama:1": one beam per request, so steady steps take the shortest path (with block growth)
@@ -331,9 +330,6 @@ def run_traffic(
         assert slots == traffic.scheduled + [r.seq_slot for r in traffic.gen], (seed, i)
         if want is not None:
             assert_matches_reference(step, want, paged=traffic.paged, where=(seed, i))
-        kept = getattr(flight.state, "kv_blocks", None)
-        if kept is not None and any(x.rows is not None for x in kept.slots.values()):
-            seen["rows from slots"] += 1  # the KV rows came from the slots' rows
         seen["steps"] += 1
     return seen
 
@@ -368,14 +364,11 @@ def test_tokens_gathered_on_the_device_equal_host_tokens(name: str, seed: int) -
 
 
 @pytest.mark.parametrize("few", (0, 1000))
-def test_kv_rows_rewritten_whole_or_by_new_columns_equal_the_stateless_step(monkeypatch, few):
-    """The KV rows of lists that changed since they were written: past FEW of them (FEW_CHANGED
-    in a decode step) whole rows in a few numpy calls, else one by one, a list that only grew
-    getting its new columns; and the blocks a step appends, past FEW_BLOCKS slots checked and written at once. With both
-    at 0 and at 1000 every step takes one path, and equals the stateless step's tensors
-    (beams sharing one list, and lists taken back by refused steps, included)."""
-    monkeypatch.setattr(kv_rows, "FEW", few)
-    monkeypatch.setattr(kv_rows, "FEW_CHANGED", few)  # a decode step's changed lists
+def test_block_appends_one_by_one_or_at_once_equal_the_stateless_step(monkeypatch, few):
+    """The blocks a step appends, past FEW_BLOCKS slots checked and written at once (their
+    ids and encoded rows in the block table), else one by one: with 0 and 1000 every step
+    takes one path, and equals the stateless step's tensors (beams sharing one list, and lists
+    taken back by refused steps, included)."""
     monkeypatch.setattr(request_step, "FEW_BLOCKS", few)  # appends one by one or at once
     seen = Counter()
     for seed in range(4):
@@ -385,15 +378,12 @@ def test_kv_rows_rewritten_whole_or_by_new_columns_equal_the_stateless_step(monk
 
 @pytest.mark.parametrize("few", (0, 1000))
 @pytest.mark.parametrize("tokens_per_block", (1, 2))
-def test_decode_steps_write_the_grown_lists_one_by_one_or_at_once(
-    monkeypatch, few, tokens_per_block
-):
+def test_decode_steps_write_the_grown_lists(monkeypatch, few, tokens_per_block):
     """Decode steps in flight whose sequences enter a new KV block every step or every other
-    step (the half written two steps back then lacks two blocks, or one, of each list): the
-    grown lists' columns written one by one, or past FEW_CHANGED whole rows at once, give
-    every row its list's encoded ids (K = id * 2 * num_local_layers, V = K + 1, 0 past the
-    list)."""
-    monkeypatch.setattr(kv_rows, "FEW_CHANGED", few)
+    step (the half written two steps back then lacks two blocks, or one, of each list), the
+    appends written one by one or at once (FEW_BLOCKS): every row holds its list's encoded
+    ids (K = id * 2 * num_local_layers, V = K + 1, 0 past the list)."""
+    monkeypatch.setattr(request_step, "FEW_BLOCKS", few)
     b = make_buffers("llama", max_beam_width=1, tokens_per_block=tokens_per_block)
     c = b.config
     n, next_id = c.max_batch_size, iter(range(1, 10_000))
@@ -447,7 +437,7 @@ def test_traffic_exercises_every_change() -> None:
     seen = run_traffic("llama", 7, steps=80) + run_traffic("gpt", 3, steps=80)
     seen += run_traffic("llama:1", 5, steps=80)
     kinds = ("steady", "moved", "finished", "chunked", "accepted", "beams", "grown")
-    for what in (*kinds, "rows from slots"):
+    for what in kinds:
         assert seen[what] >= 3, (what, seen)
     assert seen["steps"] >= 120
 

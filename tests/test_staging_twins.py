@@ -21,7 +21,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bufc.requests import step as request_step
-from bufc.rules import kv_rows
 from bufc.runtime import BatchError, Request
 
 FAMILIES = ("llama", "gpt", "gpt_outputs", "gpt_pp")
@@ -315,9 +314,9 @@ def test_steps_of_finishes_alone_equal_the_twin() -> None:
 @pytest.mark.parametrize("double_buffered", (True, False))
 @pytest.mark.parametrize("few", (0, 1000))
 def test_the_kv_rows_of_the_twins_are_equal(monkeypatch, few, double_buffered) -> None:
-    """V's zeros written row by row or at once (kv_rows.FEW_ROWS), in the churn and in steps
-    of finishes alone."""
-    monkeypatch.setattr(kv_rows, "FEW_ROWS", few)
+    """The blocks a step appends written one by one or at once (FEW_BLOCKS), in the churn and
+    in steps of finishes alone."""
+    monkeypatch.setattr(request_step, "FEW_BLOCKS", few)
     for seed in range(4):
         run_churn("llama", seed, double_buffered=double_buffered)
     test_steps_of_finishes_alone_equal_the_twin()
