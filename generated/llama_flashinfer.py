@@ -342,7 +342,7 @@ class State:
     rebuilt from the requests."""
 
     batch: stateless.Memo = dataclasses.field(default_factory=stateless.Memo)
-    kv_blocks: kv_rows.KeptRows = dataclasses.field(default_factory=kv_rows.KeptRows)
+    paged_kv_blocks: kv_rows.KeptRows = dataclasses.field(default_factory=kv_rows.KeptRows)
 
 
 @dataclasses.dataclass(slots=True)
@@ -350,7 +350,7 @@ class Checked:
     """What the checks of one step hand on to its fills."""
 
     batch: batch.Batch
-    kv_blocks: typing.Any
+    paged_kv_blocks: typing.Any
 
 
 class RuntimeBuffers(rt.RuntimeBuffers):
@@ -364,7 +364,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     advances_on_device = False  # decode steps without a copy
     no_advance = ('query_lens', 'token_positions', 'kv_slot_mapping', 'logits_indices', 'query_start_loc', 'paged_kv_indptr', 'paged_kv_indices', 'paged_kv_last_page_len')  # rules without an advance form
     # what the step calls on requests: a Request field none of them reads is refused when set
-    request_readers = ('check_kv_blocks', 'check_kv_within_blocks', 'kv_slot_mapping', 'logits_indices', 'paged_kv_indices', 'paged_kv_indptr', 'paged_kv_last_page_len', 'query_lens', 'query_start_loc', 'seq_slots', 'token_ids', 'token_positions')
+    request_readers = ('check_kv_blocks', 'kv_slot_mapping', 'logits_indices', 'paged_kv_indices', 'paged_kv_indptr', 'paged_kv_last_page_len', 'query_lens', 'query_start_loc', 'seq_slots', 'token_ids', 'token_positions')
     project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:
@@ -408,20 +408,13 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         rt.check_size('num_tokens', s.num_tokens, c.max_num_tokens)
         rt.check_size('num_requests', s.num_requests, c.max_batch_size)
         rt.check_size('beam_width', s.beam_width, c.max_beam_width)
-        # Every sequence's KV after the step fits its block table row (the FlashAttention contract
-        # has no cyclic window).
-        paged_attention.check_kv_within_blocks(
-            b,
-            max_blocks_per_seq=c.max_blocks_per_seq,
-            tokens_per_block=c.tokens_per_block,
-        )
         return Checked(
             b,
-            # Every sequence's kv_block_ids cover its tokens after the step, within max_blocks_per_seq,
-            # with ids in the pool.
-            kv_blocks=core.check_kv_blocks(
+            # Every sequence's kv_block_ids cover its tokens after the step, with ids in the pool,
+            # within max_blocks_per_seq blocks (this contract has no cyclic window).
+            paged_kv_blocks=paged_attention.check_kv_blocks(
                 b,
-                state.kv_blocks,
+                state.paged_kv_blocks,
                 max_blocks_per_seq=c.max_blocks_per_seq,
                 tokens_per_block=c.tokens_per_block,
                 num_local_layers=c.num_local_layers,
@@ -448,7 +441,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             paged_attention.kv_slot_mapping(
                 t.host_kv_slot_mapping.out,
                 b,
-                k.kv_blocks,
+                k.paged_kv_blocks,
                 max_blocks_per_seq=c.max_blocks_per_seq,
                 tokens_per_block=c.tokens_per_block,
             )
@@ -474,7 +467,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             paged_attention.paged_kv_indices(
                 t.host_paged_kv_indices.out,
                 b,
-                k.kv_blocks,
+                k.paged_kv_blocks,
                 max_blocks_per_seq=c.max_blocks_per_seq,
                 tokens_per_block=c.tokens_per_block,
             )

@@ -16,8 +16,14 @@ import numpy as np
 
 from ..errors import BatchError
 from ..requests.batch import Batch
+from . import core
 from .core import last_token_ids, position_ids
-from .kv_rows import BlockPlan
+from .kv_rows import BlockPlan, KeptRows
+
+_EMPTY = np.zeros(0, np.int64)
+_EMPTY.flags.writeable = False
+
+FEW_CHUNKS = 8  # context chunks whose KV slots are written chunk by chunk (past them, per token)
 
 
 def query_lens(out: np.ndarray, b: Batch) -> int:
@@ -32,7 +38,7 @@ def query_start_loc(out: np.ndarray, b: Batch) -> int:
     sequence i's tokens are rows out[i] .. out[i + 1] - 1 of the packed batch."""
     n = b.sizes.num_sequences
     out[0] = 0
-    np.cumsum(b.seq_query_tokens, out=out[1 : n + 1])
+    np.add.accumulate(b.seq_query_tokens, out=out[1 : n + 1])
     return n + 1
 
 
@@ -103,13 +109,39 @@ def kv_slot_mapping(
 ) -> int:
     """The KV-cache slot of each token: its block's id x tokens_per_block + its offset in the
     block (the block of KV position p is column p // tokens_per_block of the block table)."""
-    seq, pos = _token_kv_positions(b)
-    n, tpb = len(seq), tokens_per_block
     if plan.slots is not None:  # in flight: each token's block straight from the block table
-        block = plan.slots.blocks.ids[plan.slots.index[seq], pos // tpb]
-    else:
-        block = _sequence_blocks(b, plan, max_blocks_per_seq)[seq, pos // tpb]
-    np.add(np.multiply(block, tpb, dtype=np.int64), pos % tpb, out=out[:n], casting="unsafe")
+        return _kv_slots(out, b, plan.slots.blocks.ids, plan.slots.index, tokens_per_block)
+    rows = _sequence_blocks(b, plan, max_blocks_per_seq)
+    return _kv_slots(out, b, rows, np.arange(len(rows)), tokens_per_block)
+
+
+def _kv_slots(out: np.ndarray, b: Batch, ids: np.ndarray, index: np.ndarray, tpb: int) -> int:
+    """Each token's KV-cache slot from the block rows `ids` (sequence i's at row index[i]).
+    A sequence's query tokens are its last KV positions: a context chunk's a run of them,
+    written chunk by chunk (a step has few), a generation sequence's one (without drafts);
+    past FEW_CHUNKS chunks, or with drafts, token by token."""
+    s = b.sizes
+    n_ctx = s.num_context_requests
+    kv = b.seq_kv_tokens
+    if n_ctx > FEW_CHUNKS or b.has_generation_drafts:
+        seq, pos = _token_kv_positions(b)
+        block = ids[index[seq], pos // tpb]
+        n = len(seq)
+        np.add(np.multiply(block, tpb, dtype=np.int64), pos % tpb, out=out[:n], casting="unsafe")
+        return n
+    o = 0
+    width = np.arange(tpb)
+    for i, (end, k) in enumerate(zip(kv[:n_ctx].tolist(), b.ctx_input_len.tolist())):
+        start = end - k
+        first = start // tpb
+        run = np.multiply(ids[index[i], first : (end - 1) // tpb + 1], tpb, dtype=np.int64)
+        skip = start - first * tpb
+        out[o : o + k] = (run[:, None] + width).reshape(-1)[skip : skip + k]
+        o += k
+    pos = kv[n_ctx:] - 1  # each generation sequence's one token
+    n = o + len(pos)
+    block = np.multiply(ids[index[n_ctx:], pos // tpb], tpb, dtype=np.int64)
+    np.add(block, pos % tpb, out=out[o:n], casting="unsafe")
     return n
 
 
@@ -140,13 +172,10 @@ def group_slot_mappings(
     """[groups, num_tokens]: ``slot_mapping`` of each KV-cache group, each token's slot in
     that attention window's blocks."""
     tables = _group_tables(plan)
-    seq, pos = _token_kv_positions(b)
-    n, tpb = len(seq), tokens_per_block
+    n = b.sizes.num_tokens
     index = plan.slots.index  # type: ignore[union-attr]
-    rows, col, offset = index[seq], pos // tpb, pos % tpb
     for k, table in enumerate(tables):
-        block = np.multiply(table.ids[rows, col], tpb, dtype=np.int64)
-        np.add(block, offset, out=out[k * n : (k + 1) * n], casting="unsafe")
+        _kv_slots(out[k * n : (k + 1) * n], b, table.ids, index, tokens_per_block)
     return len(tables) * n
 
 
@@ -193,6 +222,52 @@ def logits_indices(out: np.ndarray, b: Batch) -> int:
     n = last_token_ids(out, b)
     out[:n] -= 1
     return n
+
+
+def check_kv_blocks(
+    b: Batch,
+    kept: KeptRows,
+    *,
+    max_blocks_per_seq: int,
+    tokens_per_block: int,
+    num_local_layers: int,
+    num_kv_blocks: int = 0,
+) -> BlockPlan:
+    """Every sequence's kv_block_ids cover its tokens after the step (every attention window's,
+    in flight), with ids in the pool (``core.check_kv_blocks``); this contract has no cyclic
+    window, so a list that fills its row covers no more than max_blocks_per_seq blocks of
+    tokens. In flight, one comparison per window: the ids were checked when the block table
+    took them."""
+    flight = b.flight
+    if flight is None or kept is None:
+        check_kv_within_blocks(
+            b, max_blocks_per_seq=max_blocks_per_seq, tokens_per_block=tokens_per_block
+        )
+        return core.check_kv_blocks(
+            b,
+            kept,
+            max_blocks_per_seq=max_blocks_per_seq,
+            tokens_per_block=tokens_per_block,
+            num_local_layers=num_local_layers,
+            num_kv_blocks=num_kv_blocks,
+        )
+    lens = b.seq_kv_tokens
+    for table in flight.per_window():
+        if np.count_nonzero(table.count[flight.index] * tokens_per_block < lens):
+            # the cold path: the sequence that outgrows its row, else the first short list
+            check_kv_within_blocks(
+                b, max_blocks_per_seq=max_blocks_per_seq, tokens_per_block=tokens_per_block
+            )
+            core.check_kv_blocks(
+                b,
+                kept,
+                max_blocks_per_seq=max_blocks_per_seq,
+                tokens_per_block=tokens_per_block,
+                num_local_layers=num_local_layers,
+                num_kv_blocks=num_kv_blocks,
+            )
+            raise AssertionError("a short block list passed the KV check")  # pragma: no cover
+    return BlockPlan([], _EMPTY, _EMPTY, None, kept, slots=flight)
 
 
 def check_kv_within_blocks(b: Batch, *, max_blocks_per_seq: int, tokens_per_block: int) -> None:

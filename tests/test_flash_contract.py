@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from reference_flash import reference_flash, reference_flashinfer
 
 from bufc.errors import BatchError
+from bufc.rules import paged_attention
 from bufc.runtime import Request
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -49,6 +50,10 @@ def test_random_batches_match_the_reference(first, second) -> None:
     """Context chunks (with drafts on a last chunk), generation beams (one list shared or one
     per beam), drafts and explicit positions: every tensor and scalar equals the reference,
     over two steps of the same buffers (no stale values)."""
+    _match_the_reference(first, second)
+
+
+def _match_the_reference(first, second) -> None:
     b = buffers()
     width = b.config.max_blocks_per_seq
     for start, (ctx, gen) in ((0, first), (5000, second)):
@@ -57,6 +62,17 @@ def test_random_batches_match_the_reference(first, second) -> None:
             copy.deepcopy(ctx), copy.deepcopy(gen), tokens_per_block=TPB, width=width
         )
         assert_flash_step(b.prepare_step(ctx, gen), want)
+
+
+@pytest.mark.parametrize("few", (0, 1000))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch("gpt"), batch("gpt"))
+def test_kv_slots_by_chunk_or_by_token_match_the_reference(few, first, second) -> None:
+    """The slot mapping written chunk by chunk (up to FEW_CHUNKS context chunks, no
+    generation drafts) or token by token: both equal the reference."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paged_attention, "FEW_CHUNKS", few)
+        _match_the_reference(first, second)
 
 
 FLASHINFER = {  # engine name -> the host mirror bound beside it, if any
