@@ -39,7 +39,7 @@ from churn import InFlightDriver, Traffic  # noqa: E402
 from lean_llama import LeanLlama  # noqa: E402
 from prepare_step import bench_buffers  # noqa: E402
 
-from bufc.rules import core  # noqa: E402
+from bufc.rules import core, kv_offsets  # noqa: E402
 from bufc.runtime import staging  # noqa: E402
 
 VARIANTS = ("full", "no KV", "no +1", "no copy", "skeleton")
@@ -67,7 +67,10 @@ def variant(name: str) -> Iterator[None]:
     functions through `core`, and the staging's copy through its class)."""
     patches = []
     if name in ("no KV", "skeleton"):
-        patches += [(core, "advance_kv", _no_kv_advance), (core, "check_kv_entered", _no_kv_check)]
+        patches += [
+            (kv_offsets, "advance_kv", _no_kv_advance),
+            (kv_offsets, "check_kv_entered", _no_kv_check),
+        ]
     if name in ("no +1", "skeleton"):
         patches += [(core, "advance_plus_one", _count_only), (core, "advance_tokens", _count_only)]
     if name in ("no copy", "skeleton"):

@@ -518,7 +518,7 @@ def render_family(plan: FamilyPlan, file: str) -> str:
             "from bufc.requests import batch, stateless, table",
             "from bufc.rules import decode",
             *alias.imports(),
-            "from bufc.rules.sizes import StepSizes",
+            "from bufc.requests.sizes import StepSizes",
         ],
         "project_modules": project_modules,
         "project_impls": project_impls,

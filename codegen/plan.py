@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from ..rules.sizes import ENCODER_SIZES
+from ..requests.sizes import ENCODER_SIZES
 from . import expr as E
 from . import prove, vocab
 from .errors import Location

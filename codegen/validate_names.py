@@ -14,7 +14,7 @@ import itertools
 import keyword
 from collections.abc import Iterable
 
-from ..rules.sizes import STEP_SIZES
+from ..requests.sizes import STEP_SIZES
 from . import expr as E
 from . import prove, vocab
 from .errors import Collector, Location, did_you_mean

@@ -8,7 +8,7 @@ from __future__ import annotations
 import keyword
 from collections.abc import Sequence
 
-from ..rules.sizes import STEP_SIZES
+from ..requests.sizes import STEP_SIZES
 from . import expr_poly as P
 from . import vocab
 from .errors import Location, did_you_mean

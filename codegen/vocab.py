@@ -2,7 +2,7 @@
 
 These mirror what ``bufc.runtime`` implements; a test checks the two stay in step. They live
 here (and not in the runtime) because generating must not need torch. The step sizes are
-``bufc.rules.sizes``; the fill rules are declared in ``rules/builtin.yaml``.
+``bufc.requests.sizes``; the fill rules are declared in ``rules/builtin.yaml``.
 """
 
 from __future__ import annotations
@@ -68,7 +68,16 @@ MEMORY_KINDS: dict[str, str] = {"device": "DEVICE", "host": "HOST", "pinned": "P
 # bufc's own rule modules, imported as their last component (bufc.rules.core as `core`); the
 # emitter gives them these names, and any other module that would take one gets another.
 RULE_MODULES: frozenset[str] = frozenset(
-    {"adapters", "core", "features", "kv_rows", "paged_attention", "pools"}
+    {
+        "adapters",
+        "core",
+        "encoder_decoder",
+        "features",
+        "kv_offsets",
+        "kv_rows",
+        "paged_attention",
+        "pools",
+    }
 )
 
 # The names a generated module (family.py.j2, and render_init's generated/__init__.py) binds or

@@ -25,10 +25,12 @@ from collections.abc import Sequence
 from bufc.requests import batch, stateless, table
 from bufc.rules import decode
 from bufc.rules import core
+from bufc.rules import encoder_decoder
 from bufc.rules import features
+from bufc.rules import kv_offsets
 from bufc.rules import kv_rows
 from bufc.rules import pools
-from bufc.rules.sizes import StepSizes
+from bufc.requests.sizes import StepSizes
 
 import torch
 
@@ -384,7 +386,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.num_kv_pools, c.max_num_sequences, 2, c.max_blocks_per_seq),
         shape=lambda c, s: (c.num_kv_pools, s.num_sequences, 2, c.max_blocks_per_seq),
-        fill=rt.Rule(core.kv_cache_block_offsets),
+        fill=rt.Rule(kv_offsets.kv_cache_block_offsets),
         pad=0,
         inputs=(rt.Bind('host_kv_cache_block_offsets'),),
     ),
@@ -565,7 +567,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_sequences,),
         shape=lambda c, s: (s.num_sequences,),
-        fill=rt.Rule(features.encoder_output_lengths),
+        fill=rt.Rule(encoder_decoder.encoder_output_lengths),
         pad=0,
     ),
     # Encoder output length of each sequence's request.
@@ -597,7 +599,7 @@ TENSORS = (
         memory=rt.DEVICE,
         capacity=lambda c: (c.max_batch_size * c.max_encoder_length, c.encoder_hidden_size),
         shape=lambda c, s: (s.num_encoder_tokens, c.encoder_hidden_size),
-        fill=rt.Rule(features.encoder_output),
+        fill=rt.Rule(encoder_decoder.encoder_output),
         pad=0,
         inputs=(rt.Bind('encoder_output'),),
     ),
@@ -618,7 +620,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (1, c.max_num_sequences, 2, c.max_cross_blocks_per_seq),
         shape=lambda c, s: (1, s.num_sequences, 2, c.max_cross_blocks_per_seq),
-        fill=rt.Rule(features.cross_kv_cache_block_offsets),
+        fill=rt.Rule(encoder_decoder.cross_kv_cache_block_offsets),
         pad=0,
         inputs=(rt.Bind('host_cross_kv_cache_block_offsets'),),
     ),
@@ -660,7 +662,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_num_tokens, c.max_encoder_length),
         shape=lambda c, s: (s.num_tokens, s.max_encoder_input_length),
-        fill=rt.Rule(features.cross_attention_mask),
+        fill=rt.Rule(encoder_decoder.cross_attention_mask),
         pad=1,
         checked=True,  # capacity not provable from the formulas: guarded every step
     ),
@@ -694,7 +696,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (1,),
         shape=lambda c, s: (1,),
-        fill=rt.Rule(features.skip_cross_attn_blocks),
+        fill=rt.Rule(encoder_decoder.skip_cross_attn_blocks),
         pad=0,
         inputs=(rt.Bind('skip_cross_attn_blocks'),),
     ),
@@ -770,7 +772,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         c = self.config
         # Every context request carries its encoder_output, [encoder_output_length,
         # encoder_hidden_size] in model_dtype.
-        features.admit_encoder_output(
+        encoder_decoder.admit_encoder_output(
             r,
             encoder_hidden_size=c.encoder_hidden_size,
             model_dtype=c.model_dtype,
@@ -809,18 +811,18 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         self.check_shape('cross_attention_packed_mask', (s.num_tokens, c.packed_mask_words))
         # Every context request carries its encoder_output, [encoder_output_length,
         # encoder_hidden_size] in model_dtype.
-        features.check_encoder_outputs(
+        encoder_decoder.check_encoder_outputs(
             b,
             encoder_hidden_size=c.encoder_hidden_size,
             model_dtype=c.model_dtype,
         )
         # Each cross_attention_mask holds booleans, [rows >= 1, at most the longest encoder input].
-        features.check_cross_attention_masks(b)
+        encoder_decoder.check_cross_attention_masks(b)
         return Checked(
             b,
             # Every sequence's kv_block_ids cover its tokens after the step, within max_blocks_per_seq,
             # with ids in the pool.
-            kv_blocks=core.check_kv_blocks(
+            kv_blocks=kv_offsets.check_kv_blocks(
                 b,
                 state.kv_blocks,
                 max_blocks_per_seq=c.max_blocks_per_seq,
@@ -830,7 +832,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             ),
             # Every sequence's cross_kv_block_ids cover its request's encoder output, with ids in the
             # pool.
-            cross_kv_blocks=features.check_cross_kv_blocks(
+            cross_kv_blocks=encoder_decoder.check_cross_kv_blocks(
                 b,
                 max_cross_blocks_per_seq=c.max_cross_blocks_per_seq,
                 tokens_per_block=c.tokens_per_block,
@@ -870,7 +872,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # host_kv_cache_block_offsets: KV-cache block index of every block of each sequence, K row
         # then V row.
         t.host_kv_cache_block_offsets.wrote(
-            core.kv_cache_block_offsets(
+            kv_offsets.kv_cache_block_offsets(
                 t.host_kv_cache_block_offsets.out,
                 b,
                 k.kv_blocks,
@@ -915,14 +917,14 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # host_encoder_input_lengths: Encoder output length of each sequence's request, staged on
         # the host.
         t.host_encoder_input_lengths.wrote(
-            features.encoder_output_lengths(
+            encoder_decoder.encoder_output_lengths(
                 t.host_encoder_input_lengths.out,
                 b,
             )
         )
         # encoder_output: Encoder outputs of this step's context requests, concatenated.
         t.encoder_output.wrote(
-            features.encoder_output(
+            encoder_decoder.encoder_output(
                 t.encoder_output.out,
                 b,
                 encoder_hidden_size=c.encoder_hidden_size,
@@ -931,7 +933,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # host_cross_kv_cache_block_offsets: Cross-attention KV-cache block index of every block of
         # each sequence, K then V.
         t.host_cross_kv_cache_block_offsets.wrote(
-            features.cross_kv_cache_block_offsets(
+            encoder_decoder.cross_kv_cache_block_offsets(
                 t.host_cross_kv_cache_block_offsets.out,
                 b,
                 k.cross_kv_blocks,
@@ -942,7 +944,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # host_cross_attention_mask: Which encoder positions each token attends to, staged on the
         # host.
         t.host_cross_attention_mask.wrote(
-            features.cross_attention_mask(
+            encoder_decoder.cross_attention_mask(
                 t.host_cross_attention_mask.out,
                 b,
             )
@@ -950,7 +952,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # host_skip_cross_attn_blocks: Whether every scheduled request skips the cross-attention
         # blocks.
         t.host_skip_cross_attn_blocks.wrote(
-            features.skip_cross_attn_blocks(
+            encoder_decoder.skip_cross_attn_blocks(
                 t.host_skip_cross_attn_blocks.out,
                 b,
             )

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 from bufc.requests import batch, stateless, table
 from bufc.rules import decode
-from bufc.rules import features
-from bufc.rules.sizes import StepSizes
+from bufc.rules import encoder_decoder
+from bufc.requests.sizes import StepSizes
 
 import torch
 
@@ -95,7 +95,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_batch_size * c.max_input_length,),
         shape=lambda c, s: (s.num_encoder_input_tokens,),
-        fill=rt.Rule(features.encoder_input_ids),
+        fill=rt.Rule(encoder_decoder.encoder_input_ids),
         pad=0,
     ),
     # Encoder input tokens.
@@ -116,7 +116,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_batch_size * c.max_input_length,),
         shape=lambda c, s: (s.num_encoder_input_tokens,),
-        fill=rt.Rule(features.encoder_position_ids),
+        fill=rt.Rule(encoder_decoder.encoder_position_ids),
         pad=0,
     ),
     # Positions of the encoder input tokens.
@@ -137,7 +137,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.max_batch_size,),
         shape=lambda c, s: (s.num_requests,),
-        fill=rt.Rule(features.encoder_input_lengths),
+        fill=rt.Rule(encoder_decoder.encoder_input_lengths),
         pad=0,
     ),
     # Encoder input length of each request.
@@ -250,7 +250,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # the step shapes the generator could not prove within their capacities
         self.check_shape('encoder_engine_output', (s.num_encoder_tokens, c.encoder_hidden_size))
         # The encoder engine runs context requests only, each with its encoder_input_ids.
-        features.check_encoder_inputs(b)
+        encoder_decoder.check_encoder_inputs(b)
         return Checked(b)
 
     def _fill(self, t: rt.Targets, k: Checked) -> decode.Decode | None:
@@ -258,11 +258,16 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         c, b = self.config, k.batch
         # host_encoder_input_ids: Encoder input tokens of each request, concatenated, staged on the
         # host.
-        t.host_encoder_input_ids.wrote(features.encoder_input_ids(t.host_encoder_input_ids.out, b))
+        t.host_encoder_input_ids.wrote(
+            encoder_decoder.encoder_input_ids(
+                t.host_encoder_input_ids.out,
+                b,
+            )
+        )
         # host_encoder_position_ids: Position of every encoder input token (0 .. length - 1 per
         # request), staged on the host.
         t.host_encoder_position_ids.wrote(
-            features.encoder_position_ids(
+            encoder_decoder.encoder_position_ids(
                 t.host_encoder_position_ids.out,
                 b,
             )
@@ -270,7 +275,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # host_encoder_request_input_lengths: Encoder input length of each request, staged on the
         # host.
         t.host_encoder_request_input_lengths.wrote(
-            features.encoder_input_lengths(
+            encoder_decoder.encoder_input_lengths(
                 t.host_encoder_request_input_lengths.out,
                 b,
             )

@@ -27,7 +27,7 @@ from bufc.rules import decode
 from bufc.rules import core
 from bufc.rules import features
 from bufc.rules import pools
-from bufc.rules.sizes import StepSizes
+from bufc.requests.sizes import StepSizes
 
 import torch
 

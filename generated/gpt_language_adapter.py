@@ -26,9 +26,10 @@ from bufc.requests import batch, stateless, table
 from bufc.rules import decode
 from bufc.rules import core
 from bufc.rules import features
+from bufc.rules import kv_offsets
 from bufc.rules import kv_rows
 from bufc.rules import pools
-from bufc.rules.sizes import StepSizes
+from bufc.requests.sizes import StepSizes
 
 import torch
 
@@ -366,7 +367,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.num_kv_pools, c.max_num_sequences, 2, c.max_blocks_per_seq),
         shape=lambda c, s: (c.num_kv_pools, s.num_sequences, 2, c.max_blocks_per_seq),
-        fill=rt.Rule(core.kv_cache_block_offsets),
+        fill=rt.Rule(kv_offsets.kv_cache_block_offsets),
         pad=0,
         inputs=(rt.Bind('host_kv_cache_block_offsets'),),
     ),
@@ -655,7 +656,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             b,
             # Every sequence's kv_block_ids cover its tokens after the step, within max_blocks_per_seq,
             # with ids in the pool.
-            kv_blocks=core.check_kv_blocks(
+            kv_blocks=kv_offsets.check_kv_blocks(
                 b,
                 state.kv_blocks,
                 max_blocks_per_seq=c.max_blocks_per_seq,
@@ -696,7 +697,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # host_kv_cache_block_offsets: KV-cache block index of every block of each sequence, K row
         # then V row.
         t.host_kv_cache_block_offsets.wrote(
-            core.kv_cache_block_offsets(
+            kv_offsets.kv_cache_block_offsets(
                 t.host_kv_cache_block_offsets.out,
                 b,
                 k.kv_blocks,

@@ -26,9 +26,10 @@ from bufc.requests import batch, stateless, table
 from bufc.rules import decode
 from bufc.rules import core
 from bufc.rules import features
+from bufc.rules import kv_offsets
 from bufc.rules import kv_rows
 from bufc.rules import pools
-from bufc.rules.sizes import StepSizes
+from bufc.requests.sizes import StepSizes
 
 import torch
 
@@ -370,7 +371,7 @@ TENSORS = (
         memory=rt.PINNED,
         capacity=lambda c: (c.num_kv_pools, c.max_num_sequences, 2, c.max_blocks_per_seq),
         shape=lambda c, s: (c.num_kv_pools, s.num_sequences, 2, c.max_blocks_per_seq),
-        fill=rt.Rule(core.kv_cache_block_offsets),
+        fill=rt.Rule(kv_offsets.kv_cache_block_offsets),
         pad=0,
         inputs=(rt.Bind('host_kv_cache_block_offsets'),),
     ),
@@ -648,7 +649,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             b,
             # Every sequence's kv_block_ids cover its tokens after the step, within max_blocks_per_seq,
             # with ids in the pool.
-            kv_blocks=core.check_kv_blocks(
+            kv_blocks=kv_offsets.check_kv_blocks(
                 b,
                 state.kv_blocks,
                 max_blocks_per_seq=c.max_blocks_per_seq,
@@ -691,7 +692,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # host_kv_cache_block_offsets: KV-cache block index of every block of each sequence, K row
         # then V row.
         t.host_kv_cache_block_offsets.wrote(
-            core.kv_cache_block_offsets(
+            kv_offsets.kv_cache_block_offsets(
                 t.host_kv_cache_block_offsets.out,
                 b,
                 k.kv_blocks,
@@ -744,7 +745,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         core.check_next_positions(d)
         return Advancing(
             d,
-            host_kv_cache_block_offsets=core.check_kv_entered(
+            host_kv_cache_block_offsets=kv_offsets.check_kv_entered(
                 d,
                 state.kv_blocks,
                 max_blocks_per_seq=c.max_blocks_per_seq,
@@ -804,7 +805,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # host_kv_cache_block_offsets: KV-cache block index of every block of each sequence, K row
         # then V row.
         t.host_kv_cache_block_offsets.wrote(
-            core.advance_kv(
+            kv_offsets.advance_kv(
                 t.host_kv_cache_block_offsets.out,
                 p.host_kv_cache_block_offsets.out,
                 d,

@@ -28,7 +28,7 @@ from bufc.rules import core
 from bufc.rules import kv_rows
 from bufc.rules import paged_attention
 from bufc.rules import pools
-from bufc.rules.sizes import StepSizes
+from bufc.requests.sizes import StepSizes
 
 import torch
 

@@ -26,7 +26,7 @@ from bufc.requests import batch, stateless, table
 from bufc.rules import decode
 from bufc.rules import core
 from bufc.rules import features
-from bufc.rules.sizes import StepSizes
+from bufc.requests.sizes import StepSizes
 
 import torch
 

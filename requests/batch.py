@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import BatchError
-from ..rules.sizes import StepSizes
 from .blocks import id_limit
+from .sizes import StepSizes
 from .values import INT32_MAX, check_int, show
 
 _EMPTY = np.zeros(0, dtype=np.int64)

@@ -12,8 +12,7 @@ import numpy as np
 
 from ..errors import BatchError
 from .batch import Batch, FlightLists, view
-from .table import _beam_index
-from .values import INT32_MAX
+from .values import INT32_MAX, beam_index
 
 if TYPE_CHECKING:
     from .table import Entry, RequestTable
@@ -100,7 +99,7 @@ def flight_lists(
     if not wide and kv.lists == 1:  # one list per slot, one sequence per request
         return FlightLists(kv, slots, t.kvs if len(t.kvs) > 1 else ())
     if wide:
-        gen_slots, beam = _beam_index(rows, widths)
+        gen_slots, beam = beam_index(rows, widths)
         gen_rows = gen_slots * kv.lists + np.where(kv.n_lists[gen_slots] > 1, beam, 0)
     else:
         gen_rows = rows * kv.lists
@@ -119,7 +118,7 @@ def device_gather(
     slots = b.seq_slot[n_ctx:]
     bw, starts = b.gen_beam_width, b.gen_starts
     if t.n_wide and (bw > 1).any():
-        seq_slots, beams = _beam_index(slots, bw)
+        seq_slots, beams = beam_index(slots, bw)
         dst = np.repeat(starts, bw) + beams
     else:
         seq_slots, beams, dst = slots, np.zeros(len(slots), np.int64), starts
@@ -131,7 +130,7 @@ def device_gather(
     if len(seq_slots) < int(t.beam_width[producers].sum()):  # producers without a row
         mask[seq_slots] = False
         rest = producers[mask[producers]]
-        s, bm = _beam_index(rest, t.beam_width[rest])
+        s, bm = beam_index(rest, t.beam_width[rest])
         seq_slots, beams = np.concatenate((seq_slots, s)), np.concatenate((beams, bm))
     gather = TokenGather(seq_slots * k + beams, dst)
     return gather, (seq_slots, beams)
@@ -139,7 +138,7 @@ def device_gather(
 
 def _beam_values(tok: np.ndarray, slots: np.ndarray, widths: np.ndarray) -> np.ndarray:
     """tok[slot, beam] for each beam of each slot."""
-    return tok[_beam_index(slots, widths)]
+    return tok[beam_index(slots, widths)]
 
 
 def _sequence_values(

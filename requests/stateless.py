@@ -7,7 +7,7 @@ slots, beams of equal length, explicit positions), each request field read once,
 column, and each check a vectorised test over the columns: O(1) Python work per request and
 per beam, none per token (a context request's prompt is checked once, when it is first
 scheduled, and again only when it changed). Only when a check fails are the requests walked
-one by one to name the culprit (``_diagnose``).
+one by one to name the culprit (``diagnose``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from typing import Any, NoReturn
 import numpy as np
 
 from ..errors import BatchError
-from ..rules.sizes import StepSizes
 from .batch import (
     _EMPTY,
     Batch,
@@ -33,14 +32,13 @@ from .batch import (
     int64s,
     view,
 )
+from .diagnose import MALFORMED, diagnose, diagnose_slots
+from .sizes import StepSizes
 from .values import (
     INT32_MAX,
-    check_int,
-    check_ints,
     in_range,
     int_array,
     is_int,
-    show,
     unread_error,
     unread_set,
 )
@@ -55,7 +53,6 @@ _IS_NONE = functools.partial(operator.is_, None)
 
 # What a malformed request raises while its columns are read (a str where an int belongs, a
 # missing field, ...): the build then walks the requests to name the culprit.
-_MALFORMED = (TypeError, ValueError, OverflowError, AttributeError, IndexError, KeyError)
 
 
 def build(
@@ -80,8 +77,8 @@ def build(
         return _build(context, generation, limits, memo, encoder)
     except BatchError:
         raise
-    except _MALFORMED as exc:
-        _diagnose(context, generation, limits)
+    except MALFORMED as exc:
+        diagnose(context, generation, limits)
         raise BatchError(f"the batch is malformed ({type(exc).__name__}: {exc})") from None
 
 
@@ -105,8 +102,8 @@ def _build(
     encoder: bool,
 ) -> Batch:
     def fail() -> NoReturn:
-        _diagnose(context, generation, limits)
-        raise BatchError("the batch is invalid")  # pragma: no cover - _diagnose raised
+        diagnose(context, generation, limits)
+        raise BatchError("the batch is invalid")  # pragma: no cover - diagnose raised
 
     for size, count in (
         ("num_context_requests", len(context)),
@@ -318,7 +315,7 @@ def _build_encoder_engine(
         or not in_range(slots, 0, limits.max_batch_size)
         or len(np.unique(slots)) != len(slots)
     ):
-        _diagnose_slots(context, (), limits)
+        diagnose_slots(context, (), limits)
     enc = encoder_sizes(context, (), limits)
     n = len(context)
     tokens = enc["num_encoder_input_tokens"]
@@ -430,94 +427,3 @@ def _prompt_cache(memo: Memo | None, context: tuple) -> dict:
     kept = {id(r): previous[id(r)] for r in context if id(r) in previous}
     memo.prompts = kept
     return kept
-
-
-def _diagnose(context: Sequence[Any], generation: Sequence[Any], limits: Limits) -> None:
-    """Walk the requests one by one and raise for the first problem (the cold path)."""
-    for kind, reqs in (("context", context), ("generation", generation)):
-        for i, r in enumerate(reqs):
-            w = _where(f"{kind} request {i}", r)
-            try:
-                check_request(r, w, limits, kind == "context")
-            except BatchError:
-                raise
-            except _MALFORMED as exc:
-                raise BatchError(f"{w}: malformed request ({type(exc).__name__}: {exc})") from None
-    _diagnose_slots(context, generation, limits)
-
-
-def _diagnose_slots(context: Sequence[Any], generation: Sequence[Any], limits: Limits) -> None:
-    seen: dict[int, str] = {}
-    for kind, reqs in (("context request", context), ("generation request", generation)):
-        for i, r in enumerate(reqs):
-            w = _where(f"{kind} {i}", r)
-            slot = getattr(r, "seq_slot", None)
-            slot = check_int(slot, "seq_slot", w, 0, limits.max_batch_size)
-            if slot in seen:
-                raise BatchError(f"{w}: seq_slot {slot} is also used by {seen[slot]}")
-            seen[slot] = w
-
-
-def _length(value: Any, what: str, w: str) -> int:
-    try:
-        return len(value)
-    except TypeError:
-        raise BatchError(f"{w}: {what} must be a list, got {show(value)}") from None
-
-
-def check_request(r: Any, w: str, limits: Limits, is_context: bool) -> None:
-    """One request's fields against the limits, as a context or a generation request; a
-    BatchError that names `w` and the field otherwise."""
-    vocab = (0, limits.token_limit, limits.token_limit_text)
-    prompt = r.prompt
-    n = _length(prompt, "prompt", w)
-    if n == 0:
-        raise BatchError(f"{w}: the prompt is empty")
-    beam = check_int(r.beam_width, "beam_width", w, 1, limits.max_beam_width + 1, "max_beam_width")
-    drafts = r.draft_tokens
-    n_drafts = 0 if drafts is None else _length(drafts, "draft_tokens", w)
-    if n_drafts and beam > 1:
-        raise BatchError(f"{w}: draft tokens need beam_width 1, got {beam}")
-    if n_drafts > limits.max_draft_tokens:
-        raise BatchError(
-            f"{w}: {n_drafts} draft tokens exceed max_draft_tokens={limits.max_draft_tokens}"
-        )
-    if n_drafts:
-        check_ints(drafts, "draft_tokens", w, *vocab)
-    if r.position_ids is not None:
-        if _length(r.position_ids, "position_ids", w) != n:
-            raise BatchError(f"{w}: {len(r.position_ids)} position_ids for a prompt of {n} tokens")
-        check_ints(r.position_ids, "position_ids", w, 0, INT32_MAX + 1)
-    gen = r.generated
-    if is_context:
-        b = check_int(r.context_position, "context_position", w, 0, n, f"a prompt of {n} tokens")
-        c = r.context_chunk_size
-        c = n - b if c is None else check_int(c, "context_chunk_size", w, 1, INT32_MAX + 1)
-        if b + c > n:
-            raise BatchError(
-                f"{w}: context_chunk_size {c} at context_position {b} runs past the prompt of {n} tokens"
-            )
-        if gen is not None and _length(gen, "generated", w) and any(map(len, gen)):
-            raise BatchError(f"{w}: a context request must not have generated tokens")
-        check_ints(prompt, "prompt", w, *vocab)
-        if (
-            r.position_ids is not None
-            and r.position_ids[-1] + (n_drafts if b + c == n else 0) > INT32_MAX
-        ):
-            raise BatchError(f"{w}: its draft tokens' positions run past the int32 range")
-        return
-    if gen is None or _length(gen, "generated", w) != beam:
-        got = 0 if gen is None else len(gen)
-        raise BatchError(f"{w}: 'generated' has {got} beams, beam_width is {beam}")
-    lengths = [_length(g, "each beam of 'generated'", w) for g in gen]
-    if min(lengths) < 1:
-        raise BatchError(f"{w}: a generation request needs at least one generated token per beam")
-    if len(set(lengths)) > 1:
-        raise BatchError(
-            f"{w}: its beams must be of equal length (beam search extends every beam each "
-            f"step), got {lengths}"
-        )
-    for k, g in enumerate(gen):
-        check_int(g[-1], f"the last token of beam {k}", w, *vocab)
-    if r.position_ids is not None and r.position_ids[-1] + lengths[0] > INT32_MAX:
-        raise BatchError(f"{w}: its generated tokens' positions run past the int32 range")

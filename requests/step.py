@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from itertools import chain
 from typing import Any
 
 import numpy as np
 
 from ..errors import BatchError
-from ..rules.decode import Sampled
 from .batch import Batch, Limits
 from .blocks import BlockTable, check_window_keys, window_lists
 from .rows import (
@@ -25,18 +23,11 @@ from .rows import (
     device_gather,
     step_view,
 )
-from .table import _EMPTY, Entry, RequestTable, _beam_index
-from .values import BOOLS, INT32_MAX, check_token_dtype, in_range, int_array, is_int, show
+from .sampled import Sampled, check_tokens, is_empty, row_tokens, token_table
+from .table import Entry, RequestTable
+from .values import EMPTY, beam_index, in_range, int_array, is_int, show
 
 FEW_BLOCKS = 8  # block appends to more slots than this are checked and written at once
-
-
-@dataclasses.dataclass(frozen=True)
-class OnDevice:
-    """Sampled tokens that stay on the buffers' device: what the host knows of them (the
-    runtime checked the tensor's shape and dtype)."""
-
-    columns: int  # per seq slot: tokens[slot] (1) or tokens[slot, beam]
 
 
 @dataclasses.dataclass
@@ -77,6 +68,53 @@ def _undo(
         entry.draft_tokens = values
 
 
+def commit(t: RequestTable, plan: Plan) -> None:
+    """The planned step ran: the table holds the state it leaves (its only writer besides
+    ``add``, ``finish`` and ``tokens_back``)."""
+    in_place = plan.generated is None  # a steady step's tokens
+    t.refilled.clear()
+    if plan.gathered is not None:
+        slots, beams = plan.gathered
+        # a steady step of one-beam rows: the serials are read only if a request arrives
+        # or leaves before the values are back (_serials_pending)
+        one_beam = in_place and not t.n_wide
+        t.pending = (slots, beams, None if one_beam else t.serial[slots])
+    if in_place:  # the rows, each one token longer; nothing else changed
+        assert plan.tokens is not None
+        rows = t.rows[: t.n_rows]
+        t.generated[rows] += 1
+        widths = t.beam_width[rows] if t.n_wide else None
+        if plan.gathered is not None:
+            pass  # the tokens are the device's: tokens_back sets them
+        elif widths is None or not (widths > 1).any():
+            t.last[:, 0][rows] = plan.tokens.values  # one axis: a cheaper scatter
+        else:
+            t.last[beam_index(rows, widths)] = plan.tokens.values
+        return
+    assert plan.last is not None and plan.generated is not None
+    t.generated, t.last, t.ndraft, t.drafted = (
+        plan.generated,
+        plan.last,
+        plan.ndraft,
+        plan.drafted,
+    )
+    t.steady_gather = None  # rows may have joined
+    for slot in plan.promoted:
+        n = t.n_rows
+        t.rows[n] = slot
+        t.row_of[slot] = n
+        t.row_entries.append(t.held(slot))
+        t.n_rows = n + 1
+    for slot, position in plan.positions:
+        t.position[slot] = position
+    for slot in plan.completing:
+        del t.waiting[slot]
+    t.completing = [(s, int(t.serial[s])) for s in plan.completing]
+    t.produced = t.rows[: t.n_rows].copy() if plan.generation else EMPTY
+    t.produced_serial = t.serial[t.produced]
+    t.changed = False
+
+
 def plan(
     t: RequestTable,
     tokens: Any,
@@ -115,7 +153,7 @@ def plan(
         # requests left or arrived: only those still in flight produce
         alive = t.produced[t.serial[t.produced] == t.produced_serial] if t.changed else t.produced
         promoted = [s for s, serial in t.completing if t.serial[s] == serial]
-        promoted_a = np.array(promoted, np.int64) if promoted else _EMPTY
+        promoted_a = np.array(promoted, np.int64) if promoted else EMPTY
         producers = np.concatenate((promoted_a, alive)) if promoted else alive
         generated, last = _produced_tokens(t, tokens, producers, on_device)
         if accepted:
@@ -127,7 +165,7 @@ def plan(
         if not generation:  # the generation requests sit this step out
             if drafts:
                 raise BatchError("step(): drafts given, but generation=False runs no generation")
-            rows, row_entries = _EMPTY, []
+            rows, row_entries = EMPTY, []
         ndraft, drafted = _step_drafts(t, drafts, promoted, rows, undo_drafts)
         _grow(t, blocks, undo_blocks)
         context, positions, completing = _context(t, chunks)
@@ -179,7 +217,7 @@ def _produced_tokens(
     L = t.limits
     generated, last = t.generated, t.last
     if not producers.size:
-        if tokens is not None and (on_device or not _empty(tokens)):
+        if tokens is not None and (on_device or not is_empty(tokens)):
             raise BatchError(
                 "step(): no request in flight produced a token in the last step; pass tokens=None"
             )
@@ -195,7 +233,7 @@ def _produced_tokens(
         generated = generated.copy()
         generated[producers] += 1
         return generated, last
-    tok = _token_table(tokens, L)
+    tok = token_table(tokens, L)
     if t.n_wide:
         widths = t.beam_width[producers]
         if int(widths.max()) > tok.shape[1]:
@@ -206,7 +244,7 @@ def _produced_tokens(
         values = _beam_values(tok, producers, widths)
     else:
         values = tok[:, 0][producers]
-    _check_tokens(values, L)
+    check_tokens(values, L)
     generated = generated.copy()
     generated[producers] += 1
     last = last.copy()
@@ -330,14 +368,14 @@ def _steady(
     may grow): the fewest calls, the state updated at commit."""
     L = t.limits
     rows = t.rows[: t.n_rows]
-    widths = t.beam_width[rows] if t.n_wide else _EMPTY
+    widths = t.beam_width[rows] if t.n_wide else EMPTY
     values = None
     if on_device:
         k = tokens.columns
     elif not t.n_wide:  # one beam each: the slots' first column
-        values, k = _row_tokens(tokens, rows, L), 1
+        values, k = row_tokens(tokens, rows, L), 1
     else:
-        tok = _token_table(tokens, L)
+        tok = token_table(tokens, L)
         k = tok.shape[1]
     if t.n_wide and int(widths.max()) > k:
         raise BatchError(
@@ -348,7 +386,7 @@ def _steady(
     if not on_device:
         if values is None:
             values = _sequence_values(tok, rows, widths, t.n_wide)
-        _check_tokens(values, L)
+        check_tokens(values, L)
     else:  # the host writes the last tokens it knows; the device then writes the new
         values = _sequence_values(t.last, rows, widths, t.n_wide)
         held = t.steady_gather
@@ -356,7 +394,7 @@ def _steady(
             if not t.n_wide or not (widths > 1).any():
                 slots, beams = rows.copy(), np.zeros(len(rows), np.int64)
             else:
-                slots, beams = _beam_index(rows, widths)
+                slots, beams = beam_index(rows, widths)
             held = t.steady_gather = (
                 k,
                 slots * k + beams,
@@ -423,72 +461,6 @@ def _context(
         if begin + size == n:
             completing.append(slot)
     return context, positions, completing
-
-
-def _check_tokens(values: np.ndarray, L: Limits) -> None:
-    if not in_range(values, 0, L.token_limit):
-        bad = np.flatnonzero((values < 0) | (values >= L.token_limit))[0]
-        raise BatchError(
-            f"step(): token {values[bad]} of a request in flight is outside 0 .. "
-            f"{L.token_limit - 1} ({L.token_limit_text})"
-        )
-
-
-def _row_tokens(tokens: Any, rows: np.ndarray, L: Limits) -> np.ndarray:
-    """The sampled token of each slot in `rows` (one beam each), not yet checked."""
-    if (
-        type(tokens) is np.ndarray
-        and tokens.ndim == 1
-        and tokens.dtype == np.int64
-        and len(tokens) >= L.max_batch_size
-    ):  # the common case: one column, indexed by slot
-        return tokens[rows]
-    return _token_table(tokens, L)[:, 0][rows]
-
-
-def _empty(tokens: Any) -> bool:
-    try:
-        return len(tokens) == 0
-    except TypeError:
-        return False
-
-
-def _token_table(tokens: Any, L: Limits) -> np.ndarray:
-    """The sampled tokens as an int64 [slots, k] table (k columns per slot, one per beam)."""
-    slots = L.max_batch_size
-    if tokens is None:
-        raise BatchError(
-            "step(): the last step produced tokens; pass them (tokens[seq_slot], or "
-            "tokens[seq_slot, beam])"
-        )
-    if isinstance(tokens, np.ndarray) and tokens.dtype == np.int64 and len(tokens) >= slots:
-        if tokens.ndim == 2:  # the common cases: already a table, or one column of it
-            return tokens
-        if tokens.ndim == 1:
-            return tokens.reshape(len(tokens), 1)
-    try:
-        a = np.asarray(tokens)
-    except (TypeError, ValueError, OverflowError):
-        raise BatchError("step() needs integer tokens indexed by seq slot") from None
-    if a.dtype.kind not in "iu" or a.ndim not in (1, 2) or len(a) < slots:
-        raise BatchError(
-            f"step() needs integer tokens indexed by seq slot: an array of {slots} rows "
-            f"(max_batch_size), or [{slots}, beams]; got {a.dtype} of shape {list(a.shape)}"
-        )
-    if isinstance(tokens, np.ndarray):  # a list's ints are read as int64
-        check_token_dtype(a.dtype, L.token_limit, L.token_limit_text, "step()", False)
-    elif _has_bool(tokens, a.ndim):
-        raise BatchError("step() needs integer tokens indexed by seq slot; got a bool among them")
-    if a.dtype.kind == "u" and a.size and int(a.max()) > INT32_MAX:
-        raise BatchError("step(): a token is outside the int32 range")
-    a = a.astype(np.int64, copy=False)
-    return a.reshape(len(a), 1) if a.ndim == 1 else a
-
-
-def _has_bool(values: Any, ndim: int) -> bool:
-    """A bool among a list's (or a list of lists') values, which numpy reads as 0 or 1."""
-    rows = values if ndim == 1 else chain.from_iterable(values)
-    return not BOOLS.isdisjoint(frozenset(map(type, rows)))
 
 
 def _drafts(values: Any, slot: int, entry: Entry, L: Limits) -> np.ndarray:

@@ -18,22 +18,23 @@ The rules read the same ``Batch`` as in a stateless step: its requests are ``Ent
 the request object for the fields fixed in flight and this state's values for those a step
 changes (the KV block lists, the step's draft tokens and context chunk). ``step.plan`` lays
 out and checks a step against this table, ``rows.step_view`` makes its ``Batch``, and
-``RequestTable.commit`` applies it once it has run.
+``step.commit`` applies it once it has run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ..errors import BatchError
 from .batch import Limits
 from .blocks import BlockTable, window_lists
-from .stateless import check_request
+from .diagnose import check_request
 from .values import (
+    EMPTY,
     INT32_MAX,
     in_range,
     int_array,
@@ -42,12 +43,6 @@ from .values import (
     unread_error,
     unread_set,
 )
-
-if TYPE_CHECKING:
-    from .step import Plan
-
-_EMPTY = np.zeros(0, dtype=np.int64)
-_EMPTY.flags.writeable = False
 
 
 class Entry:
@@ -116,7 +111,7 @@ class Entry:
 
 class RequestTable:
     """The per-slot state of the requests in flight (see the module docstring): ``add``,
-    ``finish``, ``tokens_back`` and ``commit`` are its only writers."""
+    ``finish``, ``tokens_back`` and ``step.commit`` are its only writers."""
 
     def __init__(self, limits: Limits, *, encoder: bool = False) -> None:
         n, w = limits.max_batch_size, limits.max_beam_width
@@ -145,7 +140,7 @@ class RequestTable:
         self.row_of = np.full(n, -1, np.int64)
         # what the last step produces tokens for: its generation rows and finished prompts,
         # each with its slot's serial then (a slot finished or reused since produces nothing)
-        self.produced, self.produced_serial = _EMPTY, _EMPTY
+        self.produced, self.produced_serial = EMPTY, EMPTY
         self.completing: list[tuple[int, int]] = []
         self.changed = True  # requests arrived or finished since the last step
         self.refilled: set[int] = set()  # generation rows a finish refilled since then
@@ -320,54 +315,6 @@ class RequestTable:
         for i in bad.tolist():
             self.bad[int(slots[i])] = int(values[i])
 
-    # ------------------------------------------------------------------------------ a step
-
-    def commit(self, plan: Plan) -> None:
-        """The planned step ran: the state is the one it leaves."""
-        in_place = plan.generated is None  # a steady step's tokens
-        self.refilled.clear()
-        if plan.gathered is not None:
-            slots, beams = plan.gathered
-            # a steady step of one-beam rows: the serials are read only if a request arrives
-            # or leaves before the values are back (_serials_pending)
-            one_beam = in_place and not self.n_wide
-            self.pending = (slots, beams, None if one_beam else self.serial[slots])
-        if in_place:  # the rows, each one token longer; nothing else changed
-            assert plan.tokens is not None
-            rows = self.rows[: self.n_rows]
-            self.generated[rows] += 1
-            widths = self.beam_width[rows] if self.n_wide else None
-            if plan.gathered is not None:
-                pass  # the tokens are the device's: tokens_back sets them
-            elif widths is None or not (widths > 1).any():
-                self.last[:, 0][rows] = plan.tokens.values  # one axis: a cheaper scatter
-            else:
-                self.last[_beam_index(rows, widths)] = plan.tokens.values
-            return
-        else:
-            assert plan.last is not None and plan.generated is not None
-            self.generated, self.last, self.ndraft, self.drafted = (
-                plan.generated,
-                plan.last,
-                plan.ndraft,
-                plan.drafted,
-            )
-        self.steady_gather = None  # rows may have joined
-        for slot in plan.promoted:
-            n = self.n_rows
-            self.rows[n] = slot
-            self.row_of[slot] = n
-            self.row_entries.append(self.entries[slot])  # type: ignore[arg-type]
-            self.n_rows = n + 1
-        for slot, position in plan.positions:
-            self.position[slot] = position
-        for slot in plan.completing:
-            del self.waiting[slot]
-        self.completing = [(s, int(self.serial[s])) for s in plan.completing]
-        self.produced = self.rows[: self.n_rows].copy() if plan.generation else _EMPTY
-        self.produced_serial = self.serial[self.produced]
-        self.changed = False
-
     # ---------------------------------------------------------------------------- helpers
 
     def held(self, slot: int) -> Entry:
@@ -430,7 +377,7 @@ def _arrival(r: Any, L: Limits) -> Arrival | None:
         return None
     drafts = () if r.draft_tokens is None else r.draft_tokens
     none = type(drafts) in (list, tuple) and not drafts  # most requests bring none
-    d = _EMPTY if none else int_array(drafts)
+    d = EMPTY if none else int_array(drafts)
     if (
         d is None
         or len(d)
@@ -446,9 +393,3 @@ def _arrival(r: Any, L: Limits) -> Arrival | None:
             return None
         p = _frozen(p, r.position_ids)
     return Arrival(_frozen(prompt, r.prompt), p, tuple(d.tolist()) if len(d) else ())
-
-
-def _beam_index(slots: np.ndarray, widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(slot, beam) of each beam of each slot, for a [slots, beams] table."""
-    seq = np.repeat(slots, widths)
-    return seq, np.arange(len(seq)) - np.repeat(np.cumsum(widths) - widths, widths)

@@ -219,3 +219,13 @@ def _token_dtype_error(name: str, limit: int, limit_text: str, device: bool) -> 
             "pass int32 or int64 tokens"
         )
     return None
+
+
+EMPTY = np.zeros(0, dtype=np.int64)  # a shared empty int64 column (read-only)
+EMPTY.flags.writeable = False
+
+
+def beam_index(slots: np.ndarray, widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(slot, beam) of each beam of each slot, for a [slots, beams] table."""
+    seq = np.repeat(slots, widths)
+    return seq, np.arange(len(seq)) - np.repeat(np.cumsum(widths) - widths, widths)

@@ -6,6 +6,7 @@ the generator validates tensors against those declarations and emits one explici
 tensor. Implementations are plain functions: `out` first, then the step's ``Batch``, then the
 value of the check they rely on, then the Config values they read, by keyword.
 
-This package file imports nothing, so that the generator (which needs no torch or numpy) can
-read ``bufc.rules.sizes``.
+This package file imports nothing, so importing one module loads only what that module needs.
+The step's records (``Batch``, ``StepSizes``) are the request layer's (``bufc.requests``): the
+rules import them, never the reverse.
 """

@@ -4,6 +4,7 @@ input tokens per request, and a field every request must carry."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,3 +50,12 @@ def field(b: Batch, name: str, what: str) -> list[Any]:
         i = missing[0]
         raise BatchError(f"{where(b, i)}: {what} needs the request's {name}")
     return values
+
+
+def plain_tensor(t: Any) -> bool:
+    """A dense tensor with data (a sparse or meta tensor would fail the device copy). The rules
+    import no torch: where torch was never imported, nothing is a tensor."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(t, torch.Tensor):
+        return False
+    return t.layout == torch.strided and t.device.type != "meta"

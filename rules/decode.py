@@ -9,6 +9,7 @@ import numpy as np
 
 from ..errors import BatchError
 from ..requests.batch import Batch, Limits
+from ..requests.sampled import Sampled
 from ..requests.values import check_token_dtype, in_range, int_array
 
 
@@ -25,16 +26,6 @@ class Decode:
     tokens: np.ndarray
     seq_tokens: np.ndarray
     holds_run: bool = False
-
-
-class Sampled:
-    """Sampled tokens that the caller already checked, one per sequence as an int64 array
-    (the requests in flight check them with the step): ``next_step`` takes them as they are."""
-
-    __slots__ = ("values",)
-
-    def __init__(self, values: np.ndarray) -> None:
-        self.values = values
 
 
 def start(b: Batch) -> Decode | None:

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import BatchError
 from ..requests.batch import Batch
-from . import core
+from . import kv_offsets
 from .core import last_token_ids, position_ids
 from .kv_rows import BlockPlan, KeptRows
 
@@ -234,7 +234,7 @@ def check_kv_blocks(
     num_kv_blocks: int = 0,
 ) -> BlockPlan:
     """Every sequence's kv_block_ids cover its tokens after the step (every attention window's,
-    in flight), with ids in the pool (``core.check_kv_blocks``); this contract has no cyclic
+    in flight), with ids in the pool (``kv_offsets.check_kv_blocks``); this contract has no cyclic
     window, so a list that fills its row covers no more than max_blocks_per_seq blocks of
     tokens. In flight, one comparison per window: the ids were checked when the block table
     took them."""
@@ -243,7 +243,7 @@ def check_kv_blocks(
         check_kv_within_blocks(
             b, max_blocks_per_seq=max_blocks_per_seq, tokens_per_block=tokens_per_block
         )
-        return core.check_kv_blocks(
+        return kv_offsets.check_kv_blocks(
             b,
             kept,
             max_blocks_per_seq=max_blocks_per_seq,
@@ -258,7 +258,7 @@ def check_kv_blocks(
             check_kv_within_blocks(
                 b, max_blocks_per_seq=max_blocks_per_seq, tokens_per_block=tokens_per_block
             )
-            core.check_kv_blocks(
+            kv_offsets.check_kv_blocks(
                 b,
                 kept,
                 max_blocks_per_seq=max_blocks_per_seq,

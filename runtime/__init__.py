@@ -17,8 +17,8 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised in a subproce
     ) from exc
 
 from ..errors import BatchError, ConfigError, RuleError
+from ..requests.sizes import ENCODER_SIZES, STEP_SIZES, StepSizes
 from ..rules.request import Request
-from ..rules.sizes import ENCODER_SIZES, STEP_SIZES, StepSizes
 from .buffers import RuntimeBuffers
 from .config import (
     ConfigBase,

@@ -12,8 +12,6 @@ generated module.
 
 from __future__ import annotations
 
-import inspect
-import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -21,37 +19,34 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..errors import BatchError, ConfigError, FillCountError, RuleError
+from ..errors import BatchError, FillCountError, RuleError
 from ..requests import step as request_step
-from ..requests.values import INT32_MAX, check_int
-from .bindings import bindings, prefix_layout, step_sizes
-from .decl import Mirror, Static, TensorDecl
+from .bindings import bindings
+from .decl import Mirror, TensorDecl
 from .guards import exclusive as _exclusive
-from .project import ProjectImpl, culprit, reading
+from .project import ProjectImpl, reading, rule_error
 from .staging import HALVES, DeviceStep, Targets
 from .step import NO_SCALARS, Step
-from .storage import allocate, check_allocatable, records, static_values
+from .storage import allocate, check_allocatable, records
 from .tokens import Gather, tokens_on_device, tokens_on_host
 from .transfer import Transfer
+from .views import Views
 
 
-class RuntimeBuffers:
+class RuntimeBuffers(Views):
     """Subclassed by each generated module, which sets these and defines the step program
     (``_limits``, ``_check``, ``_fill`` and, where every rule has an advance form,
     ``_advance_check`` and ``_advance``)."""
 
     config_type: ClassVar[type]
-    sizes_type: ClassVar[type]  # the StepSizes the batch builder computes
     state_type: ClassVar[type]  # what the family's checks keep between steps
     tensor_decls: ClassVar[tuple[TensorDecl, ...]]
     no_advance: ClassVar[tuple[str, ...]] = ()  # rules without an advance form
     # the host tensor whose generation rows take each sequence's sampled token
     sampled_tokens: ClassVar[str | None] = None
     advances_on_device: ClassVar[bool] = False  # the family has ``_advance_on_device``
-    captures: ClassVar[bool] = False  # the family has ``_capture`` (prepare_for_cuda_graph)
     # the spec's own implementations the step calls: an exception one raises names it
     project_impls: ClassVar[tuple[ProjectImpl, ...]] = ()
-    VIEW_CACHE: ClassVar[int] = 16  # shapes whose views each tensor keeps, per staging half
 
     def __init__(
         self,
@@ -161,75 +156,11 @@ class RuntimeBuffers:
         """The step scalars of the step just written (none unless the family declares any)."""
         return NO_SCALARS
 
-    def _capture(
-        self, targets: Targets, sizes: Any, scalars: Mapping[str, int], max_sequence_length: int
-    ) -> None:
-        raise NotImplementedError
-
     # ------------------------------------------------------------------------- helpers
     def _rule_error(self, exc: Exception, where: str = "") -> RuleError | None:
         """The RuleError naming the spec's own implementation whose call by the generated
         step raised `exc` (None when bufc's own code raised it)."""
-        if not self.project_impls:
-            return None
-        cls = next(c for c in type(self).__mro__ if "project_impls" in vars(c))
-        generated = {f.__code__: name for name, f in vars(cls).items() if inspect.isfunction(f)}
-        found = culprit(exc, generated, self.project_impls)
-        if not found:
-            return None
-        what = " or ".join(dict.fromkeys(p.what for p in found))
-        return RuleError(what, found[0].impl, f"{type(exc).__name__}: {exc}", where)
-
-    def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
-        """A step shape within the tensor's capacity (the generated checks call this for the
-        shapes the generator could not prove)."""
-        if math.prod(shape) > self._t[name].numel:
-            raise BatchError(
-                f"tensor {name!r} needs shape {list(shape)}, beyond its capacity of "
-                f"{self._t[name].numel} elements"
-            )
-
-    def _view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return self._t[name].view(self._half, shape, self.VIEW_CACHE)
-
-    @property
-    def cached_views(self) -> int:
-        """Views held for reuse, over every tensor and half (at most VIEW_CACHE each)."""
-        return sum(len(cache) for t in self._t.values() for cache in t.views)
-
-    @_exclusive
-    def set_static(self, name: str, values: Any) -> None:
-        """Write a static tensor (broadcast to its capacity shape), e.g. the KV pool pointers
-        once the pools exist. Its engine bindings are in ``static_inputs``. Raises ConfigError
-        (nothing written) for an unknown name, values that do not broadcast to the shape, or
-        values the dtype cannot hold exactly (a float or out-of-range value for an integer
-        tensor)."""
-        d = self.decls.get(name)
-        if d is None or not isinstance(d.fill, Static):
-            statics = (
-                ", ".join(n for n, x in self.decls.items() if isinstance(x.fill, Static)) or "none"
-            )
-            raise ConfigError(f"{name!r} is not a static tensor of this family (static: {statics})")
-        t = self._t[name]
-        target = t.capacity_view()
-        source = static_values(name, values, target.dtype)
-        try:
-            target.copy_(source.expand_as(target))
-        except RuntimeError:
-            raise ConfigError(
-                f"{name}: values of shape {list(source.shape)} do not broadcast to its shape "
-                f"{list(t.capacity)}"
-            ) from None
-
-    @property
-    @_exclusive
-    def static_inputs(self) -> dict[str, torch.Tensor]:
-        """Engine inputs bound once (the reference's setStaticInputTensors)."""
-        out = {}
-        for engine_name, (name, index) in self._bind.static.items():
-            view = self._t[name].capacity_view()
-            out[engine_name] = view[index] if index else view
-        return out
+        return rule_error(type(self), exc, where) if self.project_impls else None
 
     @property
     def bytes_to_device(self) -> int:
@@ -498,7 +429,7 @@ class RuntimeBuffers:
         except BaseException:
             plan.undo()
             raise
-        self._flight.commit(plan)
+        request_step.commit(self._flight, plan)
         self._by_step = True
         return step
 
@@ -564,98 +495,3 @@ class RuntimeBuffers:
                     "was abandoned and the last step stays current, on the host and the device"
                 )
             ) from exc
-
-    def _step(self, s: Any) -> Step:
-        cached = self._step_views[self._half]
-        # steady decoding and serving churn repeat the sizes (often the one StepSizes): reuse
-        # the views
-        if cached is None or (cached[0] is not s and cached[0] != s):
-            cached = self._step_views[self._half] = (s, *self._views_at(s))
-        inputs, outputs = dict(cached[1]), dict(cached[2])
-        slots = {}
-        for which, engine_name, name, ring in self._bind.rings:
-            slot = self._ring_step % ring
-            view = self._view(name, self._t[name].capacity)[slot]
-            (inputs if which == "inputs" else outputs)[engine_name] = view
-            slots[name] = slot
-        if self._bind.rings:
-            self._ring_step += 1
-        return Step(
-            inputs=inputs,
-            outputs=outputs,
-            sizes=s,
-            scalars=self._scalars_now,
-            ring_slots=slots,
-        )
-
-    @_exclusive
-    def views(self, sizes: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Engine IO views for arbitrary sizes (e.g. a CUDA-graph batch bucket larger than the
-        step): the same storage as the step's views, with the rows past the step holding their
-        pad values."""
-        return self._views_at(sizes)
-
-    def _views_at(self, sizes: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        c = self.config
-        sizes = step_sizes(sizes, self.sizes_type)
-        last = self._last
-        if last is not None and sizes != last:
-            # a bucket: only a tensor whose step rows lead its shape keeps them in place
-            # ([rows, ...], or [1, rows, ...]); one laid out [.., rows, ..] (LoRA's [modules,
-            # layers, sequences], ChatGLM's [2, tokens]) would put the step's values elsewhere
-            moved = sorted(
-                {
-                    e
-                    for e, n, f, _ in self._bind.inputs + self._bind.outputs
-                    if not prefix_layout(tuple(f(c, last)), tuple(f(c, sizes)))
-                }
-            )
-            if moved:
-                raise ValueError(
-                    f"views(): {', '.join(moved)} change shape past their first dimension at "
-                    "these sizes, so the step's values would not line up with a view at them; "
-                    "this family's steps cannot be padded to a bucket"
-                )
-
-        def view(n: str, f: Any, index: tuple[int, ...]) -> torch.Tensor:
-            shape = tuple(f(c, sizes))
-            if math.prod(shape) > self._t[n].numel:
-                raise ValueError(
-                    f"views(): {n!r} would be {list(shape)} at these sizes, beyond its "
-                    f"capacity {list(self._t[n].capacity)}"
-                )
-            v = self._view(n, shape)
-            return v[index] if index else v
-
-        inputs = {e: view(n, f, i) for e, n, f, i in self._bind.inputs}
-        outputs = {e: view(n, f, i) for e, n, f, i in self._bind.outputs}
-        for which, engine_name, name, ring in self._bind.rings:  # the slot the next step binds
-            slot_view = self._view(name, self._t[name].capacity)[self._ring_step % ring]
-            (inputs if which == "inputs" else outputs)[engine_name] = slot_view
-        return inputs, outputs
-
-    @_exclusive
-    def prepare_for_cuda_graph(self, max_sequence_length: int) -> None:
-        """Before capturing the last (generation-only) step as a CUDA graph: each tensor with
-        a declared `capture` value gets it in the elements the step wrote (in the TensorRT-LLM
-        families, the past KV lengths become min(max_sequence_length - 1, the longest rounded
-        up), so the captured attention grid covers the steps it is replayed for, as the
-        reference does). Nothing to do in a family that declares none."""
-        check_int(
-            max_sequence_length, "max_sequence_length", "prepare_for_cuda_graph", 1, INT32_MAX + 1
-        )
-        s = self._last
-        if s is None:
-            raise BatchError("prepare_for_cuda_graph needs a prepared step")
-        if s.num_context_requests:
-            raise BatchError(
-                f"prepare_for_cuda_graph needs a generation-only step; the last step had "
-                f"{s.num_context_requests} context requests"
-            )
-        if not self.captures:
-            return
-        self._capture(self._targets[self._half], s, self._scalars_now, int(max_sequence_length))
-        self._decode = None  # the captured values no longer follow the tokens
-        self._half_run[self._half] = None
-        if not self.double_buffered:  # the other half is this one
-            self._half_run[:] = [None] * HALVES

@@ -21,6 +21,7 @@ from typing import Any
 
 from bufc import impls
 
+from ..errors import RuleError
 from ..rules.request import unread_fields
 
 
@@ -97,3 +98,16 @@ def reading(buffers: Any) -> Any:
     unread = unread_fields(readers)
     family = getattr(sys.modules.get(cls.__module__), "FAMILY", cls.__name__)
     return dataclasses.replace(limits, unread=unread, family=family) if unread else limits
+
+
+def rule_error(cls: type, exc: Exception, where: str = "") -> RuleError | None:
+    """The RuleError naming the spec's own implementation (of generated class `cls`'s
+    ``project_impls``) whose call by the generated step raised `exc`; None when another
+    function raised it."""
+    owner = next(c for c in cls.__mro__ if "project_impls" in vars(c))
+    generated = {f.__code__: name for name, f in vars(owner).items() if inspect.isfunction(f)}
+    found = culprit(exc, generated, vars(owner)["project_impls"])
+    if not found:
+        return None
+    what = " or ".join(dict.fromkeys(p.what for p in found))
+    return RuleError(what, found[0].impl, f"{type(exc).__name__}: {exc}", where)

@@ -33,7 +33,7 @@ import torch
 
 from ..errors import BatchError
 from ..requests.batch import Limits
-from ..requests.step import OnDevice
+from ..requests.sampled import OnDevice
 from ..requests.values import check_token_dtype
 from .staging import ALIGN, HALVES, Staging
 

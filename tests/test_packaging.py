@@ -130,8 +130,10 @@ def test_the_rules_and_the_request_layer_run_without_torch(installed, tmp_path):
     bufc.rules and bufc.requests loads no torch, and a request is checked and laid out."""
     code = (
         "import sys\n"
-        "from bufc.rules import adapters, batch_rows, core, decode, features, kv_rows, request, sizes\n"
-        "from bufc.requests import batch, rows, stateless, step, table, values\n"
+        "from bufc.rules import adapters, batch_rows, core, decode, encoder_decoder, features\n"
+        "from bufc.rules import kv_offsets, kv_rows, paged_attention, pools, request\n"
+        "from bufc.requests import batch, blocks, rows, sampled, sizes, stateless, step, table\n"
+        "from bufc.requests import values\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "limits = batch.limits(max_batch_size=2, vocab_size=10)\n"
         "state = table.RequestTable(limits)\n"

@@ -16,7 +16,7 @@ import torch
 from fuzz_configs import make_buffers
 
 from bufc.requests import batch
-from bufc.rules import adapters, core, features, kv_rows
+from bufc.rules import adapters, core, encoder_decoder, features, kv_rows
 from bufc.runtime import BatchError, Request
 
 LORA_ROW = ("attn_qkv", 0, 4096, 8192, None, 8)  # gpt_lora: modules attn_qkv, attn_dense, ...
@@ -618,6 +618,6 @@ def test_the_fields_a_family_reads_are_those_its_step_program_reads() -> None:
     assert unread("enc_dec", **ENC) == optional - encoder
     # each reader a field names is a function of bufc.rules (or the encoder sizes)
     readers = {r for f in dataclasses.fields(Request) for r in f.metadata.get("read_by", ())}
-    modules = (core, features, adapters, kv_rows, batch)
+    modules = (core, features, encoder_decoder, adapters, kv_rows, batch)
     assert {r for r in readers if not any(callable(getattr(m, r, None)) for m in modules)} == set()
     assert {f.name for f in dataclasses.fields(Request) if f.metadata.get("read_by")} == optional
