@@ -253,6 +253,7 @@ def view(
     explicit: tuple[int, ...],
     prompts: dict,
     encoder: bool = False,
+    encoder_engine: bool = False,
     flight: FlightLists | None = None,
 ) -> Batch:
     """The step's ``Batch`` from its checked columns: the only place one is made, whichever
@@ -260,7 +261,9 @@ def view(
     prompt length, the drafts each carries), `gen` the generation requests' (beam width, prompt
     length, drafts this step, tokens generated per beam); `slots` each request's seq slot,
     context first, and `last` each generation sequence's last token. Drafts ride on a last
-    chunk only."""
+    chunk only. `encoder`: the encoder sizes too (a decoder with cross-attention);
+    `encoder_engine`: the encoder's own step, context requests sized by their encoder inputs
+    alone (the reference's EncoderBuffers::setBufferSizes; no logits)."""
     c_begin, c_chunk, c_plen, c_ndraft = ctx
     g_bw, g_plen, g_ndraft, g_max = gen
     if c_ndraft.any():  # drafts ride on a last chunk only
@@ -283,8 +286,18 @@ def view(
         int(g_bw.max()) if wide else 1,
         generation_length(len(generation), int(g_ndraft.max()) if gen_drafts else 0, limits),
     )
-    if encoder:
-        sizes = dataclasses.replace(sizes, **encoder_sizes(context, generation, limits))
+    if encoder or encoder_engine:
+        enc = encoder_sizes(context, generation, limits)
+        sizes = dataclasses.replace(sizes, **enc)
+    if encoder_engine:
+        tokens = enc["num_encoder_input_tokens"]
+        sizes = dataclasses.replace(
+            sizes,
+            num_context_tokens=tokens,
+            num_tokens=tokens,
+            num_logits=0,
+            max_context_length=enc["max_encoder_input_length"] if n_ctx else 0,
+        )
     return Batch(
         context=context,
         generation=generation,

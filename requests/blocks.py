@@ -75,6 +75,11 @@ class BlockTable:
     ) -> tuple[list[list[Any]], list[np.ndarray | list[int]]]:
         """An arriving request's lists (one, or one per beam), checked: the request's own
         copy of them (its record of what it was given) and their ids as arrays for ``put``."""
+        if type(lists) is list and len(lists) == 1 and type(lists[0]) is list:
+            one = lists[0]  # the common case: one list of Python ints, checked one by one
+            if len(one) <= self.width and _ids_in(one, self.limit[0]):
+                copy = one.copy()
+                return [copy], [copy]
         copied = request_lists(w, lists, beams, self.field)
         return copied, [self._checked(x, 0, w) for x in copied]
 
@@ -92,15 +97,15 @@ class BlockTable:
     def _write_row(self, row: int, ids: Any) -> None:
         """Row `row` holds the list `ids` (checked), 0 past it, in ``ids`` and ``enc``."""
         n = len(ids)
-        self.ids[row, :n] = ids
-        self.ids[row, n:] = 0  # past a list's count its ids are 0
+        r = self.ids[row]
+        r[:n] = ids
+        r[n:] = 0  # past a list's count its ids are 0
         self.count[row] = n
-        if self.enc is not None:
-            k = self.ids[row, :n].astype(np.int64) * self.per_block
-            enc = self.enc[row]
-            enc[0, :n] = k
-            enc[1, :n] = k + 1
-            enc[:, n:] = 0
+        if self.enc is not None:  # K = id * per_block (0 past the list), V = K + 1 within it
+            e = self.enc[row]
+            np.multiply(r, self.per_block, out=e[0])
+            np.add(e[0], 1, out=e[1])
+            e[1, n:] = 0
 
     def lists_of(self, slot: int) -> list[list[int]]:
         """The slot's lists, as lists of ids (copies)."""

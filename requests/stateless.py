@@ -28,12 +28,10 @@ from .batch import (
     Batch,
     Limits,
     _where,
-    encoder_sizes,
     int64s,
     view,
 )
 from .diagnose import MALFORMED, diagnose, diagnose_slots
-from .sizes import StepSizes
 from .values import (
     INT32_MAX,
     in_range,
@@ -316,41 +314,18 @@ def _build_encoder_engine(
         or len(np.unique(slots)) != len(slots)
     ):
         diagnose_slots(context, (), limits)
-    enc = encoder_sizes(context, (), limits)
-    n = len(context)
-    tokens = enc["num_encoder_input_tokens"]
-    sizes = StepSizes(
-        num_context_requests=n,
-        num_context_tokens=tokens,
-        num_generation_requests=0,
-        num_generation_sequences=0,
-        num_generation_tokens=0,
-        num_logits=0,
-        num_sequences=n,
-        num_tokens=tokens,
-        num_requests=n,
-        max_context_length=enc["max_encoder_input_length"] if n else 0,
-        **enc,
-    )
-    zeros = np.zeros(n, np.int64)
-    return Batch(
-        context=context,
-        generation=(),
-        sizes=sizes,
-        ctx_begin=zeros,
-        ctx_chunk=zeros,
-        ctx_prompt_len=zeros,
-        ctx_drafts=zeros,
-        ctx_input_len=zeros,
-        gen_beam_width=_EMPTY,
-        gen_prompt_len=_EMPTY,
-        gen_drafts=_EMPTY,
-        gen_max_generated=_EMPTY,
-        seq_num_tokens=_EMPTY,
-        seq_last_token=_EMPTY,
-        seq_slot=slots if slots is not None else _EMPTY,
-        explicit_positions=(),
-        limits=limits,
+    zeros = np.zeros(len(context), np.int64)
+    return view(
+        context,
+        (),
+        limits,
+        ctx=(zeros, zeros, zeros, zeros),
+        gen=(_EMPTY, _EMPTY, _EMPTY, _EMPTY),
+        slots=slots if slots is not None else _EMPTY,
+        last=_EMPTY,
+        explicit=(),
+        prompts={},
+        encoder_engine=True,
     )
 
 
