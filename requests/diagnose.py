@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import BatchError
 from .batch import Limits, _where
-from .values import INT32_MAX, check_int, check_ints, show
+from .values import INT32_MAX, check_draft_count, check_int, check_ints, show
 
 MALFORMED = (TypeError, ValueError, OverflowError, AttributeError, IndexError, KeyError)
 
@@ -59,12 +59,7 @@ def check_request(r: Any, w: str, limits: Limits, is_context: bool) -> None:
     beam = check_int(r.beam_width, "beam_width", w, 1, limits.max_beam_width + 1, "max_beam_width")
     drafts = r.draft_tokens
     n_drafts = 0 if drafts is None else _length(drafts, "draft_tokens", w)
-    if n_drafts and beam > 1:
-        raise BatchError(f"{w}: draft tokens need beam_width 1, got {beam}")
-    if n_drafts > limits.max_draft_tokens:
-        raise BatchError(
-            f"{w}: {n_drafts} draft tokens exceed max_draft_tokens={limits.max_draft_tokens}"
-        )
+    check_draft_count(n_drafts, beam, limits.max_draft_tokens, w)
     if n_drafts:
         check_ints(drafts, "draft_tokens", w, *vocab)
     if r.position_ids is not None:

@@ -25,7 +25,7 @@ from .rows import (
 )
 from .sampled import Sampled, check_tokens, is_empty, row_tokens, token_table
 from .table import Entry, RequestTable
-from .values import EMPTY, beam_index, in_range, int_array, is_int, show
+from .values import EMPTY, beam_index, check_draft_count, in_range, int_array, is_int, show
 
 FEW_BLOCKS = 8  # block appends to more slots than this are checked and written at once
 
@@ -468,10 +468,7 @@ def _drafts(values: Any, slot: int, entry: Entry, L: Limits) -> np.ndarray:
     w = f"step(): drafts[{slot}]"
     if a is None:
         raise BatchError(f"{w} must be a list of token ids, got {show(values)}")
-    if len(a) > L.max_draft_tokens:
-        raise BatchError(f"{w}: {len(a)} draft tokens exceed max_draft_tokens={L.max_draft_tokens}")
-    if len(a) and entry.beam_width > 1:
-        raise BatchError(f"{w}: draft tokens need beam_width 1, got {entry.beam_width}")
+    check_draft_count(len(a), entry.beam_width, L.max_draft_tokens, w)
     if not in_range(a, 0, L.token_limit):
         raise BatchError(
             f"{w}: a draft token is outside 0 .. {L.token_limit - 1} ({L.token_limit_text})"

@@ -148,6 +148,15 @@ def in_range(a: np.ndarray, low: int, high: int) -> bool:
     return int(a.min()) >= low and int(a.max()) < high
 
 
+def check_draft_count(n: int, beam_width: int, max_draft_tokens: int, where: str) -> None:
+    """The draft tokens a request carries (on arrival, in a stateless step, or handed to
+    ``step(drafts=)``): only with one beam, and at most max_draft_tokens."""
+    if n and beam_width > 1:
+        raise BatchError(f"{where}: draft tokens need beam_width 1, got {beam_width}")
+    if n > max_draft_tokens:
+        raise BatchError(f"{where}: {n} draft tokens exceed max_draft_tokens={max_draft_tokens}")
+
+
 def check_int(value: Any, what: str, where: str, low: int, high: int, limit: str = "") -> int:
     """`value` as an int, or a BatchError naming `what` unless it is an integer in [low, high);
     `limit` says where `high` comes from (e.g. 'vocab_size=1000')."""

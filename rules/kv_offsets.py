@@ -22,6 +22,7 @@ from .kv_rows import (
     BlockPlan,
     KeptRows,
     check_block_lists,
+    check_cover,
     sequence_keys,
     write_at,
     write_kv_rows,
@@ -186,7 +187,7 @@ def check_kv_entered(
     width, tpb = max_blocks_per_seq, tokens_per_block
     b = d.batch
     if b.flight is not None:  # in flight: the ids from the block table, checked when appended
-        _check_flight_cover(d, b.flight, width, tpb)
+        check_cover(b, d.seq_tokens, tpb, width)
         return KvEntered(kept, [], b.flight)
     per_block = kv_pool_layers[0] * 2  # the first pool's (the others follow it)
     # the sequences whose new token is the first of a block (a mask for the usual power of two)
@@ -227,27 +228,6 @@ def check_kv_entered(
             )
         values.append((seq, col, int(block) * per_block))
     return KvEntered(kept, values)
-
-
-def _check_flight_cover(d: Decode, flight: FlightLists, width: int, tpb: int) -> None:
-    """check_kv_entered for requests in flight: every sequence's list, as the block table
-    counts it, holds the block of its new token (or fills the window); the ids were checked
-    when the table took them."""
-    for k, table in enumerate(flight.per_window()):
-        lengths = table.count[flight.index]
-        below = lengths * tpb < d.seq_tokens
-        short = np.flatnonzero(below & (lengths < width)) if np.count_nonzero(below) else below[:0]
-        if short.size:
-            b, seq = d.batch, int(short[0])
-            req = int(b.seq_request[seq])
-            r = b.generation[req]
-            which = f"the block list of attention window {sorted(r.kv_block_ids)[k]}"
-            raise BatchError(
-                f"generation request {req} (seq_slot {r.seq_slot}): its token "
-                f"{d.seq_tokens[seq]} needs KV block {(int(d.seq_tokens[seq]) - 1) // tpb}, "
-                f"which {which if flight.tables else 'kv_block_ids'} does not hold; allocate "
-                "the block before this step"
-            )
 
 
 class KvEntered:

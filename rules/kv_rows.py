@@ -182,10 +182,25 @@ def _check_flight(
     limit: tuple[int, str],
     what: str,
 ) -> BlockPlan:
-    """check_block_lists for requests in flight: every sequence's list, as the block table
-    counts it, covers its tokens after the step (length * tokens_per_block >= tokens, or the
-    list fills the window); the ids were checked when the table took them. The cold path
-    walks the requests to name the first short list."""
+    """check_block_lists for requests in flight: ``check_cover``; the ids were checked when
+    the table took them."""
+    check_cover(b, tokens, tpb, width, width_name, limit, what)
+    return BlockPlan([], _EMPTY, _EMPTY, None, kept, slots=b.flight)
+
+
+def check_cover(
+    b: Batch,
+    tokens: np.ndarray,
+    tpb: int,
+    width: int,
+    width_name: str = "max_blocks_per_seq",
+    limit: tuple[int, str] | None = None,
+    what: str = "KV",
+) -> None:
+    """Requests in flight: every sequence's block list, as its window's block table counts it,
+    covers the sequence's `tokens` after the step (length * tokens_per_block >= tokens, or the
+    list fills the window's `width` blocks). Every step that checks coverage in flight checks
+    it here, with one message; the cold path walks the requests to name the first short list."""
     flight = b.flight
     assert flight is not None
     for k, table in enumerate(flight.per_window()):
@@ -196,8 +211,8 @@ def _check_flight(
             if flight.tables:  # name the window and the sequence
                 short = np.flatnonzero(below & (lengths < width))
                 _short_window(b, k, int(short[0]), int(lengths[short[0]]), int(need[short[0]]))
-            _diagnose(b, "kv_block_ids", need, width, width_name, limit, what)
-    return BlockPlan([], _EMPTY, _EMPTY, None, kept, slots=flight)
+            bound = b.limits.kv_limit if limit is None else limit  # the table's own id bound
+            _diagnose(b, "kv_block_ids", need, width, width_name, bound, what)
 
 
 def _short_window(b: Batch, window: int, seq: int, have: int, need: int) -> NoReturn:

@@ -424,7 +424,10 @@ def test_a_decode_step_past_the_blocks_appended_in_its_run_is_refused() -> None:
     b.step(tokens, blocks={s: [10 * s + 3] for s in range(n)})  # 5 tokens, the third block
     b.step(tokens)  # 6 tokens
     before = {k: v.clone() for k, v in b.tensors.items()}
-    with pytest.raises(BatchError, match=r"seq_slot 0\): its token 7 needs KV block 3"):
+    with pytest.raises(
+        BatchError,
+        match=r"seq_slot 0\): kv_block_ids holds 3 blocks, but its tokens after this step need 4",
+    ):
         b.step(tokens, blocks={s: [10 * s + 4] for s in range(1, n)})
     assert all(torch.equal(before[k], v) for k, v in b.tensors.items())
     b.step(tokens, blocks={s: [10 * s + 4] for s in range(n)})
@@ -587,8 +590,8 @@ REFUSED = {  # case: (setup on both buffers, the refused call, its message, the 
     "generation list too short (steady)": (
         _decoded,
         lambda b: b.step(_tokens()),
-        r"generation request 0 \(seq_slot 0\): its token 5 needs KV block 1, which "
-        r"kv_block_ids does not hold",
+        r"generation request 0 \(seq_slot 0\): kv_block_ids holds 1 blocks, but its tokens "
+        r"after this step need 2; allocate the blocks before scheduling",
         lambda b: b.step(_tokens(), blocks={0: [40], 1: [41]}),
     ),
     "generation list too short (churn)": (
