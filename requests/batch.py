@@ -255,6 +255,7 @@ def view(
     encoder: bool = False,
     encoder_engine: bool = False,
     flight: FlightLists | None = None,
+    plain: tuple[int, int] | None = None,
 ) -> Batch:
     """The step's ``Batch`` from its checked columns: the only place one is made, whichever
     path read the requests. `ctx` holds the context requests' columns (first position, chunk,
@@ -263,29 +264,46 @@ def view(
     context first, and `last` each generation sequence's last token. Drafts ride on a last
     chunk only. `encoder`: the encoder sizes too (a decoder with cross-attention);
     `encoder_engine`: the encoder's own step, context requests sized by their encoder inputs
-    alone (the reference's EncoderBuffers::setBufferSizes; no logits)."""
+    alone (the reference's EncoderBuffers::setBufferSizes; no logits). `plain`: a step the
+    caller knows has one beam and no draft tokens, with its context tokens and longest context
+    prompt (its sizes then need no pass over the columns)."""
     c_begin, c_chunk, c_plen, c_ndraft = ctx
     g_bw, g_plen, g_ndraft, g_max = gen
-    if c_ndraft.any():  # drafts ride on a last chunk only
-        c_drafts = np.where(c_begin + c_chunk == c_plen, c_ndraft, 0)
-        c_input = c_chunk + c_drafts
-    else:
-        c_drafts, c_input = c_ndraft, c_chunk
-    wide = len(last) != len(g_bw)
-    seq_len = np.repeat(g_plen + g_max, g_bw) if wide else g_plen + g_max
     n_ctx = len(context)
-    gen_drafts = int(g_ndraft.sum())
-    sizes = step_sizes(
-        n_ctx,
-        int(c_input.sum()),
-        int(c_drafts.sum()),
-        int(c_plen.max()) if n_ctx else 0,
-        len(generation),
-        len(last),
-        gen_drafts,
-        int(g_bw.max()) if wide else 1,
-        generation_length(len(generation), int(g_ndraft.max()) if gen_drafts else 0, limits),
-    )
+    if plain is not None:  # one beam, no drafts: the counts are the caller's
+        c_drafts, c_input, wide = c_ndraft, c_chunk, False
+        seq_len = g_plen + g_max
+        sizes = step_sizes(
+            n_ctx,
+            plain[0],
+            0,
+            plain[1],
+            len(generation),
+            len(last),
+            0,
+            1,
+            generation_length(len(generation), 0, limits),
+        )
+    else:
+        if c_ndraft.any():  # drafts ride on a last chunk only
+            c_drafts = np.where(c_begin + c_chunk == c_plen, c_ndraft, 0)
+            c_input = c_chunk + c_drafts
+        else:
+            c_drafts, c_input = c_ndraft, c_chunk
+        wide = len(last) != len(g_bw)
+        seq_len = np.repeat(g_plen + g_max, g_bw) if wide else g_plen + g_max
+        gen_drafts = int(g_ndraft.sum())
+        sizes = step_sizes(
+            n_ctx,
+            int(c_input.sum()),
+            int(c_drafts.sum()),
+            int(c_plen.max()) if n_ctx else 0,
+            len(generation),
+            len(last),
+            gen_drafts,
+            int(g_bw.max()) if wide else 1,
+            generation_length(len(generation), int(g_ndraft.max()) if gen_drafts else 0, limits),
+        )
     if encoder or encoder_engine:
         enc = encoder_sizes(context, generation, limits)
         sizes = dataclasses.replace(sizes, **enc)

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import BatchError
 from .batch import Batch, FlightLists, view
-from .values import INT32_MAX, beam_index
+from .values import EMPTY, INT32_MAX, beam_index
 
 if TYPE_CHECKING:
     from .table import Entry, RequestTable
@@ -39,13 +39,17 @@ def step_view(
 ) -> Batch:
     n_ctx = len(context)
     ctx = tuple(e for e, _, _ in context)
-    # the context columns from Python lists (a step has few context requests: numpy's cost
-    # per call outweighs its loops at these sizes)
+    # the context columns from Python lists, in one array (a step has few context requests:
+    # numpy's cost per call outweighs its loops at these sizes)
     prompt_len = t.prompt_len
-    ctx_slots = np.array([e.seq_slot for e in ctx], np.int64)
-    c_begin = np.array([begin for _, begin, _ in context], np.int64)
-    c_chunk = np.array([chunk for _, _, chunk in context], np.int64)
-    c_ndraft = np.array([len(e.context_drafts) for e in ctx], np.int64)
+    if n_ctx:
+        ctx_slots, c_begin, c_chunk = np.array(
+            [(e.seq_slot, begin, chunk) for e, begin, chunk in context], np.int64
+        ).T
+    else:
+        ctx_slots = c_begin = c_chunk = EMPTY
+    ctx_drafts = [len(e.context_drafts) for e in ctx]
+    c_ndraft = np.array(ctx_drafts, np.int64) if any(ctx_drafts) else t.no_drafts[:n_ctx]
     n = len(rows)
     g_bw = t.beam_width[rows] if t.n_wide else t.one_beam[:n]
     wide = bool(t.n_wide) and bool((g_bw > 1).any())
@@ -67,6 +71,9 @@ def step_view(
             )
         explicit = tuple(c_explicit + (g_explicit + n_ctx).tolist())
     slots = np.concatenate((ctx_slots, rows))
+    plain = None  # one beam, no drafts: the sizes from Python's sums of the few context rows
+    if not wide and undrafted and not any(ctx_drafts):
+        plain = (sum(k for _, _, k in context), max((len(e.prompt) for e in ctx), default=0))
     return view(
         ctx,
         tuple(row_entries),
@@ -79,6 +86,7 @@ def step_view(
         prompts={id(e): (e.prompt, t.prompt_arrays[e.seq_slot]) for e in ctx},
         encoder=t.encoder,
         flight=flight_lists(t, ctx_slots, rows, g_bw, wide, slots),
+        plain=plain,
     )
 
 
