@@ -75,31 +75,28 @@ def mixed() -> tuple[list, list]:
     return ctx, decode(248)[1]
 
 
+# The benchmarked configuration: a 7B-class Llama, up to 1024 requests and 8192 tokens, 64-token
+# KV blocks (the same for every engine contract)
+BENCH_CONFIG = dict(
+    max_batch_size=1024,
+    max_num_tokens=8192,
+    vocab_size=32000,
+    num_layers=32,
+    max_attention_window=4096,
+    tokens_per_block=64,
+)
+
+
 def bench_buffers(device: str, double_buffered: bool = True) -> llama.RuntimeBuffers:
-    """The benchmarked configuration: a 7B-class Llama, up to 1024 requests and 8192 tokens
-    (`double_buffered`: the staging arena's two halves, the default)."""
-    config = llama.Config(
-        max_batch_size=1024,
-        max_num_tokens=8192,
-        vocab_size=32000,
-        num_layers=32,
-        max_attention_window=4096,
-        tokens_per_block=64,
-    )
+    """The TensorRT-LLM contract (llama) at BENCH_CONFIG (`double_buffered`: the staging
+    arena's two halves, the default)."""
+    config = llama.Config(**BENCH_CONFIG)
     return llama.RuntimeBuffers(config, device=device, double_buffered=double_buffered)
 
 
 def flash_buffers(device: str, double_buffered: bool = True) -> llama_flash.RuntimeBuffers:
-    """bench_buffers' configuration for the FlashAttention/vLLM contract (llama_flash): the same
-    7B-class Llama, up to 1024 requests and 8192 tokens, 64-token KV blocks."""
-    config = llama_flash.Config(
-        max_batch_size=1024,
-        max_num_tokens=8192,
-        vocab_size=32000,
-        num_layers=32,
-        max_attention_window=4096,
-        tokens_per_block=64,
-    )
+    """The FlashAttention/vLLM contract (llama_flash) at BENCH_CONFIG."""
+    config = llama_flash.Config(**BENCH_CONFIG)
     return llama_flash.RuntimeBuffers(config, device=device, double_buffered=double_buffered)
 
 
