@@ -53,6 +53,9 @@ class Limits:
     # runtime fills them in from the family's step program), and the family's name
     unread: tuple[tuple[str, Any], ...] = ()
     family: str = ""
+    # the Request fields beyond the core ones (prompt, beams, drafts, positions, block lists)
+    # that the family reads, (name, default): a request in flight keeps its own copy of each
+    read: tuple[tuple[str, Any], ...] = ()
 
 
 def limits(

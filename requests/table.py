@@ -46,11 +46,11 @@ from .values import (
 
 
 class Entry:
-    """One request in flight, as the rules read it: the fields a step changes are set here,
-    every other field is the request's own (fixed while it is in flight)."""
+    """One request in flight, as the rules read it: copies of the fields the family reads,
+    taken when it arrives (the caller's request object is not kept: nothing the caller
+    changes afterwards reaches a step), and the fields a step changes."""
 
     __slots__ = (
-        "request",
         "seq_slot",
         "prompt",
         "beam_width",
@@ -61,13 +61,19 @@ class Entry:
         "context_position",
         "context_chunk_size",
         "context_drafts",
-        "__dict__",  # what a rule stores on a request (GLM's mask position)
+        "__dict__",  # the family's other fields (`read`), and what a rule stores (GLM's mask)
     )
 
     def __init__(
-        self, request: Any, slot: int, blocks: list[list[Any]] | None, arrival: Arrival
+        self,
+        request: Any,
+        slot: int,
+        blocks: list[list[Any]] | None,
+        arrival: Arrival,
+        read: tuple[tuple[str, Any], ...] = (),
     ) -> None:
-        self.request = request
+        for name, default in read:  # the fields beyond these that the family reads
+            setattr(self, name, _own(getattr(request, name, default)))
         self.seq_slot = slot
         # the checked copies taken at add(): the caller's objects may change afterwards
         self.prompt = arrival.prompt
@@ -97,9 +103,6 @@ class Entry:
         if not tables:
             self._blocks = None
         self._tables = tables
-
-    def __getattr__(self, name: str) -> Any:  # a field no step changes: the request's own
-        return getattr(self.request, name)
 
     @property
     def generated(self) -> Any:
@@ -223,7 +226,7 @@ class RequestTable:
                 f"{w}: in flight, context chunks are scheduled per step (step(chunks=...)); "
                 "leave context_chunk_size None"
             )
-        entry = Entry(request, slot, blocks, arrival)
+        entry = Entry(request, slot, blocks, arrival, L.read)
         if admit is not None:
             admit(entry)
         prompt = arrival.prompt
@@ -340,6 +343,16 @@ class RequestTable:
         if slot in promoted:
             return len(entry.context_drafts)
         return int(self.ndraft[slot])
+
+
+def _own(value: Any) -> Any:
+    """A request field's value as a request in flight keeps it: lists and tuples copied (one
+    level down too: lists of lists), anything else (ints, tensors) as it is."""
+    if type(value) is list:
+        return [list(x) if type(x) is list else x for x in value]
+    if type(value) is tuple:
+        return tuple(list(x) if type(x) is list else x for x in value)
+    return value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -87,6 +87,17 @@ class Request:
     """Eagle: the request's posterior threshold (default 0.09)."""
 
 
+def read_fields(called: Collection[str] | None = None) -> tuple[tuple[str, Any], ...]:
+    """(name, default) of each Request field that only some families read (``read_by``) and
+    that one of the functions named in `called` reads (every such field, `called` None)."""
+    return tuple(
+        (f.name, f.default)
+        for f in dataclasses.fields(Request)
+        if f.metadata.get("read_by")
+        and (called is None or any(r in called for r in f.metadata["read_by"]))
+    )
+
+
 def unread_fields(called: Collection[str]) -> tuple[tuple[str, Any], ...]:
     """(name, default) of each Request field that only some families read (``read_by``) and
     that none of the functions named in `called` reads."""

@@ -22,7 +22,7 @@ from typing import Any
 from bufc import impls
 
 from ..errors import RuleError
-from ..rules.request import unread_fields
+from ..rules.request import read_fields, unread_fields
 
 
 def rule_module(module: str, *names: tuple[str, str, str]) -> ModuleType:
@@ -93,11 +93,11 @@ def reading(buffers: Any) -> Any:
     the list existed."""
     cls, limits = buffers.__class__, buffers.limits
     readers = getattr(cls, "request_readers", None)
-    if readers is None or cls.project_impls:
-        return limits
+    if readers is None or cls.project_impls:  # every field may be read: in flight, all kept
+        return dataclasses.replace(limits, read=read_fields())
     unread = unread_fields(readers)
     family = getattr(sys.modules.get(cls.__module__), "FAMILY", cls.__name__)
-    return dataclasses.replace(limits, unread=unread, family=family) if unread else limits
+    return dataclasses.replace(limits, unread=unread, family=family, read=read_fields(readers))
 
 
 def rule_error(cls: type, exc: Exception, where: str = "") -> RuleError | None:

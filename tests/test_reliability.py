@@ -621,3 +621,23 @@ def test_the_fields_a_family_reads_are_those_its_step_program_reads() -> None:
     modules = (core, features, encoder_decoder, adapters, kv_rows, batch)
     assert {r for r in readers if not any(callable(getattr(m, r, None)) for m in modules)} == set()
     assert {f.name for f in dataclasses.fields(Request) if f.metadata.get("read_by")} == optional
+
+
+def test_what_the_caller_changes_after_add_does_not_reach_a_step() -> None:
+    """A request in flight keeps its own copies of the fields its family reads, taken by add:
+    reassigning the caller's field, or changing its list in place, reaches no step."""
+    b = make_buffers("eagle", max_beam_width=1, max_draft_path_len=3)
+    blocks = [[1, 2, 3, 4]]
+    r = Request(seq_slot=0, prompt=[1, 2, 3], kv_block_ids=blocks, eagle_posterior_threshold=0.5)
+    b.add(r)
+    r.eagle_posterior_threshold = 0.9  # the caller's later changes
+    blocks[0][0] = 7
+    b.step()
+    assert b.tensors["host_eagle_posterior_thresholds"][0].item() == 0.5
+    assert b.tensors["host_kv_cache_block_offsets"].reshape(-1)[0].item() == 1 * 2 * (
+        b.config.num_local_layers
+    )
+    entry = b._flight.entries[0]
+    assert not hasattr(entry, "request")  # the caller's object is not kept
+    with pytest.raises(AttributeError):
+        entry.lora_weights  # noqa: B018 - a field eagle never reads is not there
