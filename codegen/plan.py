@@ -44,7 +44,6 @@ LIMIT_VALUES = (
     "max_input_length",
     "max_encoder_length",
     "max_blocks_per_seq",
-    "num_local_layers",
     "kv_pool_layers",
     "num_kv_blocks",
     "attention_window_sizes",

@@ -518,7 +518,6 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             max_beam_width=c.max_beam_width,
             max_draft_tokens=c.max_draft_tokens,
             vocab_size=c.vocab_size,
-            num_local_layers=c.num_local_layers,
             attention_window_sizes=c.attention_window_sizes,
             encoder_only=False,
         )

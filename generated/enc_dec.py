@@ -748,7 +748,6 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             max_input_length=c.max_input_length,
             max_encoder_length=c.max_encoder_length,
             max_blocks_per_seq=c.max_blocks_per_seq,
-            num_local_layers=c.num_local_layers,
             kv_pool_layers=c.kv_pool_layers,
             num_kv_blocks=c.num_kv_blocks,
             attention_window_sizes=c.attention_window_sizes,

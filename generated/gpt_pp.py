@@ -609,7 +609,6 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             max_draft_tokens=c.max_draft_tokens,
             vocab_size=c.vocab_size,
             max_blocks_per_seq=c.max_blocks_per_seq,
-            num_local_layers=c.num_local_layers,
             kv_pool_layers=c.kv_pool_layers,
             num_kv_blocks=c.num_kv_blocks,
             attention_window_sizes=c.attention_window_sizes,

@@ -393,7 +393,6 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             max_beam_width=c.max_beam_width,
             max_draft_tokens=c.max_draft_tokens,
             vocab_size=c.vocab_size,
-            num_local_layers=c.num_local_layers,
             encoder_only=False,
         )
 

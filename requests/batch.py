@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BatchError
-from .blocks import id_limit
+from .blocks import id_limit, raw_id_limit
 from .sizes import StepSizes
 from .values import INT32_MAX, check_int, show
 
@@ -69,7 +69,6 @@ def limits(
     max_encoder_length: int = INT32_MAX,
     encoder_only: bool = False,
     max_blocks_per_seq: int = 0,
-    num_local_layers: int = 1,
     kv_pool_layers: tuple[int, ...] = (),
     num_kv_blocks: int = 0,
     attention_window_sizes: tuple[int, ...] = (),
@@ -93,10 +92,15 @@ def limits(
         max_encoder_length=max_encoder_length,
         encoder_engine=encoder_only,
         kv_width=max_blocks_per_seq,
-        # a block id is encoded with its pool's layers (TensorRT-LLM's offsets: the largest
-        # pool bounds it; a hybrid model's recurrent layers are in none), else the rank's
+        # a block id is encoded with its pool's layers where the family has KV pools
+        # (TensorRT-LLM's offsets: the largest pool bounds it; a hybrid model's recurrent
+        # layers are in none); without pools (FlashAttention, FlashInfer) it is bound as it is
         kv_limit=(
-            id_limit(max(kv_pool_layers, default=num_local_layers), num_kv_blocks)
+            (
+                id_limit(max(kv_pool_layers), num_kv_blocks)
+                if kv_pool_layers
+                else raw_id_limit(num_kv_blocks)
+            )
             if max_blocks_per_seq
             else (0, "")
         ),

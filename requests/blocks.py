@@ -43,6 +43,15 @@ def id_limit(layers: int, num_kv_blocks: int) -> tuple[int, str]:
     return encodable, f"the int32 block index of a {layers}-layer KV pool"
 
 
+def raw_id_limit(num_kv_blocks: int) -> tuple[int, str]:
+    """Block ids bound as the allocator hands them to an engine that takes them unencoded
+    (FlashAttention's block_table, FlashInfer's page indices): the pool's blocks, and the
+    int32 table that holds them."""
+    if num_kv_blocks and num_kv_blocks <= INT32_MAX:
+        return num_kv_blocks, f"num_kv_blocks={num_kv_blocks}"
+    return INT32_MAX + 1, "the int32 block table"
+
+
 class BlockTable:
     """One pool's block ids of the requests in flight (see the module docstring)."""
 

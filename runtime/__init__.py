@@ -60,10 +60,10 @@ advances; 5: the continue program, ``_continues``, ``_continue_check`` and ``_co
 step scalars (``_scalars``) and capture values (``_capture``); 3: a spec's own implementation
 modules imported through ``rule_module``, and ``project_impls``)."""
 
-READS_FORMATS = (4, FORMAT_VERSION)
-"""The formats it reads (a module of format 4 has no continue program either; one of format 5
-imports ``bufc.rules.continued``, which is gone, and one of format 3 or earlier imports
-``bufc.rules.batch``, which is ``bufc.requests.batch`` now: regenerate those)."""
+READS_FORMATS = (FORMAT_VERSION,)
+"""The formats it reads: a module of format 5 or earlier imports what moved or is gone
+(``bufc.rules.sizes`` is ``bufc.requests.sizes``, the KV offsets are ``bufc.rules.kv_offsets``,
+``bufc.rules.continued`` is gone): regenerate it."""
 
 
 def check_format_version(version: int) -> None:

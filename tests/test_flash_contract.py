@@ -220,3 +220,20 @@ def test_the_bucket_range_check_fails_on_a_wrong_pad_policy(tensor, pad, problem
     assert bucket_index_problems(good, bucket, step.sizes.num_tokens) == []
     problems = bucket_index_problems(bad, bucket, step.sizes.num_tokens)
     assert problems and problems[0].startswith(problem), problems
+
+
+def test_block_ids_are_bound_by_the_pool_and_the_int32_table_not_an_encoding() -> None:
+    """This contract takes the allocator's ids as they are: without num_kv_blocks any id the
+    int32 block table holds is taken (TensorRT-LLM's bound for encoded ids, 2**31 / (2 x the
+    layers), does not apply); with it, the pool bounds them."""
+    b = make_buffers("llama_flash", tokens_per_block=TPB, num_kv_blocks=0)
+    top = 2**31 - 1
+    b.add(Request(seq_slot=0, prompt=[1, 2, 3], kv_block_ids=[[top]]))
+    step = b.step()
+    assert step.inputs["block_table"][0, 0].item() == top
+    assert step.inputs["slot_mapping"][:3].tolist() == [top * TPB, top * TPB + 1, top * TPB + 2]
+    with pytest.raises(BatchError, match=r"outside 0 \.\. 2147483647 \(the int32 block table\)"):
+        b.add(Request(seq_slot=1, prompt=[1, 2, 3], kv_block_ids=[[2**31]]))
+    pooled = make_buffers("llama_flash", tokens_per_block=TPB, num_kv_blocks=100)
+    with pytest.raises(BatchError, match=r"outside 0 \.\. 99 \(num_kv_blocks=100\)"):
+        pooled.add(Request(seq_slot=0, prompt=[1, 2, 3], kv_block_ids=[[100]]))
