@@ -24,9 +24,6 @@ from .blocks import id_limit, raw_id_limit
 from .sizes import StepSizes
 from .values import INT32_MAX, check_int, show
 
-_EMPTY = np.zeros(0, dtype=np.int64)
-_EMPTY.flags.writeable = False
-
 
 @dataclasses.dataclass(frozen=True)
 class Limits:

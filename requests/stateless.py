@@ -24,7 +24,6 @@ import numpy as np
 
 from ..errors import BatchError
 from .batch import (
-    _EMPTY,
     Batch,
     Limits,
     _where,
@@ -33,6 +32,7 @@ from .batch import (
 )
 from .diagnose import MALFORMED, diagnose, diagnose_slots
 from .values import (
+    EMPTY,
     INT32_MAX,
     in_range,
     int_array,
@@ -179,7 +179,7 @@ def _context_columns(
     checked, in one pass in plain Python (context lists are short, and numpy's per-call cost
     outweighs its loops at these sizes; a decode step has none)."""
     if not context:
-        return _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY
+        return EMPTY, EMPTY, EMPTY, EMPTY, EMPTY
     if limits.unread:
         _refuse_unread(enumerate(context), "context", limits)
     mbw = limits.max_beam_width
@@ -225,7 +225,7 @@ def _fixed_columns(
         fail()
     explicit = list(map(_POSITION_IDS, generation))
     at = [i for i, p in enumerate(explicit) if p is not None]
-    return _Reused(generation, int64s(plen_list), bw, explicit, bw_list, _EMPTY, at)
+    return _Reused(generation, int64s(plen_list), bw, explicit, bw_list, EMPTY, at)
 
 
 def _generation_columns(
@@ -320,9 +320,9 @@ def _build_encoder_engine(
         (),
         limits,
         ctx=(zeros, zeros, zeros, zeros),
-        gen=(_EMPTY, _EMPTY, _EMPTY, _EMPTY),
-        slots=slots if slots is not None else _EMPTY,
-        last=_EMPTY,
+        gen=(EMPTY, EMPTY, EMPTY, EMPTY),
+        slots=slots if slots is not None else EMPTY,
+        last=EMPTY,
         explicit=(),
         prompts={},
         encoder_engine=True,

@@ -23,12 +23,10 @@ import numpy as np
 from ..errors import BatchError
 from ..requests.batch import Batch, FlightLists
 from ..requests.blocks import id_limit, name_bad_id, request_lists
-from ..requests.values import in_range, int_array, is_ordered
+from ..requests.values import EMPTY, in_range, int_array, is_ordered
 
 _FIRST = itemgetter(0)
 _LISTS = frozenset((list, tuple))
-_EMPTY = np.zeros(0, np.int64)
-_EMPTY.flags.writeable = False
 
 
 def required_blocks(tokens: np.ndarray, tokens_per_block: int, width: int) -> np.ndarray:
@@ -185,7 +183,7 @@ def _check_flight(
     """check_block_lists for requests in flight: ``check_cover``; the ids were checked when
     the table took them."""
     check_cover(b, tokens, tpb, width, width_name, limit, what)
-    return BlockPlan([], _EMPTY, _EMPTY, None, kept, slots=b.flight)
+    return BlockPlan([], EMPTY, EMPTY, None, kept, slots=b.flight)
 
 
 def check_cover(

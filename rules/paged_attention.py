@@ -16,12 +16,10 @@ import numpy as np
 
 from ..errors import BatchError
 from ..requests.batch import Batch
+from ..requests.values import EMPTY
 from . import kv_offsets
 from .core import last_token_ids, position_ids
 from .kv_rows import BlockPlan, KeptRows
-
-_EMPTY = np.zeros(0, np.int64)
-_EMPTY.flags.writeable = False
 
 FEW_CHUNKS = 8  # context chunks whose KV slots are written chunk by chunk (past them, per token)
 
@@ -238,8 +236,8 @@ def check_kv_blocks(
     window, so a list that fills its row covers no more than max_blocks_per_seq blocks of
     tokens. In flight, one comparison per window: the ids were checked when the block table
     took them."""
-    flight = b.flight
-    if flight is None or kept is None:
+
+    def walk() -> BlockPlan:  # a sequence that outgrows its row, then each list's check
         check_kv_within_blocks(
             b, max_blocks_per_seq=max_blocks_per_seq, tokens_per_block=tokens_per_block
         )
@@ -251,23 +249,16 @@ def check_kv_blocks(
             num_local_layers=num_local_layers,
             num_kv_blocks=num_kv_blocks,
         )
+
+    flight = b.flight
+    if flight is None or kept is None:  # a stateless step: the requests' own lists
+        return walk()
     lens = b.seq_kv_tokens
     for table in flight.per_window():
         if np.count_nonzero(table.count[flight.index] * tokens_per_block < lens):
-            # the cold path: the sequence that outgrows its row, else the first short list
-            check_kv_within_blocks(
-                b, max_blocks_per_seq=max_blocks_per_seq, tokens_per_block=tokens_per_block
-            )
-            kv_offsets.check_kv_blocks(
-                b,
-                kept,
-                max_blocks_per_seq=max_blocks_per_seq,
-                tokens_per_block=tokens_per_block,
-                num_local_layers=num_local_layers,
-                num_kv_blocks=num_kv_blocks,
-            )
+            walk()  # the cold path names the sequence
             raise AssertionError("a short block list passed the KV check")  # pragma: no cover
-    return BlockPlan([], _EMPTY, _EMPTY, None, kept, slots=flight)
+    return BlockPlan([], EMPTY, EMPTY, None, kept, slots=flight)
 
 
 def check_kv_within_blocks(b: Batch, *, max_blocks_per_seq: int, tokens_per_block: int) -> None:
