@@ -72,7 +72,6 @@ def commit(t: RequestTable, plan: Plan) -> None:
     """The planned step ran: the table holds the state it leaves (its only writer besides
     ``add``, ``finish`` and ``tokens_back``)."""
     in_place = plan.generated is None  # a steady step's tokens
-    t.refilled.clear()
     if plan.gathered is not None:
         slots, beams = plan.gathered
         # a steady step of one-beam rows: the serials are read only if a request arrives

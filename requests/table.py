@@ -15,8 +15,8 @@ every other row stays where it was and only the moved row's KV blocks follow it;
 prompt is done joins at the end.
 
 The rules read the same ``Batch`` as in a stateless step: its requests are ``Entry`` records,
-the request object for the fields fixed in flight and this state's values for those a step
-changes (the KV block lists, the step's draft tokens and context chunk). ``step.plan`` lays
+with copies of the fields the family reads, taken by ``add``, and this state's values for those
+a step changes (the KV block lists, the step's draft tokens and context chunk). ``step.plan`` lays
 out and checks a step against this table, ``rows.step_view`` makes its ``Batch``, and
 ``step.commit`` applies it once it has run.
 """
@@ -146,7 +146,6 @@ class RequestTable:
         self.produced, self.produced_serial = EMPTY, EMPTY
         self.completing: list[tuple[int, int]] = []
         self.changed = True  # requests arrived or finished since the last step
-        self.refilled: set[int] = set()  # generation rows a finish refilled since then
         # each slot's KV block ids, checked when they arrive or grow (a family with a paged
         # KV cache; the KV rules read the ids and counts, and rewrite what changed)
         # one table per attention window (ascending), its lists laid out alike; `kv` the first
@@ -260,8 +259,6 @@ class RequestTable:
         row = int(self.row_of[slot])
         if row >= 0:  # condense: the last row fills the hole
             last = self.n_rows - 1
-            if row < last:
-                self.refilled.add(row)
             moved = int(self.rows[last])
             self.rows[row] = moved
             self.row_of[moved] = row
