@@ -110,11 +110,9 @@ class BlockTable:
         r[:n] = ids
         r[n:] = 0  # past a list's count its ids are 0
         self.count[row] = n
-        if self.enc is not None:  # K = id * per_block (0 past the list), V = K + 1 within it
-            e = self.enc[row]
-            np.multiply(r, self.per_block, out=e[0])
-            np.add(e[0], 1, out=e[1])
-            e[1, n:] = 0
+        if self.enc is not None:
+            self._encode(row, 0, n)
+            self.enc[row, :, n:] = 0
 
     def lists_of(self, slot: int) -> list[list[int]]:
         """The slot's lists, as lists of ids (copies)."""
@@ -185,10 +183,16 @@ class BlockTable:
         else:
             self.ids[row, before:after] = new
             if enc is not None:
-                k = self.ids[row, before:after].astype(np.int64) * self.per_block
-                enc[row, 0, before:after] = k
-                enc[row, 1, before:after] = k + 1
+                self._encode(row, before, after)
         self.count[row] = after
+
+    def _encode(self, row: int, start: int, stop: int) -> None:
+        """``enc`` of columns start .. stop - 1 of row `row` from its ids: K = id * per_block,
+        V = K + 1 (the bound on ids keeps both within int32)."""
+        assert self.enc is not None
+        k = self.enc[row, 0, start:stop]
+        np.multiply(self.ids[row, start:stop], self.per_block, out=k)
+        np.add(k, 1, out=self.enc[row, 1, start:stop])
 
     def append_many(self, blocks: Mapping[Any, Any], undo: list[tuple[int, int]]) -> bool:
         """``append`` for many slots at once, each with one list and a list of Python ints

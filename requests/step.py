@@ -232,27 +232,26 @@ def _produced_tokens(
         generated = generated.copy()
         generated[producers] += 1
         return generated, last
-    if not t.n_wide:  # one beam each: the slots' first column, checked
+    if not t.n_wide:  # one beam each: the slots' first column
         values = row_tokens(tokens, producers, L)
-        check_tokens(values, L)
-        generated = generated.copy()
-        generated[producers] += 1
-        last = last.copy()
-        last[:, 0][producers] = values  # a one-axis scatter
-        return generated, last
-    tok = token_table(tokens, L)  # beams: tokens[slot, beam]
-    widths = t.beam_width[producers]
-    if int(widths.max()) > tok.shape[1]:
-        raise BatchError(
-            f"step(): tokens has {tok.shape[1]} column(s) per slot, but a request in "
-            f"flight has {int(widths.max())} beams"
-        )
-    check_tokens(_beam_values(tok, producers, widths), L)
+    else:  # beams: tokens[slot, beam]
+        tok = token_table(tokens, L)
+        widths = t.beam_width[producers]
+        if int(widths.max()) > tok.shape[1]:
+            raise BatchError(
+                f"step(): tokens has {tok.shape[1]} column(s) per slot, but a request in "
+                f"flight has {int(widths.max())} beams"
+            )
+        values = _beam_values(tok, producers, widths)
+    check_tokens(values, L)
     generated = generated.copy()
     generated[producers] += 1
     last = last.copy()
-    k = min(tok.shape[1], L.max_beam_width)
-    last[producers, :k] = tok[producers, :k]
+    if not t.n_wide:
+        last[:, 0][producers] = values  # a one-axis scatter
+    else:
+        k = min(tok.shape[1], L.max_beam_width)
+        last[producers, :k] = tok[producers, :k]
     return generated, last
 
 

@@ -251,7 +251,7 @@ def check_kv_blocks(
         )
 
     flight = b.flight
-    if flight is None or kept is None:  # a stateless step: the requests' own lists
+    if flight is None:  # a stateless step: the requests' own lists
         return walk()
     lens = b.seq_kv_tokens
     for table in flight.per_window():
