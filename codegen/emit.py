@@ -356,9 +356,7 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
         f"encoder_only={program.encoder_only!r}",
     ]
     bounds = [
-        f"rt.check_size({z.name!r}, s.{z.name}, {construct_source(z.bound.expr)})"
-        for z in plan.sizes
-        if z.bound is not None
+        f"{z.name}={construct_source(z.bound.expr)}," for z in plan.sizes if z.bound is not None
     ]
     guards = [
         line

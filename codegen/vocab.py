@@ -141,6 +141,7 @@ MEMBER_NAMES: frozenset[str] = frozenset(
         "project_impls",
         "__post_init__",
         "_limits",
+        "_size_bounds",
         "_batch",
         "_in_flight",
         "_admit",

@@ -951,22 +951,29 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # Each eagle_posterior_threshold is a number >= 0, finite in float32.
         features.admit_posterior_threshold(r)
 
+    def _size_bounds(self) -> rt.SizeBounds:
+        """Each step size's capacity (a step over one raises BatchError)."""
+        c = self.config
+        return rt.SizeBounds(
+            num_context_requests=c.max_batch_size,
+            num_context_tokens=c.max_num_tokens,
+            num_generation_requests=c.max_batch_size,
+            num_generation_sequences=c.max_num_sequences,
+            num_generation_tokens=c.max_num_tokens,
+            num_logits=c.max_num_logits,
+            num_sequences=c.max_num_sequences,
+            num_tokens=c.max_num_tokens,
+            num_requests=c.max_batch_size,
+            beam_width=c.max_beam_width,
+        )
+
     def _check(self, b: batch.Batch) -> Checked:
         """Every check of a eagle step, in order: a bad batch raises BatchError before a
         byte is written."""
         c, state = self.config, self.state
         s = b.sizes
-        # the step sizes within their capacities
-        rt.check_size('num_context_requests', s.num_context_requests, c.max_batch_size)
-        rt.check_size('num_context_tokens', s.num_context_tokens, c.max_num_tokens)
-        rt.check_size('num_generation_requests', s.num_generation_requests, c.max_batch_size)
-        rt.check_size('num_generation_sequences', s.num_generation_sequences, c.max_num_sequences)
-        rt.check_size('num_generation_tokens', s.num_generation_tokens, c.max_num_tokens)
-        rt.check_size('num_logits', s.num_logits, c.max_num_logits)
-        rt.check_size('num_sequences', s.num_sequences, c.max_num_sequences)
-        rt.check_size('num_tokens', s.num_tokens, c.max_num_tokens)
-        rt.check_size('num_requests', s.num_requests, c.max_batch_size)
-        rt.check_size('beam_width', s.beam_width, c.max_beam_width)
+        # the step sizes within their capacities (_size_bounds)
+        self._sizes_within(s)
         # the step shapes the generator could not prove within their capacities
         self.check_shape('host_position_ids', (s.num_context_tokens + s.num_generation_sequences,))
         self.check_shape(

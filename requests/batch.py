@@ -49,6 +49,7 @@ class Limits:
     # the Request fields (name, default) the family never reads, refused when set (the
     # runtime fills them in from the family's step program), and the family's name
     unread: tuple[tuple[str, Any], ...] = ()
+    unread_getter: Any = None  # values.unread_getter(unread)
     family: str = ""
     # the Request fields beyond the core ones (prompt, beams, drafts, positions, block lists)
     # that the family reads, (name, default): a request in flight keeps its own copy of each
@@ -123,8 +124,25 @@ class FlightLists:
         return self.tables or (self.blocks,)
 
 
+class derived:  # noqa: N801 - used as a decorator, like functools.cached_property
+    """A column a ``Batch`` derives from its others on first use, kept in the instance's
+    ``__dict__`` (which shadows this non-data descriptor from then on). functools'
+    cached_property takes a lock on every first use in Python 3.11: a step reads a
+    handful of these, once each."""
+
+    def __init__(self, compute: Any) -> None:
+        self.compute, self.name = compute, compute.__name__
+        self.__doc__ = compute.__doc__
+
+    def __get__(self, batch: Any, owner: type | None = None) -> Any:
+        if batch is None:
+            return self
+        value = batch.__dict__[self.name] = self.compute(batch)
+        return value
+
+
 @dataclasses.dataclass(frozen=True)
-class Batch:  # not slotted: cached_property needs __dict__
+class Batch:  # not slotted: a derived column is kept in __dict__
     context: tuple[Any, ...]
     generation: tuple[Any, ...]
     sizes: StepSizes
@@ -152,12 +170,12 @@ class Batch:  # not slotted: cached_property needs __dict__
         """Context request i's prompt as an int64 array (converted and checked by ``build``)."""
         return self.prompts[id(self.context[i])][1]
 
-    @functools.cached_property
+    @derived
     def seq_request(self) -> np.ndarray:
         """The generation request of each generation sequence."""
         return np.repeat(np.arange(len(self.generation)), self.gen_beam_width)
 
-    @functools.cached_property
+    @derived
     def gen_starts(self) -> np.ndarray:
         """Each generation request's first input token in the packed tokens (after the context
         tokens: per request each beam's token, then its drafts), computed once for the token
@@ -165,13 +183,13 @@ class Batch:  # not slotted: cached_property needs __dict__
         width = self.gen_beam_width + self.gen_drafts
         return self.sizes.num_context_tokens + np.cumsum(width) - width
 
-    @functools.cached_property
+    @derived
     def seq_query_tokens(self) -> np.ndarray:
         """Input tokens of each sequence this step: a context chunk (with a last chunk's
         drafts), or a generation beam's token plus its request's drafts."""
         return np.concatenate((self.ctx_input_len, self.per_sequence(1 + self.gen_drafts)))
 
-    @functools.cached_property
+    @derived
     def seq_kv_tokens(self) -> np.ndarray:
         """KV tokens of each sequence once this step's tokens are written (what its block
         list must cover), computed once for the KV check and the rules that read it."""
@@ -180,7 +198,7 @@ class Batch:  # not slotted: cached_property needs __dict__
             gen = gen + self.per_sequence(self.gen_drafts)
         return np.concatenate((self.ctx_begin + self.ctx_input_len, gen))
 
-    @functools.cached_property
+    @derived
     def seq_first(self) -> np.ndarray:
         """The first generation sequence of each generation request."""
         return np.add.accumulate(self.gen_beam_width) - self.gen_beam_width
@@ -320,7 +338,7 @@ def view(
             num_logits=0,
             max_context_length=enc["max_encoder_input_length"] if n_ctx else 0,
         )
-    return Batch(
+    b = Batch(
         context=context,
         generation=generation,
         sizes=sizes,
@@ -341,6 +359,15 @@ def view(
         prompts=prompts,
         flight=flight,
     )
+    if plain is not None and not encoder_engine:  # one query token per generation sequence
+        ones = np.ones(len(last), np.int64)
+        d = b.__dict__
+        if n_ctx:
+            d["seq_query_tokens"] = np.concatenate((c_chunk, ones))
+            d["seq_kv_tokens"] = np.concatenate((c_begin + c_chunk, seq_len))
+        else:
+            d["seq_query_tokens"], d["seq_kv_tokens"] = ones, seq_len
+    return b
 
 
 def int64s(values: Sequence[int]) -> np.ndarray:

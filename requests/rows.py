@@ -33,30 +33,37 @@ def step_view(
     context: list[tuple[Entry, int, int]],
     rows: np.ndarray,
     row_entries: list[Entry],
-    generated: np.ndarray,
-    last: np.ndarray,
+    g_max: np.ndarray,
+    seq_last: np.ndarray,
     ndraft: np.ndarray,
 ) -> Batch:
-    n_ctx = len(context)
-    ctx = tuple(e for e, _, _ in context)
-    # the context columns from Python lists, in one array (a step has few context requests:
-    # numpy's cost per call outweighs its loops at these sizes)
+    """The step's ``Batch``: its context requests (entry, first position, chunk), then its
+    generation `rows` (slots) with their tokens generated per beam once the last step's are
+    in (`g_max`), each sequence's last token (`seq_last`) and each slot's drafts (`ndraft`)."""
+    n_ctx, n = len(context), len(rows)
     prompt_len = t.prompt_len
-    if n_ctx:
-        ctx_slots, c_begin, c_chunk = np.array(
-            [(e.seq_slot, begin, chunk) for e, begin, chunk in context], np.int64
-        ).T
-    else:
-        ctx_slots = c_begin = c_chunk = EMPTY
-    ctx_drafts = [len(e.context_drafts) for e in ctx]
-    c_ndraft = np.array(ctx_drafts, np.int64) if any(ctx_drafts) else t.no_drafts[:n_ctx]
-    n = len(rows)
     g_bw = t.beam_width[rows] if t.n_wide else t.one_beam[:n]
     wide = bool(t.n_wide) and bool((g_bw > 1).any())
     # no drafts in the last step nor in this one: the zero column without a gather
     undrafted = not t.drafted and ndraft is t.ndraft
     g_ndraft = t.no_drafts[:n] if undrafted else ndraft[rows]
-    g_max = generated[rows]
+    if n_ctx:
+        ctx = tuple(e for e, _, _ in context)
+        # the context columns from Python lists, in one array (a step has few context
+        # requests: numpy's cost per call outweighs its loops at these sizes)
+        ctx_slots, c_begin, c_chunk = np.array(
+            [(e.seq_slot, begin, chunk) for e, begin, chunk in context], np.int64
+        ).T
+        ctx_drafts = [len(e.context_drafts) for e in ctx]
+        drafting = any(ctx_drafts)
+        c_ndraft = np.array(ctx_drafts, np.int64) if drafting else t.no_drafts[:n_ctx]
+        slots = np.concatenate((ctx_slots, rows))
+        c_plen = prompt_len[ctx_slots]
+        counts = (sum(k for _, _, k in context), max(len(e.prompt) for e in ctx))
+    else:  # a decode step
+        ctx, drafting, counts = (), False, (0, 0)
+        ctx_slots = c_begin = c_chunk = c_plen = c_ndraft = EMPTY
+        slots = rows
     explicit: tuple[int, ...] = ()
     if t.n_explicit:
         c_explicit = [i for i, e in enumerate(ctx) if e.position_ids is not None]
@@ -70,20 +77,18 @@ def step_view(
                 "run past the int32 range"
             )
         explicit = tuple(c_explicit + (g_explicit + n_ctx).tolist())
-    slots = np.concatenate((ctx_slots, rows))
-    plain = None  # one beam, no drafts: the sizes from Python's sums of the few context rows
-    if not wide and undrafted and not any(ctx_drafts):
-        plain = (sum(k for _, _, k in context), max((len(e.prompt) for e in ctx), default=0))
+    # one beam, no drafts: the sizes from Python's sums of the few context rows
+    plain = counts if not wide and undrafted and not drafting else None
     return view(
         ctx,
         tuple(row_entries),
         t.limits,
-        ctx=(c_begin, c_chunk, prompt_len[ctx_slots], c_ndraft),
+        ctx=(c_begin, c_chunk, c_plen, c_ndraft),
         gen=(g_bw, prompt_len[rows], g_ndraft, g_max),
         slots=slots,
-        last=_sequence_values(last, rows, g_bw, t.n_wide),
+        last=seq_last,
         explicit=explicit,
-        prompts={id(e): (e.prompt, t.prompt_arrays[e.seq_slot]) for e in ctx},
+        prompts={id(e): (e.prompt, t.prompt_arrays[e.seq_slot]) for e in ctx} if ctx else {},
         encoder=t.encoder,
         flight=flight_lists(t, ctx_slots, rows, g_bw, wide, slots),
         plain=plain,

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import BatchError
 from .batch import Limits
+from .rows import _beam_values
 from .values import BOOLS, INT32_MAX, check_token_dtype, in_range
+
+if TYPE_CHECKING:
+    from .table import RequestTable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,3 +104,51 @@ def _has_bool(values: Any, ndim: int) -> bool:
     """A bool among a list's (or a list of lists') values, which numpy reads as 0 or 1."""
     rows = values if ndim == 1 else chain.from_iterable(values)
     return not BOOLS.isdisjoint(frozenset(map(type, rows)))
+
+
+def produced_tokens(
+    t: RequestTable, tokens: Any, producers: np.ndarray, on_device: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """The slots' generated counts and last tokens once the producers' tokens are in
+    (copies; the state's own arrays when no slot produced). Tokens that stay on the
+    device are counted only: their values land later (``tokens_back``)."""
+    L = t.limits
+    generated, last = t.generated, t.last
+    if not producers.size:
+        if tokens is not None and (on_device or not is_empty(tokens)):
+            raise BatchError(
+                "step(): no request in flight produced a token in the last step; pass tokens=None"
+            )
+        return generated, last
+    if on_device:
+        k = tokens.columns
+        widest = int(t.beam_width[producers].max()) if t.n_wide else 1
+        if widest > k:
+            raise BatchError(
+                f"step(): tokens has {k} column(s) per slot, but a request in flight has "
+                f"{widest} beams"
+            )
+        generated = generated.copy()
+        generated[producers] += 1
+        return generated, last
+    if not t.n_wide:  # one beam each: the slots' first column
+        values = row_tokens(tokens, producers, L)
+    else:  # beams: tokens[slot, beam]
+        tok = token_table(tokens, L)
+        widths = t.beam_width[producers]
+        if int(widths.max()) > tok.shape[1]:
+            raise BatchError(
+                f"step(): tokens has {tok.shape[1]} column(s) per slot, but a request in "
+                f"flight has {int(widths.max())} beams"
+            )
+        values = _beam_values(tok, producers, widths)
+    check_tokens(values, L)
+    generated = generated.copy()
+    generated[producers] += 1
+    last = last.copy()
+    if not t.n_wide:
+        last[:, 0][producers] = values  # a one-axis scatter
+    else:
+        k = min(tok.shape[1], L.max_beam_width)
+        last[producers, :k] = tok[producers, :k]
+    return generated, last

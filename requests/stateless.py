@@ -263,7 +263,7 @@ def _generation_columns(
 def _refuse_unread(requests: Iterable[tuple[int, Any]], kind: str, limits: Limits) -> None:
     """No request (index, request) sets a field the family never reads (``Limits.unread``)."""
     for i, r in requests:
-        unread = unread_set(r, limits.unread)
+        unread = unread_set(r, limits.unread, limits.unread_getter)
         if unread is not None:
             raise unread_error(_where(f"{kind} request {i}", r), unread, limits.family)
 

@@ -18,12 +18,11 @@ from .batch import Batch, Limits
 from .blocks import BlockTable, check_window_keys, window_lists
 from .rows import (
     TokenGather,
-    _beam_values,
     _sequence_values,
     device_gather,
     step_view,
 )
-from .sampled import Sampled, check_tokens, is_empty, row_tokens, token_table
+from .sampled import Sampled, check_tokens, produced_tokens, row_tokens, token_table
 from .table import Entry, RequestTable
 from .values import EMPTY, beam_index, check_draft_count, in_range, int_array, is_int, show
 
@@ -52,6 +51,9 @@ class Plan:
     # each value it copies back (their state entries once they land)
     gather: TokenGather | None = None
     gathered: tuple[np.ndarray, np.ndarray] | None = None
+    # the step's generation rows when each produced one token, `tokens` (the table's counts
+    # and last tokens are moved in place at commit, `generated` and `last` its own)
+    in_place: np.ndarray | None = None
 
     def undo(self) -> None:
         """The step failed: the block lists and drafts it set are as they were."""
@@ -97,6 +99,10 @@ def commit(t: RequestTable, plan: Plan) -> None:
         plan.ndraft,
         plan.drafted,
     )
+    if plan.in_place is not None:  # each row one token longer
+        assert plan.tokens is not None
+        t.generated[plan.in_place] += 1
+        t.last[:, 0][plan.in_place] = plan.tokens.values
     t.steady_gather = None  # rows may have joined
     for slot in plan.promoted:
         n = t.n_rows
@@ -108,9 +114,9 @@ def commit(t: RequestTable, plan: Plan) -> None:
         t.position[slot] = position
     for slot in plan.completing:
         del t.waiting[slot]
-    t.completing = [(s, int(t.serial[s])) for s in plan.completing]
+    t.completing = plan.completing
     t.produced = t.rows[: t.n_rows].copy() if plan.generation else EMPTY
-    t.produced_serial = t.serial[t.produced]
+    t.left = []
     t.changed = False
 
 
@@ -150,13 +156,14 @@ def plan(
         # the tokens the last step produced: its generation rows still in flight and the
         # prompts it finished (they join the generation rows now)
         # requests left or arrived: only those still in flight produce
-        alive = t.produced[t.serial[t.produced] == t.produced_serial] if t.changed else t.produced
-        promoted = [s for s, serial in t.completing if t.serial[s] == serial]
+        alive = t.produced
+        if t.left:  # (a slot that left and took a new request since produces nothing either)
+            gone = np.zeros(t.limits.max_batch_size, bool)
+            gone[t.left] = True
+            alive = alive[~gone[alive]]
+        promoted = t.completing  # (finish takes a request that left off it)
         promoted_a = np.array(promoted, np.int64) if promoted else EMPTY
         producers = np.concatenate((promoted_a, alive)) if promoted else alive
-        generated, last = _produced_tokens(t, tokens, producers, on_device)
-        if accepted:
-            generated = _accepted(t, accepted, generated, producers, promoted)
         # this step's generation rows: the rows in flight, then the promoted prompts
         n_old = t.n_rows
         rows = np.concatenate((t.rows[:n_old], promoted_a)) if promoted else t.rows[:n_old]
@@ -165,10 +172,31 @@ def plan(
             if drafts:
                 raise BatchError("step(): drafts given, but generation=False runs no generation")
             rows, row_entries = EMPTY, []
+        # the producers are among the rows; when they are all of them (the usual step), each
+        # row's token is read straight by its slot and the counts move at commit
+        in_place = None
+        if (
+            len(rows) == producers.size
+            and producers.size
+            and not (t.n_wide or on_device or accepted)
+        ):
+            in_place = row_tokens(tokens, rows, t.limits)
+            check_tokens(in_place, t.limits)
+            generated, last = t.generated, t.last
+            g_max = generated[rows] + 1
+            seq_last = in_place
+        else:
+            generated, last = produced_tokens(t, tokens, producers, on_device)
+            if accepted:
+                generated = _accepted(t, accepted, generated, producers, promoted)
+            g_max = generated[rows]
+            seq_last = _sequence_values(
+                last, rows, t.beam_width[rows] if t.n_wide else EMPTY, t.n_wide
+            )
         ndraft, drafted = _step_drafts(t, drafts, promoted, rows, undo_drafts)
         _grow(t, blocks, undo_blocks)
         context, positions, completing = _context(t, chunks)
-        batch = step_view(t, context, rows, row_entries, generated, last, ndraft)
+        batch = step_view(t, context, rows, row_entries, g_max, seq_last, ndraft)
         gather, gathered = (
             device_gather(t, batch, tokens.columns, producers)
             if on_device and producers.size
@@ -176,9 +204,10 @@ def plan(
         )
         return Plan(
             batch=batch,
-            tokens=None,
+            tokens=None if in_place is None else Sampled(in_place),
             generated=generated,
             last=last,
+            in_place=None if in_place is None else rows,
             ndraft=ndraft,
             drafted=drafted,
             positions=positions,
@@ -205,54 +234,6 @@ def _refuse_bad(t: RequestTable) -> None:
             f"{L.token_limit - 1} ({L.token_limit_text}); the device wrote the pad token "
             f"in its place. Finish that request (finish({slot})) before the next step"
         )
-
-
-def _produced_tokens(
-    t: RequestTable, tokens: Any, producers: np.ndarray, on_device: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """The slots' generated counts and last tokens once the producers' tokens are in
-    (copies; the state's own arrays when no slot produced). Tokens that stay on the
-    device are counted only: their values land later (``tokens_back``)."""
-    L = t.limits
-    generated, last = t.generated, t.last
-    if not producers.size:
-        if tokens is not None and (on_device or not is_empty(tokens)):
-            raise BatchError(
-                "step(): no request in flight produced a token in the last step; pass tokens=None"
-            )
-        return generated, last
-    if on_device:
-        k = tokens.columns
-        widest = int(t.beam_width[producers].max()) if t.n_wide else 1
-        if widest > k:
-            raise BatchError(
-                f"step(): tokens has {k} column(s) per slot, but a request in flight has "
-                f"{widest} beams"
-            )
-        generated = generated.copy()
-        generated[producers] += 1
-        return generated, last
-    if not t.n_wide:  # one beam each: the slots' first column
-        values = row_tokens(tokens, producers, L)
-    else:  # beams: tokens[slot, beam]
-        tok = token_table(tokens, L)
-        widths = t.beam_width[producers]
-        if int(widths.max()) > tok.shape[1]:
-            raise BatchError(
-                f"step(): tokens has {tok.shape[1]} column(s) per slot, but a request in "
-                f"flight has {int(widths.max())} beams"
-            )
-        values = _beam_values(tok, producers, widths)
-    check_tokens(values, L)
-    generated = generated.copy()
-    generated[producers] += 1
-    last = last.copy()
-    if not t.n_wide:
-        last[:, 0][producers] = values  # a one-axis scatter
-    else:
-        k = min(tok.shape[1], L.max_beam_width)
-        last[producers, :k] = tok[producers, :k]
-    return generated, last
 
 
 def _accepted(

@@ -141,10 +141,11 @@ class RequestTable:
         self.n_rows = 0
         self.row_entries: list[Entry] = []
         self.row_of = np.full(n, -1, np.int64)
-        # what the last step produces tokens for: its generation rows and finished prompts,
-        # each with its slot's serial then (a slot finished or reused since produces nothing)
-        self.produced, self.produced_serial = EMPTY, EMPTY
-        self.completing: list[tuple[int, int]] = []
+        # what the last step produces tokens for: its generation rows and finished prompts
+        # (a slot whose request left since produces nothing)
+        self.produced = EMPTY
+        self.left: list[int] = []  # slots whose request left since the last step
+        self.completing: list[int] = []  # prompts the last step finished (rows from this one)
         self.changed = True  # requests arrived or finished since the last step
         # each slot's KV block ids, checked when they arrive or grow (a family with a paged
         # KV cache; the KV rules read the ids and counts, and rewrite what changed)
@@ -190,7 +191,7 @@ class RequestTable:
         if self.entries[slot] is not None:
             raise BatchError(f"{w}: seq_slot {slot} already holds a request in flight")
         try:
-            unread = unread_set(request, L.unread) if L.unread else None
+            unread = unread_set(request, L.unread, L.unread_getter) if L.unread else None
             if unread is not None:
                 raise unread_error(w, unread, L.family)
             arrival = _arrival(request, L)
@@ -267,8 +268,9 @@ class RequestTable:
             self.n_rows = last
             self.row_of[slot] = -1
         self.waiting.pop(slot, None)
-        if self.completing:  # a prompt the last step finished: it joins no rows now
-            self.completing = [(s, serial) for s, serial in self.completing if s != slot]
+        if slot in self.completing:  # a prompt the last step finished: it joins no rows now
+            self.completing = [s for s in self.completing if s != slot]
+        self.left.append(slot)
         self.entries[slot] = None
         self.prompt_arrays[slot] = None
         if self.pending is not None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import functools
 import numbers
+import operator
 import reprlib
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import Any
 
 import numpy as np
@@ -118,9 +119,32 @@ def not_a_list(where: str, what: str, value: Any, ndim: int = 1) -> BatchError:
     )
 
 
-def unread_set(r: Any, unread: tuple[tuple[str, Any], ...]) -> tuple[str, Any] | None:
+def unread_getter(unread: tuple[tuple[str, Any], ...]) -> tuple[Callable[[Any], Any], tuple]:
+    """What ``unread_set`` compares at once: a getter of the `unread` fields as one tuple, and
+    their defaults."""
+    names = tuple(name for name, _ in unread)
+    get = operator.attrgetter(*names)
+    if len(names) == 1:
+        return (lambda r: (get(r),)), (unread[0][1],)
+    return get, tuple(default for _, default in unread)
+
+
+def unread_set(
+    r: Any,
+    unread: tuple[tuple[str, Any], ...],
+    getter: tuple[Callable[[Any], Any], tuple] | None = None,
+) -> tuple[str, Any] | None:
     """The first field (name, default) of `unread` (those the family never reads) that request
-    `r` sets, or None when it leaves them all at their defaults."""
+    `r` sets, or None when it leaves them all at their defaults. `getter` (``unread_getter``):
+    a request that holds every default itself (the usual one) is seen in one comparison."""
+    if getter is not None:
+        get, defaults = getter
+        try:
+            values = get(r)
+        except AttributeError:  # a field missing: field by field
+            values = ()
+        if len(values) == len(defaults) and all(map(operator.is_, values, defaults)):
+            return None
     for name, default in unread:
         value = getattr(r, name, default)
         if value is None or value is default:
@@ -144,8 +168,8 @@ def in_range(a: np.ndarray, low: int, high: int) -> bool:
     if not a.size:
         return True
     if low == 0:  # one reduction: negative values are >= 2**63 read as unsigned
-        return int(a.view(np.uint64).max()) < high
-    return int(a.min()) >= low and int(a.max()) < high
+        return int(np.maximum.reduce(a.view(np.uint64))) < high  # (no ndarray.max wrapper)
+    return int(np.minimum.reduce(a)) >= low and int(np.maximum.reduce(a)) < high
 
 
 def check_draft_count(n: int, beam_width: int, max_draft_tokens: int, where: str) -> None:

@@ -30,14 +30,15 @@ GLM_MASK_TOKENS = (50260, 50263, 50264)  # [MASK], [sMASK], [gMASK] in GLM-10B's
 def token_ids(out: np.ndarray, b: Batch) -> int:
     """Context chunks (plus drafts on a last chunk), then each beam's last token and drafts."""
     o = 0
-    for i, (r, begin, chunk, drafts) in enumerate(
-        zip(b.context, b.ctx_begin, b.ctx_chunk, b.ctx_drafts)
-    ):
-        out[o : o + chunk] = b.prompt_array(i)[begin : begin + chunk]
-        o += chunk
-        if drafts:
-            out[o : o + drafts] = r.draft_tokens
-            o += drafts
+    if b.context:
+        for i, (r, begin, chunk, drafts) in enumerate(
+            zip(b.context, b.ctx_begin.tolist(), b.ctx_chunk.tolist(), b.ctx_drafts.tolist())
+        ):
+            out[o : o + chunk] = b.prompt_array(i)[begin : begin + chunk]
+            o += chunk
+            if drafts:
+                out[o : o + drafts] = r.draft_tokens
+                o += drafts
     # generation: per beam, its last token then the request's drafts (drafts imply one beam)
     n = o + b.sizes.num_generation_tokens
     if not b.has_generation_drafts:

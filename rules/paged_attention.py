@@ -128,18 +128,22 @@ def _kv_slots(out: np.ndarray, b: Batch, ids: np.ndarray, index: np.ndarray, tpb
         np.add(np.multiply(block, tpb, dtype=np.int64), pos % tpb, out=out[:n], casting="unsafe")
         return n
     o = 0
-    width = np.arange(tpb)
-    for i, (end, k) in enumerate(zip(kv[:n_ctx].tolist(), b.ctx_input_len.tolist())):
-        start = end - k
-        first = start // tpb
-        run = np.multiply(ids[index[i], first : (end - 1) // tpb + 1], tpb, dtype=np.int64)
-        skip = start - first * tpb
-        out[o : o + k] = (run[:, None] + width).reshape(-1)[skip : skip + k]
-        o += k
-    pos = kv[n_ctx:] - 1  # each generation sequence's one token
-    n = o + len(pos)
-    block = np.multiply(ids[index[n_ctx:], pos // tpb], tpb, dtype=np.int64)
-    np.add(block, pos % tpb, out=out[o:n], casting="unsafe")
+    if n_ctx:
+        width = np.arange(tpb)
+        for i, (end, k) in enumerate(zip(kv[:n_ctx].tolist(), b.ctx_input_len.tolist())):
+            start = end - k
+            first = start // tpb
+            run = np.multiply(ids[index[i], first : (end - 1) // tpb + 1], tpb, dtype=np.int64)
+            skip = start - first * tpb
+            out[o : o + k] = (run[:, None] + width).reshape(-1)[skip : skip + k]
+            o += k
+    # each generation sequence's one token, at KV position kv - 1: its block from the flat
+    # table (row index x width + column)
+    block, offset = np.divmod(kv[n_ctx:] - 1, tpb)
+    n = o + len(block)
+    block += index[n_ctx:] * ids.shape[1]
+    np.multiply(ids.reshape(-1).take(block), tpb, out=out[o:n], dtype=np.int64)
+    out[o:n] += offset
     return n
 
 

@@ -46,7 +46,7 @@ from .decl import (
     Static,
     TensorDecl,
 )
-from .guards import check_size
+from .guards import SizeBounds, check_size
 from .project import ProjectImpl, rule_module
 from .staging import REPEAT_LAST, Targets, write_all, written_max
 from .step import Step
@@ -113,6 +113,7 @@ __all__ = [
     "check_dtype",
     "check_format_version",
     "check_int",
+    "SizeBounds",
     "check_size",
     "check_names",
     "check_ints",

@@ -4,10 +4,8 @@ Construction evaluates the construct-time conditions once, allocates every tenso
 lays the mirrored host tensors out in the staging arena (``staging.Staging``) and builds each
 half's fill targets, so a step allocates no tensor and decides nothing the generator decided.
 A step is the family's generated program: ``_check`` (every check, before a byte is written),
-``_fill`` (every rule tensor), then the one host-to-device copy and the views; ``advance``
-runs the generated ``_advance_check`` and ``_advance``.
-Nothing here names a tensor or a rule: what a family has, and what its step does, is in its
-generated module.
+``_fill`` (every rule tensor), the one host-to-device copy, the views (``advance``: the
+generated ``_advance_check`` and ``_advance``). Nothing here names a tensor or a rule.
 """
 
 from __future__ import annotations
@@ -81,6 +79,7 @@ class RuntimeBuffers(Views):
         self._t = records(decls, c)  # one record per tensor: storage, targets, views
         check_allocatable(self._t, decls, self.device, double_buffered)
         self.limits = self._limits()
+        self._sizes_within = self._size_bounds()
         if device_tokens is None:
             device_tokens = self.device.type == "cuda"
         sampled, mirror = self._sampled_tokens(decls) if device_tokens else (None, None)
@@ -126,6 +125,9 @@ class RuntimeBuffers(Views):
 
     # the step program, generated per family
     def _limits(self) -> Any:
+        raise NotImplementedError
+
+    def _size_bounds(self) -> Any:  # each step size's capacity: rt.SizeBounds
         raise NotImplementedError
 
     def _batch(self, context: Sequence[Any], generation: Sequence[Any]) -> Any:

@@ -33,6 +33,26 @@ def exclusive(method: _F) -> _F:
     return call  # type: ignore[return-value]
 
 
+class SizeBounds:
+    """Each step size's capacity (the family's generated ``_size_bounds``, made once): a call
+    checks a step's sizes against them. Serving repeats a step's counts, and with them one
+    ``StepSizes`` object (``batch.step_sizes`` keeps the recent ones): the sizes that last
+    passed are not checked again."""
+
+    __slots__ = ("bounds", "passed")
+
+    def __init__(self, **bounds: int) -> None:
+        self.bounds = tuple(bounds.items())
+        self.passed: Any = None
+
+    def __call__(self, s: Any) -> None:
+        if s is self.passed:
+            return
+        for name, bound in self.bounds:
+            check_size(name, getattr(s, name), bound)
+        self.passed = s
+
+
 def check_size(name: str, value: int, bound: int) -> None:
     """A step size within its capacity (the generated checks call this for each size)."""
     if value > bound:

@@ -22,6 +22,7 @@ from typing import Any
 from bufc import impls
 
 from ..errors import RuleError
+from ..requests.values import unread_getter
 from ..rules.request import read_fields, unread_fields
 
 
@@ -97,7 +98,13 @@ def reading(buffers: Any) -> Any:
         return dataclasses.replace(limits, read=read_fields())
     unread = unread_fields(readers)
     family = getattr(sys.modules.get(cls.__module__), "FAMILY", cls.__name__)
-    return dataclasses.replace(limits, unread=unread, family=family, read=read_fields(readers))
+    return dataclasses.replace(
+        limits,
+        unread=unread,
+        unread_getter=unread_getter(unread) if unread else None,
+        family=family,
+        read=read_fields(readers),
+    )
 
 
 def rule_error(cls: type, exc: Exception, where: str = "") -> RuleError | None:

@@ -200,12 +200,11 @@ class Traffic:
         return list(self.t.waiting)
 
     def promoted(self) -> list[int]:
-        t = self.t
-        return [s for s, serial in t.completing if t.serial[s] == serial]
+        return list(self.t.completing)
 
     def producers(self) -> list[int]:
         t = self.t
-        alive = [int(s) for s, k in zip(t.produced, t.produced_serial) if t.serial[s] == k]
+        alive = [int(s) for s in t.produced if s not in t.left]
         return self.promoted() + alive
 
     def tokens_after(self, slot: int, generation: bool = True) -> int:
