@@ -338,7 +338,10 @@ def view(
             num_logits=0,
             max_context_length=enc["max_encoder_input_length"] if n_ctx else 0,
         )
-    b = Batch(
+    # a frozen Batch with every field set at once: its dataclass __init__ would set each
+    # through object.__setattr__ (2 us of a step that makes one)
+    b = object.__new__(Batch)
+    b.__dict__.update(
         context=context,
         generation=generation,
         sizes=sizes,
@@ -360,7 +363,7 @@ def view(
         flight=flight,
     )
     if plain is not None and not encoder_engine:  # one query token per generation sequence
-        ones = np.ones(len(last), np.int64)
+        ones = g_bw  # (one beam each)
         d = b.__dict__
         if n_ctx:
             d["seq_query_tokens"] = np.concatenate((c_chunk, ones))

@@ -125,12 +125,8 @@ class BlockTable:
     def clear(self, slot: int) -> None:
         """The slot's request left: its lists are gone (no step reads the slot until ``put``
         gives it new ones, rewriting its rows)."""
-        n = int(self.n_lists[slot])
         base = slot * self.lists
-        if n == 1:  # the common case: scalar writes
-            self.count[base] = 0
-        elif n:
-            self.count[base : base + n] = 0
+        self.count[base : base + self.lists] = 0
         self.n_lists[slot] = 0
 
     def append(self, slot: int, new: Any, w: str) -> list[tuple[int, int]]:
@@ -260,8 +256,13 @@ class BlockTable:
 
 def _ids_in(values: list, limit: int) -> bool:
     """Every value is a Python int in 0 .. limit - 1 (a step's few new ids: cheaper than an
-    array)."""
-    return all(type(x) is int and 0 <= x < limit for x in values)
+    array; the types, least and most compared by C loops)."""
+    return not values or (
+        _INT_ONLY.issuperset(map(type, values)) and min(values) >= 0 and max(values) < limit
+    )
+
+
+_INT_ONLY = frozenset((int,))
 
 
 def window_lists(ids: Any, windows: list[int], w: str) -> Mapping[int, Any]:

@@ -116,6 +116,7 @@ def commit(t: RequestTable, plan: Plan) -> None:
         del t.waiting[slot]
     t.completing = plan.completing
     t.produced = t.rows[: t.n_rows].copy() if plan.generation else EMPTY
+    t.rows_produced = plan.generation
     t.left = []
     t.changed = False
 
@@ -153,39 +154,36 @@ def plan(
     undo_blocks: list[tuple[BlockTable, int, int]] = []
     undo_drafts: list[tuple[Entry, Any]] = []
     try:
-        # the tokens the last step produced: its generation rows still in flight and the
-        # prompts it finished (they join the generation rows now)
-        # requests left or arrived: only those still in flight produce
-        alive = t.produced
-        if t.left:  # (a slot that left and took a new request since produces nothing either)
-            gone = np.zeros(t.limits.max_batch_size, bool)
-            gone[t.left] = True
-            alive = alive[~gone[alive]]
-        promoted = t.completing  # (finish takes a request that left off it)
-        promoted_a = np.array(promoted, np.int64) if promoted else EMPTY
-        producers = np.concatenate((promoted_a, alive)) if promoted else alive
-        # this step's generation rows: the rows in flight, then the promoted prompts
-        n_old = t.n_rows
-        rows = np.concatenate((t.rows[:n_old], promoted_a)) if promoted else t.rows[:n_old]
-        row_entries = t.row_entries + [t.held(s) for s in promoted]
-        if not generation:  # the generation requests sit this step out
-            if drafts:
-                raise BatchError("step(): drafts given, but generation=False runs no generation")
-            rows, row_entries = EMPTY, []
-        # the producers are among the rows; when they are all of them (the usual step), each
-        # row's token is read straight by its slot and the counts move at commit
+        # this step's generation rows: the rows in flight, then the prompts the last step
+        # finished (written past n_rows, which commit moves over them)
+        n_old, promoted = t.n_rows, t.completing
+        if promoted:
+            t.rows[n_old : n_old + len(promoted)] = promoted
+        rows = t.rows[: n_old + len(promoted)].copy() if generation else EMPTY
+        if promoted and generation:
+            row_entries = t.row_entries + [t.held(s) for s in promoted]
+        else:
+            row_entries = t.row_entries if generation else []
+        if drafts and not generation:
+            raise BatchError("step(): drafts given, but generation=False runs no generation")
         in_place = None
-        if (
-            len(rows) == producers.size
-            and producers.size
-            and not (t.n_wide or on_device or accepted)
-        ):
-            in_place = row_tokens(tokens, rows, t.limits)
-            check_tokens(in_place, t.limits)
+        if rows.size and t.rows_produced and not (t.n_wide or on_device or accepted):
+            # every row produced a token in the last step (the usual step): each row's token
+            # read straight by its slot, the counts moved at commit
+            in_place = producers = rows
+            seq_last = row_tokens(tokens, rows, t.limits)
+            check_tokens(seq_last, t.limits)
             generated, last = t.generated, t.last
             g_max = generated[rows] + 1
-            seq_last = in_place
         else:
+            # the tokens the last step produced: its generation rows still in flight (a slot
+            # whose request left produces nothing) and the prompts it finished
+            alive = t.produced
+            if t.left:
+                gone = np.zeros(t.limits.max_batch_size, bool)
+                gone[t.left] = True
+                alive = alive[~gone[alive]]
+            producers = np.concatenate((promoted, alive)) if promoted else alive
             generated, last = produced_tokens(t, tokens, producers, on_device)
             if accepted:
                 generated = _accepted(t, accepted, generated, producers, promoted)
@@ -204,10 +202,10 @@ def plan(
         )
         return Plan(
             batch=batch,
-            tokens=None if in_place is None else Sampled(in_place),
+            tokens=None if in_place is None else Sampled(seq_last),
             generated=generated,
             last=last,
-            in_place=None if in_place is None else rows,
+            in_place=in_place,
             ndraft=ndraft,
             drafted=drafted,
             positions=positions,
@@ -274,7 +272,7 @@ def _step_drafts(
     on its last chunk), each change recorded in `undo`."""
     L = t.limits
     ndraft, drafted = t.ndraft, t.drafted
-    if drafts or drafted or any(t.held(s).context_drafts for s in promoted):
+    if drafts or drafted or (promoted and any(t.held(s).context_drafts for s in promoted)):
         ndraft = ndraft.copy()
         ndraft[drafted] = 0
         drafted = []
@@ -413,6 +411,8 @@ def _context(
     """This step's context requests (entry, position, chunk) in arrival order, each
     slot's prompt position after the step, and the slots whose prompt it finishes."""
     if chunks is None:
+        if not t.waiting:  # a decode step
+            return [], [], []
         scheduled: dict[int, int | None] = {s: None for s in t.waiting}
     else:
         for slot in chunks:

@@ -145,6 +145,7 @@ class RequestTable:
         # (a slot whose request left since produces nothing)
         self.produced = EMPTY
         self.left: list[int] = []  # slots whose request left since the last step
+        self.rows_produced = True  # the last step ran its generation rows (each produced)
         self.completing: list[int] = []  # prompts the last step finished (rows from this one)
         self.changed = True  # requests arrived or finished since the last step
         # each slot's KV block ids, checked when they arrive or grow (a family with a paged

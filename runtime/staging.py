@@ -64,6 +64,14 @@ class Target:
         longer step left past them get the pad value again. A count that is not an int in
         0..len(out) (a bool, a float, a negative or too large number) raises FillCountError,
         nothing changed here (the caller abandons the step)."""
+        w = self.written
+        if n.__class__ is not int or not w[0] <= n <= self.size or self.repeat:
+            n = self._padded(n)  # (a step as long as the last one, or longer: nothing to pad)
+        w[0] = n
+
+    def _padded(self, n: Any) -> int:
+        """`n` checked (``_count``), and the elements past it padded where a longer step
+        left them (repeat_last: where the tail's count or value changed)."""
         if n.__class__ is not int or not 0 <= n <= self.size:
             n = self._count(n)
         w = self.written
@@ -71,7 +79,7 @@ class Target:
             self._repeat(n)
         elif self.pad is not None and w[0] > n:
             self.out[n : w[0]] = self.pad
-        w[0] = n
+        return n
 
     def _repeat(self, n: int) -> None:
         """Every element past the first `n` holds the last of them (0 when there are none);
