@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import BatchError
 from .blocks import id_limit, raw_id_limit
 from .sizes import StepSizes
-from .values import INT32_MAX, check_int, show
+from .values import EMPTY, INT32_MAX, check_int, show
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +124,9 @@ class FlightLists:
         return self.tables or (self.blocks,)
 
 
+FEW_RANGES = 2  # context chunks whose positions are a range each (past them: gathers)
+
+
 class derived:  # noqa: N801 - used as a decorator, like functools.cached_property
     """A column a ``Batch`` derives from its others on first use, kept in the instance's
     ``__dict__`` (which shadows this non-data descriptor from then on). functools'
@@ -197,6 +200,23 @@ class Batch:  # not slotted: a derived column is kept in __dict__
         if self.has_generation_drafts:
             gen = gen + self.per_sequence(self.gen_drafts)
         return np.concatenate((self.ctx_begin + self.ctx_input_len, gen))
+
+    @derived
+    def ctx_positions(self) -> np.ndarray:
+        """The KV position of every context input token, chunk after chunk (a chunk's first
+        position onwards, a last chunk's drafts after its prompt), computed once for the
+        positions and the KV slots."""
+        k = self.ctx_input_len
+        if len(k) <= FEW_RANGES:  # a step's usual arrivals: cheaper than the gathers
+            return np.concatenate(
+                [
+                    np.arange(begin, begin + n)
+                    for begin, n in zip(self.ctx_begin.tolist(), k.tolist())
+                ]
+                or [EMPTY]
+            )
+        starts = np.add.accumulate(k) - k
+        return np.arange(self.sizes.num_context_tokens) + np.repeat(self.ctx_begin - starts, k)
 
     @derived
     def seq_first(self) -> np.ndarray:

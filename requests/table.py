@@ -120,7 +120,9 @@ class RequestTable:
         n, w = limits.max_batch_size, limits.max_beam_width
         self.limits, self.encoder = limits, encoder
         self.entries: list[Entry | None] = [None] * n
-        self.serial = np.zeros(n, np.int64)  # bumped when a slot's request arrives or leaves
+        # bumped when a slot's request arrives or leaves while tokens are on their way back from
+        # the device (``pending``): what they are kept with, to tell a slot's new request
+        self.serial = np.zeros(n, np.int64)
         self.prompt_len = np.zeros(n, np.int64)
         self.beam_width = np.ones(n, np.int64)
         self.position = np.zeros(n, np.int64)  # context phase: prompt tokens computed
@@ -235,8 +237,9 @@ class RequestTable:
         for table, lists in zip(self.kvs, arrays):
             table.put(slot, lists)
         entry.held(self.kv_windows)
-        self._serials_pending()
-        self.serial[slot] += 1
+        if self.pending is not None:  # tokens on their way back: none is this request's
+            self._serials_pending()
+            self.serial[slot] += 1
         self.prompt_len[slot] = len(prompt)
         self.prompt_arrays[slot] = prompt
         self.beam_width[slot] = entry.beam_width
@@ -251,9 +254,10 @@ class RequestTable:
 
     def finish(self, slot: Any) -> None:
         """The request in `slot` leaves (finished or cancelled): its slot is free at once."""
-        if not is_int(slot) or not 0 <= slot < self.limits.max_batch_size:
-            raise BatchError(f"finish(): {show(slot)} is not a seq slot")
-        slot = int(slot)
+        if type(slot) is not int or not 0 <= slot < self.limits.max_batch_size:
+            if not is_int(slot) or not 0 <= slot < self.limits.max_batch_size:
+                raise BatchError(f"finish(): {show(slot)} is not a seq slot")
+            slot = int(slot)
         entry = self.entries[slot]
         if entry is None:
             raise BatchError(f"finish(): seq_slot {slot} holds no request in flight")
@@ -272,22 +276,23 @@ class RequestTable:
         if slot in self.completing:  # a prompt the last step finished: it joins no rows now
             self.completing = [s for s in self.completing if s != slot]
         self.left.append(slot)
-        self.entries[slot] = None
-        self.prompt_arrays[slot] = None
-        if self.pending is not None:
+        self.entries[slot] = self.prompt_arrays[slot] = None
+        if self.pending is not None:  # tokens on their way back: this slot's are stale now
             self._serials_pending()
-        self.serial[slot] += 1
+            self.serial[slot] += 1
         entry.held(())
         for table in self.kvs:
             table.clear(slot)
-        if slot in self.drafted:
+        if self.drafted and slot in self.drafted:
             self.drafted.remove(slot)
             self.ndraft[slot] = 0
         if self.n_explicit and self.explicit_last[slot] >= 0:  # (-1 everywhere without any)
             self.n_explicit -= 1
             self.explicit_last[slot] = -1
-        self.n_wide -= entry.beam_width > 1
-        self.bad.pop(slot, None)
+        if entry.beam_width > 1:
+            self.n_wide -= 1
+        if self.bad:
+            self.bad.pop(slot, None)
         self.changed = True
 
     def _serials_pending(self) -> None:

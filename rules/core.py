@@ -56,26 +56,10 @@ def token_ids(out: np.ndarray, b: Batch) -> int:
 
 def _ctx_default_positions(out: np.ndarray, b: Batch) -> int:
     """begin, begin+1, ... for every context input token (drafts included); returns count."""
-    if not b.sizes.num_context_requests:
-        return 0
     n = b.sizes.num_context_tokens
-    # a few chunks: a range each, in out's dtype (up to 8 chunks of 512 tokens the loop is
-    # as fast as one repeat over all tokens, measured)
-    if b.sizes.num_context_requests <= 8:
-        return chunk_positions(out, b.ctx_begin.tolist(), b.ctx_input_len.tolist())
-    starts = np.add.accumulate(b.ctx_input_len) - b.ctx_input_len
-    out[:n] = np.arange(n) + np.repeat(b.ctx_begin - starts, b.ctx_input_len)
+    if n:
+        out[:n] = b.ctx_positions
     return n
-
-
-def chunk_positions(out: np.ndarray, begins: list[int], lengths: list[int]) -> int:
-    """begin, begin+1, ... for each chunk in turn, a range each (in out's dtype); returns
-    the count."""
-    o = 0
-    for begin, k in zip(begins, lengths):
-        out[o : o + k] = np.arange(begin, begin + k, dtype=out.dtype)
-        o += k
-    return o
 
 
 def position_ids(out: np.ndarray, b: Batch) -> int:

@@ -21,8 +21,6 @@ from . import kv_offsets
 from .core import last_token_ids, position_ids
 from .kv_rows import BlockPlan, KeptRows
 
-FEW_CHUNKS = 8  # context chunks whose KV slots are written chunk by chunk (past them, per token)
-
 
 def query_lens(out: np.ndarray, b: Batch) -> int:
     """Query tokens of each sequence this step."""
@@ -115,34 +113,31 @@ def kv_slot_mapping(
 
 def _kv_slots(out: np.ndarray, b: Batch, ids: np.ndarray, index: np.ndarray, tpb: int) -> int:
     """Each token's KV-cache slot from the block rows `ids` (sequence i's at row index[i]).
-    A sequence's query tokens are its last KV positions: a context chunk's a run of them,
-    written chunk by chunk (a step has few), a generation sequence's one (without drafts);
-    past FEW_CHUNKS chunks, or with drafts, token by token."""
+    A sequence's query tokens are its last KV positions: a context chunk's a run of them
+    (``Batch.ctx_positions``), a generation sequence's one (without drafts); with drafts,
+    token by token."""
     s = b.sizes
     n_ctx = s.num_context_requests
     kv = b.seq_kv_tokens
-    if n_ctx > FEW_CHUNKS or b.has_generation_drafts:
+    if b.has_generation_drafts:
         seq, pos = _token_kv_positions(b)
         block = ids[index[seq], pos // tpb]
         n = len(seq)
         np.add(np.multiply(block, tpb, dtype=np.int64), pos % tpb, out=out[:n], casting="unsafe")
         return n
-    o = 0
-    if n_ctx:
-        width = np.arange(tpb)
-        for i, (end, k) in enumerate(zip(kv[:n_ctx].tolist(), b.ctx_input_len.tolist())):
-            start = end - k
-            first = start // tpb
-            run = np.multiply(ids[index[i], first : (end - 1) // tpb + 1], tpb, dtype=np.int64)
-            skip = start - first * tpb
-            out[o : o + k] = (run[:, None] + width).reshape(-1)[skip : skip + k]
-            o += k
+    flat, width = ids.reshape(-1), ids.shape[1]
+    o = s.num_context_tokens
+    if n_ctx:  # the context tokens' positions (shared with the position rule), row by row
+        block, offset = np.divmod(b.ctx_positions, tpb)
+        block += np.repeat(index[:n_ctx] * width, b.ctx_input_len)
+        np.multiply(flat.take(block), tpb, out=out[:o], dtype=np.int64)
+        out[:o] += offset
     # each generation sequence's one token, at KV position kv - 1: its block from the flat
     # table (row index x width + column)
     block, offset = np.divmod(kv[n_ctx:] - 1, tpb)
     n = o + len(block)
-    block += index[n_ctx:] * ids.shape[1]
-    np.multiply(ids.reshape(-1).take(block), tpb, out=out[o:n], dtype=np.int64)
+    block += index[n_ctx:] * width
+    np.multiply(flat.take(block), tpb, out=out[o:n], dtype=np.int64)
     out[o:n] += offset
     return n
 

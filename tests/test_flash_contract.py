@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from reference_flash import reference_flash, reference_flashinfer
 
 from bufc.errors import BatchError
-from bufc.rules import paged_attention
+from bufc.requests import batch as batch_module
 from bufc.runtime import Request
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -67,11 +67,11 @@ def _match_the_reference(first, second) -> None:
 @pytest.mark.parametrize("few", (0, 1000))
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batch("gpt"), batch("gpt"))
-def test_kv_slots_by_chunk_or_by_token_match_the_reference(few, first, second) -> None:
-    """The slot mapping written chunk by chunk (up to FEW_CHUNKS context chunks, no
-    generation drafts) or token by token: both equal the reference."""
+def test_context_positions_by_range_or_by_gather_match_the_reference(few, first, second) -> None:
+    """The context tokens' positions (and the slot mapping from them) written a range per chunk
+    (up to FEW_RANGES chunks) or by one gather over every token: both equal the reference."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(paged_attention, "FEW_CHUNKS", few)
+        mp.setattr(batch_module, "FEW_RANGES", few)
         _match_the_reference(first, second)
 
 
