@@ -190,18 +190,16 @@ class BlockTable:
         np.multiply(self.ids[row, start:stop], self.per_block, out=k)
         np.add(k, 1, out=self.enc[row, 1, start:stop])
 
-    def append_many(self, blocks: Mapping[Any, Any], undo: list[tuple[int, int]]) -> bool:
+    def append_many(self, blocks: Mapping[Any, Any], undo: list[tuple[Any, Any, Any]]) -> bool:
         """``append`` for many slots at once, each with one list and a list of Python ints
         handed over (a large batch's decode step: a few numpy calls instead of a call per
-        slot), each (row, count before) added to `undo`. False, with nothing written, when
-        anything is unusual (a slot that holds no single list, ids that are not ints in the
-        pool, a list past the width): the caller then appends slot by slot, which names the
-        culprit."""
+        slot), (this table, the rows, their counts before) added to `undo`. False, with
+        nothing written, when anything is unusual (a slot that holds no single list, ids that
+        are not ints in the pool, a list past the width): the caller then appends slot by
+        slot, which names the culprit."""
         slots, values = list(blocks), list(blocks.values())
         n_slots = len(self.n_lists)
-        if not all(type(x) is int and 0 <= x < n_slots for x in slots):
-            return False
-        if not all(type(v) is list for v in values):
+        if not _ids_in(slots, n_slots) or not _LIST_ONLY.issuperset(map(type, values)):
             return False
         at = np.fromiter(slots, np.int64, len(slots))
         if np.count_nonzero(self.n_lists[at] != 1):
@@ -225,12 +223,13 @@ class BlockTable:
         else:
             for row, b, v in zip(rows.tolist(), before.tolist(), values):
                 self._extend(row, b, v)
-        undo += zip(rows.tolist(), before.tolist())
+        undo.append((self, rows, before))
         return True
 
-    def undo(self, done: list[tuple[int, int]]) -> None:
-        """Take back what ``append`` wrote (a failed step)."""
-        for row, before in done:
+    def undo(self, rows: Any, counts: Any) -> None:
+        """Take back what ``append`` or ``append_many`` wrote (a failed step): each of `rows`
+        (a row, or an array of them) holds its list as it was, `counts` ids long."""
+        for row, before in zip(np.atleast_1d(rows).tolist(), np.atleast_1d(counts).tolist()):
             self.ids[row, before:] = 0
             if self.enc is not None:
                 self.enc[row, :, before:] = 0
@@ -263,6 +262,7 @@ def _ids_in(values: list, limit: int) -> bool:
 
 
 _INT_ONLY = frozenset((int,))
+_LIST_ONLY = frozenset((list,))
 
 
 def window_lists(ids: Any, windows: list[int], w: str) -> Mapping[int, Any]:

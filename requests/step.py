@@ -44,7 +44,8 @@ class Plan:
     positions: list[tuple[int, int]]  # context slots and their prompt position after the step
     promoted: list[int]  # last step's finished prompts, generation rows from this step
     completing: list[int]  # context slots whose last chunk this step runs
-    undo_blocks: list[tuple[BlockTable, int, int]]  # (table, row, its list's length before)
+    # (table, row, its list's length before): rows and lengths may be arrays of them
+    undo_blocks: list[tuple[BlockTable, Any, Any]]
     undo_drafts: list[tuple[Entry, Any]]
     generation: bool = True  # the generation rows ran (and produce tokens)
     # tokens that stay on the device: the gather the step runs there, and the (slot, beam) of
@@ -61,11 +62,11 @@ class Plan:
 
 
 def _undo(
-    blocks: list[tuple[BlockTable, int, int]],
+    blocks: list[tuple[BlockTable, Any, Any]],
     drafts: list[tuple[Entry, Any]],
 ) -> None:
     for table, row, before in blocks:
-        table.undo([(row, before)])
+        table.undo(row, before)
     for entry, values in drafts:
         entry.draft_tokens = values
 
@@ -151,7 +152,7 @@ def plan(
         and t.n_rows
     ):
         return _steady(t, tokens, blocks, on_device)
-    undo_blocks: list[tuple[BlockTable, int, int]] = []
+    undo_blocks: list[tuple[BlockTable, Any, Any]] = []
     undo_drafts: list[tuple[Entry, Any]] = []
     try:
         # this step's generation rows: the rows in flight, then the prompts the last step
@@ -297,7 +298,7 @@ def _step_drafts(
 
 
 def _grow(
-    t: RequestTable, blocks: Mapping[int, Any] | None, undo: list[tuple[BlockTable, int, int]]
+    t: RequestTable, blocks: Mapping[int, Any] | None, undo: list[tuple[BlockTable, Any, Any]]
 ) -> None:
     """Append the step's KV block ids to their slots' lists in the block tables, each checked
     there (integers in the pool, within the width), every append recorded in `undo` (the
@@ -327,7 +328,7 @@ def _grow(
         return
     pairs: list[tuple[int, int]] = []
     try:
-        if len(blocks) > FEW_BLOCKS and kv.append_many(blocks, pairs):
+        if len(blocks) > FEW_BLOCKS and kv.append_many(blocks, undo):
             return  # checked and written at once
         for slot, new in blocks.items():
             t.entry(slot, "blocks")
@@ -382,7 +383,7 @@ def _steady(
             )
         gather = TokenGather(held[1], held[2])
         gathered = (held[3], held[4])
-    undo: list[tuple[BlockTable, int, int]] = []
+    undo: list[tuple[BlockTable, Any, Any]] = []
     try:
         _grow(t, blocks, undo)
     except BaseException:
