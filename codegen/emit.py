@@ -28,7 +28,7 @@ from .plan import FamilyPlan, PlannedFill, PlannedIndexSet, PlannedTensor, StepP
 if TYPE_CHECKING:
     from .pipeline import Compiled
 
-FORMAT_VERSION = 6  # the runtime API the generated modules are written against
+FORMAT_VERSION = 7  # the runtime API the generated modules are written against
 MARKER = "@" + "generated"  # split so that grep finds only outputs
 # the headers name no path, so the output does not depend on how --spec and --out were spelled;
 # `bufc check` prints the exact command

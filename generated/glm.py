@@ -18,7 +18,7 @@ import dataclasses
 
 from bufc import runtime as rt  # first: without torch it says how to install it
 
-rt.check_format_version(6)  # before the imports a newer bufc may not have
+rt.check_format_version(7)  # before the imports a newer bufc may not have
 import typing
 from collections.abc import Sequence
 
