@@ -111,6 +111,15 @@ def kv_slot_mapping(
     return _kv_slots(out, b, rows, np.arange(len(rows)), tokens_per_block)
 
 
+def _block_offset(positions: np.ndarray, tpb: int) -> tuple[np.ndarray, np.ndarray]:
+    """``np.divmod(positions, tpb)``: each KV position's block column and its offset in the
+    block, as an arithmetic shift and a mask for a power-of-two block size (numpy's int64
+    division is about five times slower)."""
+    if tpb & (tpb - 1):
+        return np.divmod(positions, tpb)
+    return positions >> (tpb.bit_length() - 1), positions & (tpb - 1)
+
+
 def _kv_slots(out: np.ndarray, b: Batch, ids: np.ndarray, index: np.ndarray, tpb: int) -> int:
     """Each token's KV-cache slot from the block rows `ids` (sequence i's at row index[i]).
     A sequence's query tokens are its last KV positions: a context chunk's a run of them
@@ -121,20 +130,21 @@ def _kv_slots(out: np.ndarray, b: Batch, ids: np.ndarray, index: np.ndarray, tpb
     kv = b.seq_kv_tokens
     if b.has_generation_drafts:
         seq, pos = _token_kv_positions(b)
-        block = ids[index[seq], pos // tpb]
+        column, offset = _block_offset(pos, tpb)
+        block = ids[index[seq], column]
         n = len(seq)
-        np.add(np.multiply(block, tpb, dtype=np.int64), pos % tpb, out=out[:n], casting="unsafe")
+        np.add(np.multiply(block, tpb, dtype=np.int64), offset, out=out[:n], casting="unsafe")
         return n
     flat, width = ids.reshape(-1), ids.shape[1]
     o = s.num_context_tokens
     if n_ctx:  # the context tokens' positions (shared with the position rule), row by row
-        block, offset = np.divmod(b.ctx_positions, tpb)
+        block, offset = _block_offset(b.ctx_positions, tpb)
         block += np.repeat(index[:n_ctx] * width, b.ctx_input_len)
         np.multiply(flat.take(block), tpb, out=out[:o], dtype=np.int64)
         out[:o] += offset
     # each generation sequence's one token, at KV position kv - 1: its block from the flat
     # table (row index x width + column)
-    block, offset = np.divmod(kv[n_ctx:] - 1, tpb)
+    block, offset = _block_offset(kv[n_ctx:] - 1, tpb)
     n = o + len(block)
     block += index[n_ctx:] * width
     np.multiply(flat.take(block), tpb, out=out[o:n], dtype=np.int64)
@@ -177,8 +187,9 @@ def group_slot_mappings(
 
 
 def _pages(b: Batch, tokens_per_block: int) -> np.ndarray:
-    """KV pages each sequence's KV after the step fills (its first blocks)."""
-    return -(-b.seq_kv_tokens // tokens_per_block)
+    """KV pages each sequence's KV after the step fills (its first blocks): the block of its
+    last KV position, plus one (0 for none: -1 >> k is -1)."""
+    return _block_offset(b.seq_kv_tokens - 1, tokens_per_block)[0] + 1
 
 
 def paged_kv_indptr(out: np.ndarray, b: Batch, *, tokens_per_block: int) -> int:

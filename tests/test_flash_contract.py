@@ -29,9 +29,9 @@ NAMES = {  # engine name -> the host mirror bound beside it, if any
 }
 
 
-def buffers():
+def buffers(tpb: int = TPB):
     # a 4096-token window of 4-token blocks: no random sequence outgrows it
-    return make_buffers("llama_flash", tokens_per_block=TPB)
+    return make_buffers("llama_flash", tokens_per_block=tpb)
 
 
 def assert_flash_step(step, want: dict, where: object = None) -> None:
@@ -53,15 +53,23 @@ def test_random_batches_match_the_reference(first, second) -> None:
     _match_the_reference(first, second)
 
 
-def _match_the_reference(first, second) -> None:
-    b = buffers()
+def _match_the_reference(first, second, tpb: int = TPB) -> None:
+    b = buffers(tpb)
     width = b.config.max_blocks_per_seq
     for start, (ctx, gen) in ((0, first), (5000, second)):
-        cover_blocks(ctx, gen, TPB, start=start)
+        cover_blocks(ctx, gen, tpb, start=start)
         want = reference_flash(
-            copy.deepcopy(ctx), copy.deepcopy(gen), tokens_per_block=TPB, width=width
+            copy.deepcopy(ctx), copy.deepcopy(gen), tokens_per_block=tpb, width=width
         )
         assert_flash_step(b.prepare_step(ctx, gen), want)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch("gpt"), batch("gpt"))
+def test_a_block_size_that_is_no_power_of_two_matches_the_reference(first, second) -> None:
+    """Blocks of 3 tokens: the slot mapping divides positions by the block size where it cannot
+    shift them (a power of two shifts), and equals the reference either way."""
+    _match_the_reference(first, second, tpb=3)
 
 
 @pytest.mark.parametrize("few", (0, 1000))
