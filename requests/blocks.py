@@ -213,7 +213,7 @@ class BlockTable:
         after = before + counts
         if np.count_nonzero(after > self.width):
             return False
-        if len(flat) == len(values):  # one block each: one scatter
+        if len(flat) == len(values) and all(values):  # one block each: one scatter
             self.ids[rows, before] = flat
             if self.enc is not None:
                 k = np.array(flat, np.int64) * self.per_block

@@ -192,6 +192,8 @@ class Traffic:
                 self.client.cover(r, is_ctx, extra=1 if rng.random() < 0.1 else 0)
                 new = [list(x[n:]) for x, n in zip(r.kv_block_ids, before)]
                 if not any(new):
+                    if rng.random() < 0.1:
+                        blocks[slot] = []  # nothing new, handed over all the same
                     continue
                 if len(new) == 1 or rng.random() < 0.5:
                     blocks[slot] = new
