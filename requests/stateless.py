@@ -37,6 +37,7 @@ from .values import (
     in_range,
     int_array,
     is_int,
+    same_requests,
     unread_error,
     unread_set,
 )
@@ -120,7 +121,7 @@ def _build(
     # steady decoding) those columns are reused (they were checked then) and only the
     # generated tokens and drafts are read.
     static = memo.generation if memo is not None else None
-    reused = static is not None and static.requests == generation
+    reused = static is not None and same_requests(static.requests, generation)
     if not reused:
         if limits.unread:  # the fields of the requests the last step did not schedule
             _refuse_unread(_arrived(memo, generation), "generation", limits)

@@ -181,6 +181,17 @@ def check_draft_count(n: int, beam_width: int, max_draft_tokens: int, where: str
         raise BatchError(f"{where}: {n} draft tokens exceed max_draft_tokens={max_draft_tokens}")
 
 
+def same_requests(last: Sequence[Any], now: Sequence[Any]) -> bool:
+    """`now` is the last step's requests again, in the same order: the same objects, or
+    objects equal to them (a request class that compares by value), by tuple comparison
+    (identity first, in C). A request class whose ``==`` cannot answer (a dataclass holding
+    numpy arrays: their truth value is ambiguous) is compared by identity."""
+    try:
+        return bool(tuple(last) == tuple(now))
+    except Exception:
+        return len(last) == len(now) and all(map(operator.is_, last, now))
+
+
 def check_int(value: Any, what: str, where: str, low: int, high: int, limit: str = "") -> int:
     """`value` as an int, or a BatchError naming `what` unless it is an integer in [low, high);
     `limit` says where `high` comes from (e.g. 'vocab_size=1000')."""

@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import BatchError
 from ..requests.batch import Batch, FlightLists
 from ..requests.blocks import id_limit, name_bad_id, request_lists
-from ..requests.values import EMPTY, in_range, int_array, is_ordered
+from ..requests.values import EMPTY, in_range, int_array, is_ordered, same_requests
 
 _FIRST = itemgetter(0)
 _LISTS = frozenset((list, tuple))
@@ -146,12 +146,12 @@ def check_block_lists(
     changed: list[int] | None
     moved: list[int] | np.ndarray | None = None
     keys = None
-    same_requests = kept is not None and kept.requests == b.generation  # identity, then eq
+    same = kept is not None and same_requests(kept.requests, b.generation)
     if snapshot is None:
         changed, convert = None, lists
-    elif same_requests and snapshot == gen:
+    elif same and snapshot == gen:
         changed, convert = [], lists[:n_ctx]
-    elif same_requests:
+    elif same:
         changed = [i for i, (now, then) in enumerate(zip(gen, snapshot)) if now != then]
         convert = lists[:n_ctx] + [gen[i] for i in changed]
     else:  # finishes and arrivals: match the rows to their sequences by key
