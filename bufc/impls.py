@@ -68,14 +68,19 @@ def import_module(module: str) -> Any:
     fails, whatever the module's own code raised."""
     try:
         return importlib.import_module(module)
-    except Exception as exc:  # noqa: BLE001 - reported, located, by the compiler
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported, located, by the compiler
         raise failure(module, exc) from exc
 
 
 def attribute(owner: Any, module: str, name: str, kind: str = "function") -> Any:
     """`owner.name`, a function (or, `kind` "class", a class); Unresolved otherwise."""
     missing = object()
-    value = getattr(owner, name, missing)
+    try:
+        value = getattr(owner, name, missing)
+    except Exception as exc:  # noqa: BLE001 - a module __getattr__ that raises
+        raise Unresolved(
+            f"looking up {name} in {module} raised {type(exc).__name__}: {exc}", f"fix {module}"
+        ) from exc
     if value is missing:
         names = [n for n in vars(owner) if not n.startswith("_")]
         raise Unresolved(

@@ -112,8 +112,7 @@ def _contract(args: argparse.Namespace) -> int:
         )
     page = render_page(spec)
     if args.check is not None:
-        path = Path(args.check)
-        if not path.exists() or path.read_text("utf-8") != page:
+        if not _holds(Path(args.check), page.encode("utf-8")):
             print(
                 f"{args.check} is out of date with {args.spec}; run 'bufc contract --spec "
                 f"{args.spec} --out {args.check}'",
@@ -487,3 +486,12 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(_os_error(exc), file=sys.stderr)
         return 1
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    """`path` is a file holding exactly `data` (read no further than that: a file that is not
+    the page, binary or endless, is only out of date)."""
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(len(data) + 1) == data

@@ -157,7 +157,7 @@ def signature_problems(call: Call, fn: Any) -> list[str]:
     as for a function written in C)."""
     try:
         sig = inspect.signature(fn)
-    except (TypeError, ValueError):
+    except Exception:  # noqa: BLE001 - unreadable (a C function, a __signature__ that raises)
         return []
     head = f"{call.what} names {call.impl.text}{_shown(sig)}"
     if call.role == "state":

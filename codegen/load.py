@@ -10,6 +10,7 @@ Schema, semantic checks) can point at the exact line and column.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import yaml
@@ -77,6 +78,11 @@ class _NoAliasLoader(yaml.SafeLoader):
 
 
 # PyYAML's scanner and parser messages, in the house style: what is wrong and what to do.
+# An integer as a buffer spec writes one: decimal digits. YAML 1.1 also reads octal (010 is 8),
+# base 60 (1:04 is 64), hex, binary and digits with underscores as integers.
+_DECIMAL = re.compile(r"[-+]?(0|[1-9][0-9]*)")
+_MOST_DIGITS = 4000  # Python refuses to read an int of more than 4300 digits
+
 _PLAIN = (
     (
         "expected a single document",
@@ -267,6 +273,20 @@ class _Builder:
                 _mark(file, node.start_mark),
                 f"'{node.value}' is a YAML 1.1 boolean; write true or false (or quote it for "
                 "the text)",
+            )
+            return None
+        if node.tag == "tag:yaml.org,2002:int" and not _DECIMAL.fullmatch(node.value):
+            errors.error(
+                _mark(file, node.start_mark),
+                f"'{node.value}' reads as a YAML 1.1 integer (octal, base 60, hex, binary or "
+                "with '_'); write it in decimal digits (or quote it for the text)",
+            )
+            return None
+        if node.tag == "tag:yaml.org,2002:int" and len(node.value) > _MOST_DIGITS:
+            errors.error(
+                _mark(file, node.start_mark),
+                f"this integer has {len(node.value.lstrip('+-'))} digits; a buffer spec's "
+                f"numbers have at most {_MOST_DIGITS}",
             )
             return None
         try:

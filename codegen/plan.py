@@ -230,6 +230,7 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
     derived_by_name = {d.name: d for d in spec.derived}
     read = _used_names(spec, tensors, sizes, index_sets) | _scalar_names(scalars, tensors)
     read |= _family_check_reads(spec, flags)
+    read.add("max_batch_size")  # the request table's slots (batch.limits), read or not
     used = _closure(read, derived_by_name)
     checks = []
     for c in spec.checks:

@@ -141,6 +141,14 @@ def _diagnostics(doc: Document, err: ValidationError) -> list[Diagnostic]:
                 "(plus an optional 'where')",
             )
         ]
+    if kind == "oneOf" and len(path) >= 2 and path[-2] == "derived":
+        return [
+            Diagnostic(
+                loc,
+                "a derived value takes exactly one of 'value' (a formula) or 'derive' "
+                "(MODULE:NAME, with optional 'reads' and 'type')",
+            )
+        ]
     if kind == "oneOf":
         return [
             Diagnostic(

@@ -211,6 +211,15 @@ def _derived_cycles(scope: Scope) -> None:
 
 
 def _families(scope: Scope) -> None:
+    slots = next((p for p in scope.spec.parameters if p.name == "max_batch_size"), None)
+    if scope.spec.families and (slots is None or slots.kind != "int"):
+        fam = scope.spec.families[0]
+        scope.errors.error(
+            fam.loc if slots is None else slots.loc,
+            f"family '{fam.name}' needs an integer parameter max_batch_size: its requests' seq "
+            "slots are 0 .. max_batch_size - 1 (bufc.requests.batch.limits); declare it under "
+            "parameters",
+        )
     for fam in scope.spec.families:
         scope.check_name(fam.name, fam.loc, "family")
         given = dict(fam.flags)

@@ -314,12 +314,52 @@ def test_plot_without_matplotlib_says_how_to_install_it(capsys, monkeypatch, tmp
 
 
 # ------------------------------------------------------------------------- spec strictness
+SLOTS = (
+    "family 'fam_a' needs an integer parameter max_batch_size: its requests' seq slots are 0 .. "
+    "max_batch_size - 1 (bufc.requests.batch.limits); declare it under parameters"
+)
+
+
+def test_a_spec_without_an_integer_max_batch_size_is_a_located_error():
+    """The request table's seq slots are bounded by max_batch_size, whether or not a formula
+    reads it: a spec without one (a renamed parameter) generated a module that could not be
+    built."""
+    assert diagnostics(BASE.replace("max_batch_size", "batch_cap")) == [
+        f"buffers.yaml:12:3: {SLOTS}"
+    ]
+    as_bool = "max_batch_size: {doc: B., type: bool}"
+    assert diagnostics(BASE.replace("max_batch_size: {doc: Batch., min: 1}", as_bool)) == [
+        f"buffers.yaml:5:3: {SLOTS}",
+        "buffers.yaml:10:40: a size bound must be an integer, got a condition: 'max_batch_size'",
+    ]
+
+
 def test_a_yaml_1_1_boolean_is_a_located_error():
     flag = "  variant: {doc: Variant., values: [a, b]}"
     text = BASE.replace(flag, flag + "\n  extras: {doc: Extras., type: bool, default: yes}")
     assert diagnostics(text) == [
         "buffers.yaml:4:47: 'yes' is a YAML 1.1 boolean; write true or false (or quote it for "
         "the text)"
+    ]
+
+
+@pytest.mark.parametrize("value", ("010", "1:04", "0x40", "6_4", "0b11"))
+def test_a_yaml_1_1_integer_is_a_located_error(value):
+    """Octal, base 60, hex, binary and underscored digits read as other numbers than they
+    show (010 is 8, 1:04 is 64): refused where they stand."""
+    flag = "  variant: {doc: Variant., values: [a, b]}"
+    text = BASE.replace(flag, flag + f"\n  extras: {{doc: Extras., type: int, default: {value}}}")
+    column = 47 + len("int, default: ") - len("bool, default: ")
+    assert diagnostics(text) == [
+        f"buffers.yaml:4:{column}: '{value}' reads as a YAML 1.1 integer (octal, base 60, hex, "
+        "binary or with '_'); write it in decimal digits (or quote it for the text)"
+    ]
+
+
+def test_an_integer_of_thousands_of_digits_is_a_located_error():
+    text = "version: 1\nflags: {a: {doc: A., default: " + "9" * 5000 + "}}\n"
+    assert diagnostics(text) == [
+        "buffers.yaml:2:31: this integer has 5000 digits; a buffer spec's numbers have at most 4000"
     ]
 
 

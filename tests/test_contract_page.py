@@ -158,6 +158,21 @@ def test_check_fails_on_a_stale_page(tmp_path: Path) -> None:
     assert _cli("--check", str(PAGE)).returncode == 0
 
 
+@pytest.mark.parametrize("kind", ("binary", "endless", "folder"))
+def test_check_of_a_file_that_is_not_the_page_says_it_is_out_of_date(tmp_path, kind) -> None:
+    """Bytes that are not UTF-8, a device that never ends, a folder: out of date, said as for a
+    stale page (no traceback, nothing read past the page's length)."""
+    path = {"binary": tmp_path / "page.md", "endless": Path("/dev/zero"), "folder": tmp_path}[kind]
+    if kind == "binary":
+        path.write_bytes(b"\xff\xfe" + PAGE.read_bytes())
+    run = _cli("--check", str(path))
+    assert run.returncode == 1
+    assert run.stderr == (
+        f"{path} is out of date with buffers.yaml; run 'bufc contract --spec buffers.yaml "
+        f"--out {path}'\n"
+    )
+
+
 def test_a_familys_tables_for_any_spec() -> None:
     """`bufc contract FAMILY` prints the family's bound tensors with their pads, and its
     scalars; an unknown family is a usage error naming the ones there are."""

@@ -192,8 +192,29 @@ def test_a_derived_value_of_the_wrong_type_is_refused(fam, monkeypatch) -> None:
             "buffers.yaml:29:34: 'attention_windows' is a list parameter; formulas can only take "
             "its len()",
         ),
+        (
+            "doc: A formula over a derived int and a derived list.",
+            "doc: A formula over a derived int and a derived list.\n    derive: os:getpid",
+            "buffers.yaml:28:5: a derived value takes exactly one of 'value' (a formula) or "
+            "'derive' (MODULE:NAME, with optional 'reads' and 'type')",
+        ),
+        (
+            'value: "num_kv_pools * 100 + len(layer_windows)"',
+            "type: int",
+            "buffers.yaml:28:5: a derived value takes exactly one of 'value' (a formula) or "
+            "'derive' (MODULE:NAME, with optional 'reads' and 'type')",
+        ),
     ],
-    ids=["below-min", "not-ints", "unknown-read", "size-read", "list-in-formula", "ints-param"],
+    ids=[
+        "below-min",
+        "not-ints",
+        "unknown-read",
+        "size-read",
+        "list-in-formula",
+        "ints-param",
+        "value-and-derive",
+        "neither",
+    ],
 )
 def test_each_list_diagnostic_names_its_line(old: str, new: str, want: str) -> None:
     assert old in SPEC

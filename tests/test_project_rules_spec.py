@@ -378,6 +378,17 @@ def test_a_module_that_fails_to_import_is_a_located_error(in_project: Path, caps
         "buffers.yaml:14:11: request check 'short_queries' names mypkg.rules:check_short_queries, "
         "but importing mypkg.rules raised ZeroDivisionError: division by zero; fix mypkg.rules"
     )
+    rules = RULES + "\nimport sys\nsys.exit(0)\n"  # an import that exits: no silent stop
+    assert _imported_errors(capsys, in_project, rules=rules)[0] == (
+        "buffers.yaml:14:11: request check 'short_queries' names mypkg.rules:check_short_queries, "
+        "but importing mypkg.rules raised SystemExit: 0; fix mypkg.rules"
+    )
+    rules = RULES + "\ndef __getattr__(name):\n    raise KeyError(name)\n"  # a lookup that raises
+    spec = SPEC.replace("impl: mypkg.rules:cu_seqlens_q", "impl: mypkg.rules:cu_seqlens_w")
+    assert _imported_errors(capsys, in_project, spec, rules) == [
+        "buffers.yaml:25:11: rule 'cu_seqlens_q' names mypkg.rules:cu_seqlens_w, but looking up "
+        "cu_seqlens_w in mypkg.rules raised KeyError: 'cu_seqlens_w'; fix mypkg.rules"
+    ]
 
 
 def test_a_project_signature_that_takes_its_call_another_way_passes(in_project: Path, capsys):
