@@ -37,7 +37,7 @@ RESERVED = frozenset(
         "rt",
         "config",
         "sizes",
-        "rows",  # the generated Continuing's first field, beside the tensors' results
+        "rows",  # kept free for the step's rows record in the generated checks
     }
 )
 
@@ -103,6 +103,18 @@ class Scope:
     def check_name(self, name: str, loc: Location, what: str) -> None:
         if keyword.iskeyword(name) or keyword.issoftkeyword(name) or name in RESERVED:
             self.errors.error(loc, f"{what} name '{name}' is reserved; choose another name")
+        elif name in vocab.DTYPES:
+            self.errors.error(
+                loc,
+                f"{what} name '{name}' is a dtype: a tensor's 'dtype: {name}' would mean the "
+                "dtype, not this name; choose another name",
+            )
+        elif what == KIND_TEXT["scalar"] and name in vocab.STEP_FIELDS:
+            self.errors.error(
+                loc,
+                f"{what} name '{name}' is a field of the step record: step.{name} would not "
+                "read it; choose another name",
+            )
         elif name in vocab.MODULE_NAMES or name.startswith("SET_"):
             # a declared name binds only as a dataclass field of a generated module (elsewhere
             # it is an attribute or a keyword), where it would shadow a module-level name

@@ -4,6 +4,7 @@ their dtype, and tensors, bindings, checks and check conditions that can never h
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 
 from . import expr as E
@@ -15,10 +16,12 @@ from .validate_names import Scope
 
 
 def engine_names(scope: Scope, plans: list[FamilyPlan]) -> None:
-    """Each engine input and output bound by one tensor at a time in each family."""
+    """Each engine input and output bound by one tensor at a time in each family (a name a
+    binding repeated over index sets may take included)."""
     for plan in plans:
         fam = plan.family
         seen: dict[tuple[str, str], list[tuple[str, E.Expr | None]]] = {}
+        _expansions(scope, plan)
         for pt in plan.tensors:
             for b in pt.bindings:
                 key = (b.direction, b.engine_name)
@@ -35,6 +38,54 @@ def engine_names(scope: Scope, plans: list[FamilyPlan]) -> None:
                         f"'{other.name}' ({other.loc.line_from(b.loc)}) and '{pt.name}' in family "
                         f"'{fam.name}'; make their 'when' conditions exclusive",
                     )
+
+
+def _expansions(scope: Scope, plan: FamilyPlan) -> None:
+    """A plain engine name that a binding repeated over index sets can also take (`out1` and
+    `out{layer}`): both would bind it."""
+    repeated = [
+        (pt, b, _pattern(scope, b.engine_name))
+        for pt in plan.tensors
+        for b in pt.bindings
+        if b.each
+    ]
+    for pt in plan.tensors:
+        for b in pt.bindings:
+            if b.each:
+                continue
+            for other, r, pattern in repeated:
+                if (
+                    r.direction == b.direction
+                    and pattern.fullmatch(b.engine_name)
+                    and not _exclusive(scope, _conj(pt.when, b.when), _conj(other.when, r.when))
+                ):
+                    scope.errors.error(
+                        b.loc,
+                        f"engine {b.direction} '{b.engine_name}' of '{pt.name}' is also a name "
+                        f"that '{other.name}' binds as '{r.engine_name}' "
+                        f"({scope.spec.tensor(other.name).loc.line_from(b.loc)}) in family "
+                        f"'{plan.family.name}'; rename one, or make their 'when' conditions "
+                        "exclusive",
+                    )
+
+
+def _pattern(scope: Scope, name: str) -> re.Pattern[str]:
+    """The names a repeated binding's `name` takes: each {SET} one of the set's labels (a
+    names parameter's values, or any number)."""
+    parts = re.split(r"\{(\w+)\}", name)
+    out = []
+    for i, part in enumerate(parts):
+        if i % 2 == 0:
+            out.append(re.escape(part))
+            continue
+        x = next((x for x in scope.spec.index_sets if x.name == part), None)
+        if x is None or not x.names:
+            out.append(r"-?[0-9]+")  # a numbered set's labels
+            continue
+        param = next((p for p in scope.spec.parameters if p.name == x.names), None)
+        values = param.values if param is not None else ()
+        out.append(f"(?:{'|'.join(map(re.escape, values))})" if values else r"\w+")
+    return re.compile("".join(out))
 
 
 def _exclusive(scope: Scope, a: E.Expr | None, b: E.Expr | None) -> bool:

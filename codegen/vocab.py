@@ -89,6 +89,10 @@ RULE_MODULES: frozenset[str] = frozenset(
 # binds only in a class body (a dataclass field), where it shadows these for the rest of that
 # body (a parameter 'dataclasses' with a default breaks the module's import): no declared name
 # may take one (validate.py).
+# The fields of the step record (bufc.runtime.step.Step): a step scalar is read as
+# step.NAME, which these answer first (tests/test_generated_names.py compares the two).
+STEP_FIELDS: frozenset[str] = frozenset({"inputs", "outputs", "sizes", "scalars", "ring_slots"})
+
 MODULE_NAMES: frozenset[str] = frozenset(
     {
         "annotations",

@@ -480,6 +480,42 @@ def test_all_errors_are_reported_sorted():
     ]
 
 
+def test_a_plain_engine_name_a_repeated_binding_also_takes():
+    """`out1` bound plainly and `out{layer}` over layers 0 and 1 both bind `out1`; `out_1` and
+    `outx` are no name of the repeated binding."""
+    sets = 'index_sets:\n  layer: {doc: L., first: "0", count: "2"}\nfamilies:'
+    outs = (
+        "      - input: input_ids\n  - name: outs\n    doc: O.\n    memory: device\n"
+        "    dtype: int32\n    capacity: [2, 4]\n    shape: [2, 4]\n    fill: engine\n"
+        '    bind:\n      - {output: "out{layer}", each: [layer]}\n      - {output: out1}'
+    )
+    text = BASE.replace("families:", sets).replace("      - input: input_ids", outs)
+    assert diagnostics(text) == [
+        "buffers.yaml:38:18: engine output 'out1' of 'outs' is also a name that 'outs' binds as "
+        "'out{layer}' (line 29) in family 'fam_a'; rename one, or make their 'when' conditions "
+        "exclusive"
+    ]
+    for other in ("out_1", "outx"):
+        assert diagnostics(text.replace("{output: out1}", f"{{output: {other}}}")) == []
+
+
+def test_a_name_that_is_a_dtype_is_refused():
+    """A dtype parameter named float32 was silently ignored: `dtype: float32` reads as the
+    dtype."""
+    assert diagnostics(BASE.replace("act_dtype", "float32")) == [
+        "buffers.yaml:7:3: dtype parameter name 'float32' is a dtype: a tensor's 'dtype: "
+        "float32' would mean the dtype, not this name; choose another name"
+    ]
+
+
+def test_a_scalar_named_like_a_field_of_the_step_is_refused():
+    scalar = 'scalars:\n  inputs: {doc: I., value: "num_tokens"}\nfamilies:'
+    assert diagnostics(BASE.replace("families:", scalar)) == [
+        "buffers.yaml:12:3: step scalar name 'inputs' is a field of the step record: step.inputs "
+        "would not read it; choose another name"
+    ]
+
+
 def test_division_by_a_constant_zero():
     text = BASE.replace('capacity: ["max_num_tokens"]', 'capacity: ["max_num_tokens // (2 - 2)"]')
     assert diagnostics(text) == ["buffers.yaml:18:17: 'max_num_tokens // (2 - 2)' divides by zero"]

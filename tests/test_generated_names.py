@@ -185,3 +185,13 @@ def test_a_rule_module_named_like_a_generated_name_is_imported_under_a_free_alia
     finally:
         del sys.modules[spec.name]
     assert ages == [[2], [3]]
+
+
+def test_the_step_fields_a_scalar_may_not_take_are_the_step_records():
+    """codegen's STEP_FIELDS (it needs no torch) lists runtime.step.Step's fields."""
+    import dataclasses
+
+    from bufc.codegen import vocab
+    from bufc.runtime.step import Step
+
+    assert {f.name for f in dataclasses.fields(Step)} == vocab.STEP_FIELDS
