@@ -142,6 +142,18 @@ def ranges(scope: Scope, plans: list[FamilyPlan]) -> None:
                 f"the max of step size '{z.name}', '{z.bound.shown}', is negative ({value}) "
                 f"{scope.prover.where(z.bound.expr, point)}: no step could be prepared",
             )
+    for x in scope.spec.index_sets:
+        used = [(plan, None) for plan in plans if any(y.name == x.name for y in plan.index_sets)]
+        if x.count is None or not used or scope.prover.range_of(x.count.expr)[0] >= 0:
+            continue
+        found = _witness(scope, x.count.expr, lambda v: v < 0, used)
+        if found is not None:
+            point, value = found
+            scope.errors.error(
+                x.count.loc,
+                f"the count of index set '{x.name}', '{x.count.shown}', is negative ({value}) "
+                f"{scope.prover.where(x.count.expr, point)}: its bindings would bind nothing",
+            )
 
 
 def _witness(

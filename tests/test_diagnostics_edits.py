@@ -499,6 +499,22 @@ def test_a_plain_engine_name_a_repeated_binding_also_takes():
         assert diagnostics(text.replace("{output: out1}", f"{{output: {other}}}")) == []
 
 
+def test_a_negative_index_set_count_is_a_located_error():
+    """A count below 0 for some value of the parameters: the set's bindings would bind nothing
+    (it read as an empty set)."""
+    sets = 'index_sets:\n  layer: {doc: L., first: "0", count: "max_batch_size - 3"}\nfamilies:'
+    outs = (
+        "      - input: input_ids\n  - name: outs\n    doc: O.\n    memory: device\n"
+        "    dtype: int32\n    capacity: [2, 4]\n    shape: [2, 4]\n    fill: engine\n"
+        '    bind:\n      - {output: "out{layer}", each: [layer]}'
+    )
+    text = BASE.replace("families:", sets).replace("      - input: input_ids", outs)
+    assert diagnostics(text) == [
+        "buffers.yaml:12:40: the count of index set 'layer', 'max_batch_size - 3', is negative "
+        "(-2) when max_batch_size = 1: its bindings would bind nothing"
+    ]
+
+
 def test_a_name_that_is_a_dtype_is_refused():
     """A dtype parameter named float32 was silently ignored: `dtype: float32` reads as the
     dtype."""
