@@ -132,28 +132,33 @@ def ranges(scope: Scope, plans: list[FamilyPlan]) -> None:
             _constant_range(scope, t, t.fill.value, where[t.name])
     for z in scope.spec.sizes:
         used = [(plan, None) for plan in plans if z in plan.sizes]
-        if z.bound is None or not used or scope.prover.range_of(z.bound.expr)[0] >= 0:
-            continue
-        found = _witness(scope, z.bound.expr, lambda v: v < 0, used)
-        if found is not None:
-            point, value = found
-            scope.errors.error(
-                z.bound.loc,
-                f"the max of step size '{z.name}', '{z.bound.shown}', is negative ({value}) "
-                f"{scope.prover.where(z.bound.expr, point)}: no step could be prepared",
-            )
+        what = f"the max of step size '{z.name}'"
+        _never_negative(scope, z.bound, used, what, "no step could be prepared")
     for x in scope.spec.index_sets:
         used = [(plan, None) for plan in plans if any(y.name == x.name for y in plan.index_sets)]
-        if x.count is None or not used or scope.prover.range_of(x.count.expr)[0] >= 0:
-            continue
-        found = _witness(scope, x.count.expr, lambda v: v < 0, used)
-        if found is not None:
-            point, value = found
-            scope.errors.error(
-                x.count.loc,
-                f"the count of index set '{x.name}', '{x.count.shown}', is negative ({value}) "
-                f"{scope.prover.where(x.count.expr, point)}: its bindings would bind nothing",
-            )
+        what = f"the count of index set '{x.name}'"
+        _never_negative(scope, x.count, used, what, "its bindings would bind nothing")
+
+
+def _never_negative(
+    scope: Scope,
+    f: Formula | None,
+    used: Sequence[tuple[FamilyPlan, PlannedTensor | None]],
+    what: str,
+    consequence: str,
+) -> None:
+    """`f` (what it is: `what`) is not negative at any point of the declared ranges where a
+    family that uses it (`used`) holds; else a located error saying the `consequence`."""
+    if f is None or not used or scope.prover.range_of(f.expr)[0] >= 0:
+        return
+    found = _witness(scope, f.expr, lambda v: v < 0, used)
+    if found is not None:
+        point, value = found
+        scope.errors.error(
+            f.loc,
+            f"{what}, '{f.shown}', is negative ({value}) {scope.prover.where(f.expr, point)}: "
+            f"{consequence}",
+        )
 
 
 def _witness(

@@ -480,16 +480,23 @@ def test_all_errors_are_reported_sorted():
     ]
 
 
-def test_a_plain_engine_name_a_repeated_binding_also_takes():
-    """`out1` bound plainly and `out{layer}` over layers 0 and 1 both bind `out1`; `out_1` and
-    `outx` are no name of the repeated binding."""
-    sets = 'index_sets:\n  layer: {doc: L., first: "0", count: "2"}\nfamilies:'
+def _repeated_outputs(count: str, plain: str = "") -> str:
+    """BASE with an index set `layer` of `count` members and a tensor `outs` bound as
+    `out{layer}` over it (and as `plain` too, where given)."""
+    sets = f'index_sets:\n  layer: {{doc: L., first: "0", count: "{count}"}}\nfamilies:'
     outs = (
         "      - input: input_ids\n  - name: outs\n    doc: O.\n    memory: device\n"
         "    dtype: int32\n    capacity: [2, 4]\n    shape: [2, 4]\n    fill: engine\n"
-        '    bind:\n      - {output: "out{layer}", each: [layer]}\n      - {output: out1}'
+        '    bind:\n      - {output: "out{layer}", each: [layer]}'
+        + (f"\n      - {{output: {plain}}}" if plain else "")
     )
-    text = BASE.replace("families:", sets).replace("      - input: input_ids", outs)
+    return BASE.replace("families:", sets).replace("      - input: input_ids", outs)
+
+
+def test_a_plain_engine_name_a_repeated_binding_also_takes():
+    """`out1` bound plainly and `out{layer}` over layers 0 and 1 both bind `out1`; `out_1` and
+    `outx` are no name of the repeated binding."""
+    text = _repeated_outputs("2", "out1")
     assert diagnostics(text) == [
         "buffers.yaml:38:18: engine output 'out1' of 'outs' is also a name that 'outs' binds as "
         "'out{layer}' (line 29) in family 'fam_a'; rename one, or make their 'when' conditions "
@@ -502,14 +509,7 @@ def test_a_plain_engine_name_a_repeated_binding_also_takes():
 def test_a_negative_index_set_count_is_a_located_error():
     """A count below 0 for some value of the parameters: the set's bindings would bind nothing
     (it read as an empty set)."""
-    sets = 'index_sets:\n  layer: {doc: L., first: "0", count: "max_batch_size - 3"}\nfamilies:'
-    outs = (
-        "      - input: input_ids\n  - name: outs\n    doc: O.\n    memory: device\n"
-        "    dtype: int32\n    capacity: [2, 4]\n    shape: [2, 4]\n    fill: engine\n"
-        '    bind:\n      - {output: "out{layer}", each: [layer]}'
-    )
-    text = BASE.replace("families:", sets).replace("      - input: input_ids", outs)
-    assert diagnostics(text) == [
+    assert diagnostics(_repeated_outputs("max_batch_size - 3")) == [
         "buffers.yaml:12:40: the count of index set 'layer', 'max_batch_size - 3', is negative "
         "(-2) when max_batch_size = 1: its bindings would bind nothing"
     ]
