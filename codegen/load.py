@@ -77,12 +77,12 @@ class _NoAliasLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
-# PyYAML's scanner and parser messages, in the house style: what is wrong and what to do.
 # An integer as a buffer spec writes one: decimal digits. YAML 1.1 also reads octal (010 is 8),
 # base 60 (1:04 is 64), hex, binary and digits with underscores as integers.
 _DECIMAL = re.compile(r"[-+]?(0|[1-9][0-9]*)")
 _MOST_DIGITS = 4000  # Python refuses to read an int of more than 4300 digits
 
+# PyYAML's scanner and parser messages, in the house style: what is wrong and what to do.
 _PLAIN = (
     (
         "expected a single document",

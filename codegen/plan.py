@@ -35,8 +35,9 @@ from .model import (
 
 # The Config values the batch builder bounds requests by (bufc.requests.batch.limits), passed
 # where the family has them.
+SLOTS_LIMIT = "max_batch_size"  # the limit batch.limits requires: every family keeps it
 LIMIT_VALUES = (
-    "max_batch_size",
+    SLOTS_LIMIT,
     "max_beam_width",
     "max_draft_tokens",
     "vocab_size",
@@ -230,7 +231,7 @@ def lower_family(spec: Spec, family: Family) -> FamilyPlan:
     derived_by_name = {d.name: d for d in spec.derived}
     read = _used_names(spec, tensors, sizes, index_sets) | _scalar_names(scalars, tensors)
     read |= _family_check_reads(spec, flags)
-    read.add("max_batch_size")  # the request table's slots (batch.limits), read or not
+    read.add(SLOTS_LIMIT)  # the request table's slots, read by a formula or not
     used = _closure(read, derived_by_name)
     checks = []
     for c in spec.checks:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from . import vocab
 from .errors import did_you_mean
 from .model import Derived, Parameter
-from .plan import dtype_values
+from .plan import SLOTS_LIMIT, dtype_values
 from .validate_names import (
     CAPACITY,
     CHECK,
@@ -211,7 +211,7 @@ def _derived_cycles(scope: Scope) -> None:
 
 
 def _families(scope: Scope) -> None:
-    slots = next((p for p in scope.spec.parameters if p.name == "max_batch_size"), None)
+    slots = next((p for p in scope.spec.parameters if p.name == SLOTS_LIMIT), None)
     if scope.spec.families and (slots is None or slots.kind != "int"):
         fam = scope.spec.families[0]
         scope.errors.error(

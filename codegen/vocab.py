@@ -80,6 +80,10 @@ RULE_MODULES: frozenset[str] = frozenset(
     }
 )
 
+# The fields of the step record (bufc.runtime.step.Step): a step scalar is read as
+# step.NAME, which these answer first (tests/test_generated_names.py compares the two).
+STEP_FIELDS: frozenset[str] = frozenset({"inputs", "outputs", "sizes", "scalars", "ring_slots"})
+
 # The names a generated module (family.py.j2, and render_init's generated/__init__.py) binds or
 # reads as plain names. The only names it binds that are not here are the spec's own: fields
 # of Config, State, Checked and Advancing (parameters, derived values, checks, tensors) and the
@@ -89,10 +93,6 @@ RULE_MODULES: frozenset[str] = frozenset(
 # binds only in a class body (a dataclass field), where it shadows these for the rest of that
 # body (a parameter 'dataclasses' with a default breaks the module's import): no declared name
 # may take one (validate.py).
-# The fields of the step record (bufc.runtime.step.Step): a step scalar is read as
-# step.NAME, which these answer first (tests/test_generated_names.py compares the two).
-STEP_FIELDS: frozenset[str] = frozenset({"inputs", "outputs", "sizes", "scalars", "ring_slots"})
-
 MODULE_NAMES: frozenset[str] = frozenset(
     {
         "annotations",
