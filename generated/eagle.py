@@ -481,6 +481,28 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
+    # Seq slot of each step row (each context request's, then each generation beam's; a request's beams share its slot), on the host.
+    rt.TensorDecl(
+        'host_row_slots',
+        dtype=torch.int32,
+        memory=rt.PINNED,
+        capacity=lambda c: (c.max_num_sequences,),
+        shape=lambda c, s: (s.num_sequences,),
+        fill=rt.Rule(core.row_slots),
+        pad=-1,
+        inputs=(rt.Bind('row_slots_cpu'),),
+    ),
+    # Device copy of host_row_slots.
+    rt.TensorDecl(
+        'row_slots',
+        dtype=torch.int32,
+        memory=rt.DEVICE,
+        capacity=lambda c: (c.max_num_sequences,),
+        shape=lambda c, s: (s.num_sequences,),
+        fill=rt.Mirror('host_row_slots'),
+        pad=-1,
+        inputs=(rt.Bind('row_slots'),),
+    ),
     # Speculative decoding on (1).
     rt.TensorDecl(
         'spec_decoding_use',
@@ -915,7 +937,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     captures = True  # prepare_for_cuda_graph writes capture values (_capture)
     no_advance = ('posterior_thresholds', 'posterior_alphas', 'chunked_context_next_tokens')  # rules without an advance form
     # what the step calls on requests: a Request field none of them reads is refused when set
-    request_readers = ('admit_posterior_threshold', 'check_kv_blocks', 'check_posterior_thresholds', 'chunked_context_next_tokens', 'context_lengths', 'kv_cache_block_offsets', 'last_token_ids', 'past_key_value_lengths', 'position_ids', 'posterior_alphas', 'posterior_thresholds', 'request_types', 'seq_slots', 'sequence_lengths', 'token_ids')
+    request_readers = ('admit_posterior_threshold', 'check_kv_blocks', 'check_posterior_thresholds', 'chunked_context_next_tokens', 'context_lengths', 'kv_cache_block_offsets', 'last_token_ids', 'past_key_value_lengths', 'position_ids', 'posterior_alphas', 'posterior_thresholds', 'request_types', 'row_slots', 'seq_slots', 'sequence_lengths', 'token_ids')
     project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:
@@ -1071,6 +1093,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         )
         # host_seq_slots: Decoder slot of each request, context requests first.
         t.host_seq_slots.wrote(core.seq_slots(t.host_seq_slots.out, b))
+        # host_row_slots: Seq slot of each step row (each context request's, then each generation
+        # beam's; a request's beams share its slot), on the host.
+        t.host_row_slots.wrote(core.row_slots(t.host_row_slots.out, b))
         # host_eagle_posterior_thresholds: Posterior threshold of each request (its own or 0.09),
         # staged on the host.
         t.host_eagle_posterior_thresholds.wrote(

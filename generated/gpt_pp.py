@@ -545,6 +545,28 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
+    # Seq slot of each step row (each context request's, then each generation beam's; a request's beams share its slot), on the host.
+    rt.TensorDecl(
+        'host_row_slots',
+        dtype=torch.int32,
+        memory=rt.PINNED,
+        capacity=lambda c: (c.max_num_sequences,),
+        shape=lambda c, s: (s.num_sequences,),
+        fill=rt.Rule(core.row_slots),
+        pad=-1,
+        inputs=(rt.Bind('row_slots_cpu'),),
+    ),
+    # Device copy of host_row_slots.
+    rt.TensorDecl(
+        'row_slots',
+        dtype=torch.int32,
+        memory=rt.DEVICE,
+        capacity=lambda c: (c.max_num_sequences,),
+        shape=lambda c, s: (s.num_sequences,),
+        fill=rt.Mirror('host_row_slots'),
+        pad=-1,
+        inputs=(rt.Bind('row_slots'),),
+    ),
     # Hidden states exchanged between pipeline ranks (input on later, output on earlier ranks).
     rt.TensorDecl(
         'hidden_states',
@@ -597,7 +619,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     captures = True  # prepare_for_cuda_graph writes capture values (_capture)
     no_advance = ()  # rules without an advance form
     # what the step calls on requests: a Request field none of them reads is refused when set
-    request_readers = ('cache_indirection_copies', 'cache_indirection_decoder_copies', 'check_kv_blocks', 'context_lengths', 'generation_beam_widths', 'kv_cache_block_offsets', 'last_token_ids', 'past_key_value_lengths', 'position_ids', 'request_types', 'seq_slots', 'sequence_lengths', 'token_ids')
+    request_readers = ('cache_indirection_copies', 'cache_indirection_decoder_copies', 'check_kv_blocks', 'context_lengths', 'generation_beam_widths', 'kv_cache_block_offsets', 'last_token_ids', 'past_key_value_lengths', 'position_ids', 'request_types', 'row_slots', 'seq_slots', 'sequence_lengths', 'token_ids')
     project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:
@@ -740,6 +762,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             )
         # host_seq_slots: Decoder slot of each request, context requests first.
         t.host_seq_slots.wrote(core.seq_slots(t.host_seq_slots.out, b))
+        # host_row_slots: Seq slot of each step row (each context request's, then each generation
+        # beam's; a request's beams share its slot), on the host.
+        t.host_row_slots.wrote(core.row_slots(t.host_row_slots.out, b))
         return decode.start(b)
 
     def _advance_check(
@@ -838,6 +863,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             t.host_generation_beam_widths.keep(p.host_generation_beam_widths, d.holds_run)
         # host_seq_slots: Decoder slot of each request, context requests first.
         t.host_seq_slots.keep(p.host_seq_slots, d.holds_run)
+        # host_row_slots: Seq slot of each step row (each context request's, then each generation
+        # beam's; a request's beams share its slot), on the host.
+        t.host_row_slots.keep(p.host_row_slots, d.holds_run)
 
     def _advance_on_device(self, v: rt.DeviceStep, a: Advancing) -> None:
         """The decode step's device mirrors when its tokens stay on the device (after
@@ -863,6 +891,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # cache_indirection_decoder_copies: Device copy of host_cache_indirection_decoder_copies.
         # (the last step's values stay on the device)
         # seq_slots: Device copy of host_seq_slots, for decoder-side gathers.
+        # (the last step's values stay on the device)
+        # row_slots: Device copy of host_row_slots.
         # (the last step's values stay on the device)
 
     def _scalars(self, t: rt.Targets, s: StepSizes) -> dict[str, int]:

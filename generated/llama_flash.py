@@ -191,6 +191,28 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
+    # Seq slot of each step row (each context request's, then each generation beam's; a request's beams share its slot), on the host.
+    rt.TensorDecl(
+        'host_row_slots',
+        dtype=torch.int32,
+        memory=rt.PINNED,
+        capacity=lambda c: (c.max_num_sequences,),
+        shape=lambda c, s: (s.num_sequences,),
+        fill=rt.Rule(core.row_slots),
+        pad=-1,
+        inputs=(rt.Bind('row_slots_cpu'),),
+    ),
+    # Device copy of host_row_slots.
+    rt.TensorDecl(
+        'row_slots',
+        dtype=torch.int32,
+        memory=rt.DEVICE,
+        capacity=lambda c: (c.max_num_sequences,),
+        shape=lambda c, s: (s.num_sequences,),
+        fill=rt.Mirror('host_row_slots'),
+        pad=-1,
+        inputs=(rt.Bind('row_slots'),),
+    ),
     # 0, then the cumulative query tokens of each sequence (FlashAttention's cu_seqlens_q), on the host.
     rt.TensorDecl(
         'host_query_start_loc',
@@ -244,6 +266,28 @@ TENSORS = (
         fill=rt.Mirror('host_seq_lens'),
         pad=0,
         inputs=(rt.Bind('seq_lens'),),
+    ),
+    # 0, then the cumulative KV tokens of each sequence once this step's tokens are written (FlashAttention's cu_seqlens_k), on the host.
+    rt.TensorDecl(
+        'host_cu_seqlens_k',
+        dtype=torch.int32,
+        memory=rt.PINNED,
+        capacity=lambda c: (c.max_num_sequences + 1,),
+        shape=lambda c, s: (s.num_sequences + 1,),
+        fill=rt.Rule(paged_attention.cu_seqlens_k),
+        pad=rt.REPEAT_LAST,
+        inputs=(rt.Bind('cu_seqlens_k_cpu'),),
+    ),
+    # Device copy of host_cu_seqlens_k.
+    rt.TensorDecl(
+        'cu_seqlens_k',
+        dtype=torch.int32,
+        memory=rt.DEVICE,
+        capacity=lambda c: (c.max_num_sequences + 1,),
+        shape=lambda c, s: (s.num_sequences + 1,),
+        fill=rt.Mirror('host_cu_seqlens_k'),
+        pad=rt.REPEAT_LAST,
+        inputs=(rt.Bind('cu_seqlens_k'),),
     ),
     # Position of every token of the packed batch (drafts included), staged on the host.
     rt.TensorDecl(
@@ -375,6 +419,28 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('logits_indices'),),
     ),
+    # Whether each logit row produces a token (1 for every generation token and for a chunk that ends its prompt, 0 for a chunk that stops mid-prompt, whose sampled token is discarded), on the host.
+    rt.TensorDecl(
+        'host_produces_token',
+        dtype=torch.bool,
+        memory=rt.PINNED,
+        capacity=lambda c: (c.max_num_logits,),
+        shape=lambda c, s: (s.num_logits,),
+        fill=rt.Rule(paged_attention.produces_token),
+        pad=0,
+        inputs=(rt.Bind('produces_token_cpu'),),
+    ),
+    # Device copy of host_produces_token.
+    rt.TensorDecl(
+        'produces_token',
+        dtype=torch.bool,
+        memory=rt.DEVICE,
+        capacity=lambda c: (c.max_num_logits,),
+        shape=lambda c, s: (s.num_logits,),
+        fill=rt.Mirror('host_produces_token'),
+        pad=0,
+        inputs=(rt.Bind('produces_token'),),
+    ),
 )
 
 
@@ -405,9 +471,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     tensor_decls = TENSORS
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     advances_on_device = False  # decode steps without a copy
-    no_advance = ('query_start_loc', 'query_lens', 'seq_lens', 'token_positions', 'block_table', 'kv_slot_mapping', 'group_block_tables', 'group_slot_mappings', 'logits_indices')  # rules without an advance form
+    no_advance = ('query_start_loc', 'query_lens', 'seq_lens', 'cu_seqlens_k', 'token_positions', 'block_table', 'kv_slot_mapping', 'group_block_tables', 'group_slot_mappings', 'logits_indices', 'produces_token')  # rules without an advance form
     # what the step calls on requests: a Request field none of them reads is refused when set
-    request_readers = ('block_table', 'check_kv_blocks', 'group_block_tables', 'group_slot_mappings', 'kv_slot_mapping', 'logits_indices', 'query_lens', 'query_start_loc', 'seq_lens', 'seq_slots', 'token_ids', 'token_positions')
+    request_readers = ('block_table', 'check_kv_blocks', 'cu_seqlens_k', 'group_block_tables', 'group_slot_mappings', 'kv_slot_mapping', 'logits_indices', 'produces_token', 'query_lens', 'query_start_loc', 'row_slots', 'seq_lens', 'seq_slots', 'token_ids', 'token_positions')
     project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:
@@ -479,6 +545,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         t.host_input_ids.wrote(core.token_ids(t.host_input_ids.out, b))
         # host_seq_slots: Decoder slot of each request, context requests first.
         t.host_seq_slots.wrote(core.seq_slots(t.host_seq_slots.out, b))
+        # host_row_slots: Seq slot of each step row (each context request's, then each generation
+        # beam's; a request's beams share its slot), on the host.
+        t.host_row_slots.wrote(core.row_slots(t.host_row_slots.out, b))
         # host_query_start_loc: 0, then the cumulative query tokens of each sequence
         # (FlashAttention's cu_seqlens_q), on the host.
         t.host_query_start_loc.wrote(paged_attention.query_start_loc(t.host_query_start_loc.out, b))
@@ -488,6 +557,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # host_seq_lens: KV tokens of each sequence once this step's tokens are written
         # (FlashAttention's seqused_k), on the host.
         t.host_seq_lens.wrote(paged_attention.seq_lens(t.host_seq_lens.out, b))
+        # host_cu_seqlens_k: 0, then the cumulative KV tokens of each sequence once this step's
+        # tokens are written (FlashAttention's cu_seqlens_k), on the host.
+        t.host_cu_seqlens_k.wrote(paged_attention.cu_seqlens_k(t.host_cu_seqlens_k.out, b))
         # host_positions: Position of every token of the packed batch (drafts included), staged on
         # the host.
         t.host_positions.wrote(paged_attention.token_positions(t.host_positions.out, b))
@@ -537,6 +609,10 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # host_logits_indices: 0-based row in the packed tokens of each logit row's token (the last
         # of a chunk, every generation token), staged on the host.
         t.host_logits_indices.wrote(paged_attention.logits_indices(t.host_logits_indices.out, b))
+        # host_produces_token: Whether each logit row produces a token (1 for every generation token
+        # and for a chunk that ends its prompt, 0 for a chunk that stops mid-prompt, whose sampled
+        # token is discarded), on the host.
+        t.host_produces_token.wrote(paged_attention.produces_token(t.host_produces_token.out, b))
         return None
 
     def _scalars(self, t: rt.Targets, s: StepSizes) -> dict[str, int]:

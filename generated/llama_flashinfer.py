@@ -172,6 +172,28 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
+    # Seq slot of each step row (each context request's, then each generation beam's; a request's beams share its slot), on the host.
+    rt.TensorDecl(
+        'host_row_slots',
+        dtype=torch.int32,
+        memory=rt.PINNED,
+        capacity=lambda c: (c.max_num_sequences,),
+        shape=lambda c, s: (s.num_sequences,),
+        fill=rt.Rule(core.row_slots),
+        pad=-1,
+        inputs=(rt.Bind('row_slots_cpu'),),
+    ),
+    # Device copy of host_row_slots.
+    rt.TensorDecl(
+        'row_slots',
+        dtype=torch.int32,
+        memory=rt.DEVICE,
+        capacity=lambda c: (c.max_num_sequences,),
+        shape=lambda c, s: (s.num_sequences,),
+        fill=rt.Mirror('host_row_slots'),
+        pad=-1,
+        inputs=(rt.Bind('row_slots'),),
+    ),
     # Query tokens of each sequence this step (its chunk, or its token plus drafts).
     rt.TensorDecl(
         'host_query_lens',
@@ -244,6 +266,28 @@ TENSORS = (
         fill=rt.Mirror('host_logits_indices'),
         pad=0,
         inputs=(rt.Bind('logits_indices'),),
+    ),
+    # Whether each logit row produces a token (1 for every generation token and for a chunk that ends its prompt, 0 for a chunk that stops mid-prompt, whose sampled token is discarded), on the host.
+    rt.TensorDecl(
+        'host_produces_token',
+        dtype=torch.bool,
+        memory=rt.PINNED,
+        capacity=lambda c: (c.max_num_logits,),
+        shape=lambda c, s: (s.num_logits,),
+        fill=rt.Rule(paged_attention.produces_token),
+        pad=0,
+        inputs=(rt.Bind('produces_token_cpu'),),
+    ),
+    # Device copy of host_produces_token.
+    rt.TensorDecl(
+        'produces_token',
+        dtype=torch.bool,
+        memory=rt.DEVICE,
+        capacity=lambda c: (c.max_num_logits,),
+        shape=lambda c, s: (s.num_logits,),
+        fill=rt.Mirror('host_produces_token'),
+        pad=0,
+        inputs=(rt.Bind('produces_token'),),
     ),
     # 0, then the cumulative query tokens of each sequence (FlashInfer's qo_indptr), on the host.
     rt.TensorDecl(
@@ -362,9 +406,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     tensor_decls = TENSORS
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     advances_on_device = False  # decode steps without a copy
-    no_advance = ('query_lens', 'token_positions', 'kv_slot_mapping', 'logits_indices', 'query_start_loc', 'paged_kv_indptr', 'paged_kv_indices', 'paged_kv_last_page_len')  # rules without an advance form
+    no_advance = ('query_lens', 'token_positions', 'kv_slot_mapping', 'logits_indices', 'produces_token', 'query_start_loc', 'paged_kv_indptr', 'paged_kv_indices', 'paged_kv_last_page_len')  # rules without an advance form
     # what the step calls on requests: a Request field none of them reads is refused when set
-    request_readers = ('check_kv_blocks', 'kv_slot_mapping', 'logits_indices', 'paged_kv_indices', 'paged_kv_indptr', 'paged_kv_last_page_len', 'query_lens', 'query_start_loc', 'seq_slots', 'token_ids', 'token_positions')
+    request_readers = ('check_kv_blocks', 'kv_slot_mapping', 'logits_indices', 'paged_kv_indices', 'paged_kv_indptr', 'paged_kv_last_page_len', 'produces_token', 'query_lens', 'query_start_loc', 'row_slots', 'seq_slots', 'token_ids', 'token_positions')
     project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:
@@ -435,6 +479,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         t.host_input_ids.wrote(core.token_ids(t.host_input_ids.out, b))
         # host_seq_slots: Decoder slot of each request, context requests first.
         t.host_seq_slots.wrote(core.seq_slots(t.host_seq_slots.out, b))
+        # host_row_slots: Seq slot of each step row (each context request's, then each generation
+        # beam's; a request's beams share its slot), on the host.
+        t.host_row_slots.wrote(core.row_slots(t.host_row_slots.out, b))
         # host_query_lens: Query tokens of each sequence this step (its chunk, or its token plus
         # drafts).
         t.host_query_lens.wrote(paged_attention.query_lens(t.host_query_lens.out, b))
@@ -455,6 +502,10 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # host_logits_indices: 0-based row in the packed tokens of each logit row's token (the last
         # of a chunk, every generation token), staged on the host.
         t.host_logits_indices.wrote(paged_attention.logits_indices(t.host_logits_indices.out, b))
+        # host_produces_token: Whether each logit row produces a token (1 for every generation token
+        # and for a chunk that ends its prompt, 0 for a chunk that stops mid-prompt, whose sampled
+        # token is discarded), on the host.
+        t.host_produces_token.wrote(paged_attention.produces_token(t.host_produces_token.out, b))
         # host_qo_indptr: 0, then the cumulative query tokens of each sequence (FlashInfer's
         # qo_indptr), on the host.
         t.host_qo_indptr.wrote(paged_attention.query_start_loc(t.host_qo_indptr.out, b))

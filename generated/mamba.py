@@ -302,6 +302,28 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
+    # Seq slot of each step row (each context request's, then each generation beam's; a request's beams share its slot), on the host.
+    rt.TensorDecl(
+        'host_row_slots',
+        dtype=torch.int32,
+        memory=rt.PINNED,
+        capacity=lambda c: (c.max_num_sequences,),
+        shape=lambda c, s: (s.num_sequences,),
+        fill=rt.Rule(core.row_slots),
+        pad=-1,
+        inputs=(rt.Bind('row_slots_cpu'),),
+    ),
+    # Device copy of host_row_slots.
+    rt.TensorDecl(
+        'row_slots',
+        dtype=torch.int32,
+        memory=rt.DEVICE,
+        capacity=lambda c: (c.max_num_sequences,),
+        shape=lambda c, s: (s.num_sequences,),
+        fill=rt.Mirror('host_row_slots'),
+        pad=-1,
+        inputs=(rt.Bind('row_slots'),),
+    ),
     # State slot of each sequence (its request's seq_slot), staged on the host.
     rt.TensorDecl(
         'host_slot_mapping',
@@ -382,7 +404,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     advances_on_device = True  # decode steps without a copy
     no_advance = ()  # rules without an advance form
     # what the step calls on requests: a Request field none of them reads is refused when set
-    request_readers = ('check_recurrent', 'context_lengths', 'last_token_ids', 'request_types', 'seq_slots', 'sequence_lengths', 'slot_mapping', 'token_ids')
+    request_readers = ('check_recurrent', 'context_lengths', 'last_token_ids', 'request_types', 'row_slots', 'seq_slots', 'sequence_lengths', 'slot_mapping', 'token_ids')
     project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:
@@ -455,6 +477,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         t.host_last_token_ids.wrote(core.last_token_ids(t.host_last_token_ids.out, b))
         # host_seq_slots: Decoder slot of each request, context requests first.
         t.host_seq_slots.wrote(core.seq_slots(t.host_seq_slots.out, b))
+        # host_row_slots: Seq slot of each step row (each context request's, then each generation
+        # beam's; a request's beams share its slot), on the host.
+        t.host_row_slots.wrote(core.row_slots(t.host_row_slots.out, b))
         # host_slot_mapping: State slot of each sequence (its request's seq_slot), staged on the
         # host.
         t.host_slot_mapping.wrote(features.slot_mapping(t.host_slot_mapping.out, b))
@@ -492,6 +517,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         t.host_last_token_ids.keep(p.host_last_token_ids, d.holds_run)
         # host_seq_slots: Decoder slot of each request, context requests first.
         t.host_seq_slots.keep(p.host_seq_slots, d.holds_run)
+        # host_row_slots: Seq slot of each step row (each context request's, then each generation
+        # beam's; a request's beams share its slot), on the host.
+        t.host_row_slots.keep(p.host_row_slots, d.holds_run)
         # host_slot_mapping: State slot of each sequence (its request's seq_slot), staged on the
         # host.
         t.host_slot_mapping.keep(p.host_slot_mapping, d.holds_run)
@@ -511,6 +539,8 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # tokens.
         # (the last step's values stay on the device)
         # seq_slots: Device copy of host_seq_slots, for decoder-side gathers.
+        # (the last step's values stay on the device)
+        # row_slots: Device copy of host_row_slots.
         # (the last step's values stay on the device)
         # slot_mapping: State slot of each sequence.
         # (the last step's values stay on the device)

@@ -557,6 +557,28 @@ TENSORS = (
         fill=rt.Mirror('host_seq_slots'),
         pad=0,
     ),
+    # Seq slot of each step row (each context request's, then each generation beam's; a request's beams share its slot), on the host.
+    rt.TensorDecl(
+        'host_row_slots',
+        dtype=torch.int32,
+        memory=rt.PINNED,
+        capacity=lambda c: (c.max_num_sequences,),
+        shape=lambda c, s: (s.num_sequences,),
+        fill=rt.Rule(core.row_slots),
+        pad=-1,
+        inputs=(rt.Bind('row_slots_cpu'),),
+    ),
+    # Device copy of host_row_slots.
+    rt.TensorDecl(
+        'row_slots',
+        dtype=torch.int32,
+        memory=rt.DEVICE,
+        capacity=lambda c: (c.max_num_sequences,),
+        shape=lambda c, s: (s.num_sequences,),
+        fill=rt.Mirror('host_row_slots'),
+        pad=-1,
+        inputs=(rt.Bind('row_slots'),),
+    ),
     # Prompt embedding rows of each request with a table, at rows [b * max_prompt_vocab_size, ...).
     rt.TensorDecl(
         'prompt_embedding_table',
@@ -664,7 +686,7 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     captures = True  # prepare_for_cuda_graph writes capture values (_capture)
     no_advance = ('prompt_embedding_table', 'prompt_tasks', 'mrope_rotary_cos_sin', 'mrope_position_deltas')  # rules without an advance form
     # what the step calls on requests: a Request field none of them reads is refused when set
-    request_readers = ('admit_mrope', 'admit_prompt_table', 'cache_indirection_copies', 'cache_indirection_decoder_copies', 'check_kv_blocks', 'check_mrope', 'check_prompt_tables', 'context_lengths', 'generation_beam_widths', 'kv_cache_block_offsets', 'last_token_ids', 'mrope_position_deltas', 'mrope_rotary_cos_sin', 'past_key_value_lengths', 'position_ids', 'prompt_embedding_table', 'prompt_tasks', 'request_types', 'seq_slots', 'sequence_lengths', 'token_ids')
+    request_readers = ('admit_mrope', 'admit_prompt_table', 'cache_indirection_copies', 'cache_indirection_decoder_copies', 'check_kv_blocks', 'check_mrope', 'check_prompt_tables', 'context_lengths', 'generation_beam_widths', 'kv_cache_block_offsets', 'last_token_ids', 'mrope_position_deltas', 'mrope_rotary_cos_sin', 'past_key_value_lengths', 'position_ids', 'prompt_embedding_table', 'prompt_tasks', 'request_types', 'row_slots', 'seq_slots', 'sequence_lengths', 'token_ids')
     project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:
@@ -841,6 +863,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
             )
         # host_seq_slots: Decoder slot of each request, context requests first.
         t.host_seq_slots.wrote(core.seq_slots(t.host_seq_slots.out, b))
+        # host_row_slots: Seq slot of each step row (each context request's, then each generation
+        # beam's; a request's beams share its slot), on the host.
+        t.host_row_slots.wrote(core.row_slots(t.host_row_slots.out, b))
         # prompt_embedding_table: Prompt embedding rows of each request with a table, at rows [b *
         # max_prompt_vocab_size, ...).
         t.prompt_embedding_table.wrote(

@@ -279,6 +279,16 @@ def seq_slots(out: np.ndarray, b: Batch) -> int:
     return n
 
 
+def row_slots(out: np.ndarray, b: Batch) -> int:
+    """The seq slot of each step row (sequence): each context request's, then each generation
+    request's once per beam (vLLM's idx_mapping, with beams)."""
+    s = b.sizes
+    n_ctx, n = s.num_context_requests, s.num_sequences
+    out[:n_ctx] = b.seq_slot[:n_ctx]
+    out[n_ctx:n] = b.per_sequence(b.seq_slot[n_ctx:])
+    return n
+
+
 def check_fixed_drafts(b: Batch, *, max_draft_tokens: int) -> None:
     """Every generation request carries exactly max_draft_tokens draft tokens: Medusa verifies a
     fixed tree (the engine reads max_decoding_tokens tokens per generation request)."""

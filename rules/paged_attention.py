@@ -232,6 +232,31 @@ def logits_indices(out: np.ndarray, b: Batch) -> int:
     return n
 
 
+def cu_seqlens_k(out: np.ndarray, b: Batch) -> int:
+    """[num_sequences + 1]: 0, then the cumulative KV tokens of each sequence after the step
+    (FlashAttention's cu_seqlens_k): sequence i's keys are rows out[i] .. out[i + 1] - 1 of a
+    gathered K/V."""
+    n = b.sizes.num_sequences
+    out[0] = 0
+    np.add.accumulate(b.seq_kv_tokens, out=out[1 : n + 1])
+    return n + 1
+
+
+def produces_token(out: np.ndarray, b: Batch) -> int:
+    """1 where a logit row's sampled token is kept: every generation token, and a context
+    chunk's last token (with its drafts) when the chunk ends the prompt; 0 for a chunk that
+    stops mid-prompt, whose sampled token is discarded (vLLM's discard mask, inverted)."""
+    s = b.sizes
+    n = s.num_logits
+    out[:n] = 1
+    if s.num_context_requests:
+        # a context request's logit rows: its chunk's last token, then its drafts (only a last
+        # chunk carries drafts, so only the first row can be a discarded one)
+        heads = np.add.accumulate(1 + b.ctx_drafts) - (1 + b.ctx_drafts)
+        out[heads] = b.ctx_begin + b.ctx_chunk == b.ctx_prompt_len
+    return n
+
+
 def check_kv_blocks(
     b: Batch,
     kept: KeptRows,

@@ -28,6 +28,8 @@ def reference_step(
     # ---- setFromInputs
     request_types = [0] * num_ctx + [1] * num_gen_seq
     seq_slots = [r.seq_slot for r in ctx] + [r.seq_slot for r in gen]
+    # the row map: one row per sequence, a request's beams share its slot
+    row_slots = [r.seq_slot for r in ctx] + [r.seq_slot for r in gen for _ in range(r.beam_width)]
     input_ids: list[int] = []
     pos: list[int] = []
     pos2: list[int] = []
@@ -120,6 +122,7 @@ def reference_step(
         "host_past_key_value_lengths": past_kv,
         "last_token_ids": last_token_ids,
         "seq_slots": seq_slots,
+        "row_slots": row_slots,
         "logits_shape": [sizes["num_logits"], padded_vocab],
         "max_kv_cache_length_rounded": -(-longest // 256) * 256,
     }

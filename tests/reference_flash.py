@@ -15,10 +15,13 @@ def reference_flash(ctx: list, gen: list, *, tokens_per_block: int, width: int) 
         "block_table": [],
         "slot_mapping": [],
         "logits_indices": [],
+        "cu_seqlens_k": [0],
+        "row_slots": [],
+        "produces_token": [],
     }
     query_lens = []
 
-    def sequence(tokens, kv_first, positions, blocks, logit_tokens):
+    def sequence(slot, tokens, kv_first, positions, blocks, logit_tokens, produces):
         """One sequence's query tokens at KV positions kv_first, kv_first + 1, ..."""
         start = len(out["input_ids"])
         for j, (token, position) in enumerate(zip(tokens, positions)):
@@ -28,8 +31,12 @@ def reference_flash(ctx: list, gen: list, *, tokens_per_block: int, width: int) 
             out["slot_mapping"].append(blocks[kv // tpb] * tpb + kv % tpb)
         for j in logit_tokens:
             out["logits_indices"].append(start + j)
+            # a chunk that stops mid-prompt samples a token the engine discards
+            out["produces_token"].append(produces or j > logit_tokens[0])
         out["query_start_loc"].append(len(out["input_ids"]))
         out["seq_lens"].append(kv_first + len(tokens))
+        out["cu_seqlens_k"].append(out["cu_seqlens_k"][-1] + kv_first + len(tokens))
+        out["row_slots"].append(slot)
         out["block_table"].append(list(blocks) + [0] * (width - len(blocks)))
         query_lens.append(len(tokens))
 
@@ -45,7 +52,9 @@ def reference_flash(ctx: list, gen: list, *, tokens_per_block: int, width: int) 
             positions += [r.position_ids[-1] + 1 + d for d in range(len(drafts))]
         # logit rows: the chunk's last token, then each draft
         logits = [chunk - 1] + [chunk + d for d in range(len(drafts))]
-        sequence(tokens, begin, positions, r.kv_block_ids[0], logits)
+        sequence(
+            r.seq_slot, tokens, begin, positions, r.kv_block_ids[0], logits, begin + chunk == n
+        )
     for r in gen:
         drafts = list(r.draft_tokens or ())
         for k in range(r.beam_width):
@@ -56,7 +65,8 @@ def reference_flash(ctx: list, gen: list, *, tokens_per_block: int, width: int) 
             # explicit positions continue from the prompt's last one
             first = kv_first if r.position_ids is None else r.position_ids[-1] + len(generated)
             positions = [first + j for j in range(len(tokens))]
-            sequence(tokens, kv_first, positions, blocks, range(len(tokens)))
+            logits = list(range(len(tokens)))
+            sequence(r.seq_slot, tokens, kv_first, positions, blocks, logits, True)
     out["scalars"] = {
         "max_query_len": max(query_lens, default=0),
         "max_seq_len": max(out["seq_lens"], default=0),
@@ -75,7 +85,8 @@ def reference_flashinfer(ctx: list, gen: list, *, tokens_per_block: int, width: 
         indices += row[:pages]
         indptr.append(indptr[-1] + pages)
         last.append(length - (pages - 1) * tokens_per_block)
-    out = {name: flash[name] for name in ("input_ids", "positions", "slot_mapping")}
+    shared = ("input_ids", "positions", "slot_mapping", "row_slots", "produces_token")
+    out = {name: flash[name] for name in shared}
     out["logits_indices"] = flash["logits_indices"]
     out["qo_indptr"] = flash["query_start_loc"]
     out["paged_kv_indptr"], out["paged_kv_indices"] = indptr, indices

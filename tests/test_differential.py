@@ -28,6 +28,8 @@ def assert_step_matches(name: str, buffers, ctx, gen) -> None:
     n = step.sizes.num_requests
     assert buffers.tensors["host_seq_slots"][:n].tolist() == want["seq_slots"]
     assert buffers.tensors["seq_slots"][:n].tolist() == want["seq_slots"]
+    assert step.inputs["row_slots"].tolist() == want["row_slots"]
+    assert step.inputs["row_slots_cpu"].tolist() == want["row_slots"]
     if name == "glm":  # the mask position is stored on each context request, as the reference does
         assert [r.mask_position for r in ctx] == [r.mask_position for r in ref_ctx]
 

@@ -268,6 +268,8 @@ def test_bound_names_equal_the_references(name, overrides, inputs, outputs, stat
         # bufc's mixed-width extension: requests of different beam widths in one step, each
         # request's width in host_beam_widths (cache_indirection is bound at the widest)
         inputs = inputs | {"host_beam_widths"}
+    if name != "encoder":  # the row map every contract binds (the reference keeps it apart)
+        inputs = inputs | {"row_slots", "row_slots_cpu"}
     assert set(got_in) == inputs
     assert set(got_out) == outputs
     assert set(b.static_inputs) == statics

@@ -26,6 +26,9 @@ NAMES = {  # engine name -> the host mirror bound beside it, if any
     "block_table": None,
     "slot_mapping": None,
     "logits_indices": None,
+    "cu_seqlens_k": "cu_seqlens_k_cpu",
+    "row_slots": "row_slots_cpu",
+    "produces_token": "produces_token_cpu",
 }
 
 
@@ -88,6 +91,8 @@ FLASHINFER = {  # engine name -> the host mirror bound beside it, if any
     "positions": None,
     "slot_mapping": None,
     "logits_indices": None,
+    "row_slots": "row_slots_cpu",
+    "produces_token": "produces_token_cpu",
     "qo_indptr": "qo_indptr_cpu",
     "paged_kv_indptr": "paged_kv_indptr_cpu",
     "paged_kv_last_page_len": "paged_kv_last_page_len_cpu",

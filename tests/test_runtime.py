@@ -182,6 +182,8 @@ def test_engine_io_names():
             "host_context_progress",
             "cache_indirection",
             "host_beam_widths",  # max_beam_width 3: the width of each generation request
+            "row_slots",  # the row map, in every contract
+            "row_slots_cpu",
         ]
     )
     assert step.inputs["host_beam_widths"].tolist() == [1]
