@@ -129,6 +129,8 @@ class GatherFlash:
         self.query_start_loc = CpuGpuBuffer((S + 1,), torch.int32, dev)
         self.query_lens = CpuGpuBuffer((S,), torch.int32, None)  # host only
         self.seq_lens = CpuGpuBuffer((S,), torch.int32, dev)
+        self.cu_seqlens_k = CpuGpuBuffer((S + 1,), torch.int32, dev)
+        self.produces_token = CpuGpuBuffer((c.max_num_logits,), torch.bool, dev)
         self.block_table_buf = CpuGpuBuffer((S, W), torch.int32, dev)
         self.slot_mapping = CpuGpuBuffer((N,), torch.int64, dev)
         self.logits_indices = CpuGpuBuffer((c.max_num_logits,), torch.int64, dev)
@@ -268,6 +270,10 @@ class GatherFlash:
         self.query_start_loc.np[1 : R + 1] = cu
         self.query_lens.np[:R] = sched
         self.seq_lens.np[:R] = seq_lens
+        self.cu_seqlens_k.np[0] = 0
+        np.cumsum(seq_lens, out=self.cu_seqlens_k.np[1 : R + 1])
+        # a row produces a token once its prompt is through (a generation row always)
+        np.greater_equal(seq_lens, self.num_prompt[idx], out=self.produces_token.np[:R])
         np.take(self.block_table, idx, axis=0, out=self.block_table_buf.np[:R])
         block_numbers = self.block_flat[slot_of_token * W + pos // bs]
         np.add(block_numbers * self.bs64, pos % bs, out=self.slot_mapping.np[:total])
@@ -291,9 +297,11 @@ class GatherFlash:
             (self.seq_slots, R),
             (self.query_start_loc, R + 1),
             (self.seq_lens, R),
+            (self.cu_seqlens_k, R + 1),
             (self.block_table_buf, R),
             (self.slot_mapping, total),
             (self.logits_indices, R),
+            (self.produces_token, R),
         ):
             buf.copy_to_gpu(n)
         if self.copied is not None:
@@ -370,9 +378,12 @@ class GatherFlash:
             ("seq_slots", self.seq_slots, R),
             ("query_start_loc", self.query_start_loc, R + 1),
             ("seq_lens", self.seq_lens, R),
+            ("cu_seqlens_k", self.cu_seqlens_k, R + 1),
             ("block_table", self.block_table_buf, R),
             ("kv_slot_mapping", self.slot_mapping, T),
             ("logits_indices", self.logits_indices, R),
+            ("produces_token", self.produces_token, R),
+            ("row_slots", self.seq_slots, R),  # one row per request here: the seq slots
         ):
             assert buf.gpu is not None
             out[f"host_{name}"] = buf.cpu[:n]

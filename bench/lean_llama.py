@@ -52,6 +52,7 @@ FEW = 8  # block appends to this many slots are checked and written one by one
 # engine name of each device mirror -> its host tensor (bufc's names)
 MIRRORED = {
     "seq_slots": "host_seq_slots",
+    "row_slots": "host_row_slots",
     "context_lengths": "host_context_lengths",
     "sequence_length": "host_sequence_lengths",
     "last_token_ids": "host_last_token_ids",
@@ -500,6 +501,7 @@ class LeanLlama:
         c = self.config
         shapes = {
             "seq_slots": ("seq_slots", (ns,)),
+            "row_slots": ("seq_slots", (ns,)),  # one beam: a row per request, its seq slot
             "context_lengths": ("context_lengths", (ns,)),
             "sequence_length": ("sequence_length", (ns,)),
             "last_token_ids": ("last_token_ids", (ns,)),

@@ -28,21 +28,15 @@ Plugging bufc into a transformers-based engine:
    request ``buffers.finish(slot)`` and ``cache.free_blocks(request_id)``.
 """
 
-# What this adapter computes that a llama_flash tensor could carry (the contract's gaps):
-# - cu_seq_lens_k (device and host): 0 then the cumulative seq_lens. llama_flash now binds
-#   `cu_seqlens_k` / `cu_seqlens_k_cpu`, used when the step has them (_kv_index's fallback
-#   serves a generated module without them).
-# - read_index: the KV-cache slot of every KV position of every sequence, packed. The coming
-#   `kv_read_index` (Config max_kv_read_tokens > 0) is used once the step has it; until then
-#   _kv_index computes it from seq_lens and block_table.
+# What this adapter computes beside the contract's tensors (cu_seqlens_k and kv_read_index are
+# bound; the Config's max_kv_read_tokens must hold a step's KV tokens):
 # - the additive attention mask of "sdpa" / "paged|eager", [1, 1, num_tokens, total KV tokens],
 #   block-diagonal bottom-right causal, built on the host by transformers' build_attention_mask
-#   from query_start_loc_cpu and cu_seqlens_k_cpu (O(tokens x KV tokens): better left to the
-#   engine, but a contract "attention bias" tensor could carry it).
-# - a padded token's write row: slot_mapping's -1 becomes the cache's write-trash row.
-# - slot -> physical row: none at run time, but only because bufc is handed page ids
-#   (kv_block_ids): bufc's slot = block * tokens_per_block + offset cannot express a block
-#   stride other than tokens_per_block (transformers' is 2 * num_layers * page_size).
+#   from query_start_loc_cpu and cu_seqlens_k_cpu (O(tokens x KV tokens): the engine's to build);
+# - a padded token's write row: slot_mapping's -1 becomes the cache's write-trash row;
+# - nothing maps slots to physical rows, because bufc is handed page ids (kv_block_ids): bufc's
+#   slot = block * tokens_per_block + offset has no block stride other than tokens_per_block
+#   (transformers' is 2 * num_layers * page_size).
 
 from __future__ import annotations
 
@@ -86,42 +80,25 @@ def kv_block_ids(cache: PagedAttentionCache, blocks: list[int]) -> list[int]:
     return [b * (a.block_physical_stride // a.tokens_per_page) for b in blocks]
 
 
-def _kv_index(inp: dict, tokens_per_block: int) -> dict:
-    """cu_seqlens_k, cu_seqlens_k_cpu and kv_read_index: the step's where llama_flash binds
-    them, else computed here from seq_lens and block_table (LOCAL STAND-IN until they land)."""
-    kv = {n: inp[n] for n in ("cu_seqlens_k", "cu_seqlens_k_cpu", "kv_read_index") if n in inp}
-    lens = inp["seq_lens"].long()
-    if "cu_seqlens_k" not in kv:
-        kv["cu_seqlens_k"] = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).int()
-    if "cu_seqlens_k_cpu" not in kv:
-        kv["cu_seqlens_k_cpu"] = torch.nn.functional.pad(inp["seq_lens_cpu"].cumsum(0), (1, 0))
-    total = int(kv["cu_seqlens_k_cpu"][-1])
-    if "kv_read_index" not in kv:
-        seq = torch.arange(len(lens), device=lens.device).repeat_interleave(lens, output_size=total)
-        pos = torch.arange(total, device=lens.device) - kv["cu_seqlens_k"].long()[seq]
-        block = inp["block_table"].long()[seq, pos // tokens_per_block]
-        kv["kv_read_index"] = block * tokens_per_block + pos % tokens_per_block
-    kv["kv_read_index"] = kv["kv_read_index"][:total]
-    return kv
-
-
 @torch.no_grad()
 def forward(model: torch.nn.Module, cache: PagedAttentionCache, step) -> torch.Tensor:
     """One forward of the step through transformers' paged path: writes the step's K/V into
     `cache`, returns the logits of its logit rows (also copied into step.outputs["logits"])."""
     inp, a = step.inputs, _allocator(cache)
-    kv = _kv_index(inp, a.tokens_per_page)
-    total_k = int(kv["cu_seqlens_k_cpu"][-1])
+    if "kv_read_index" not in inp:
+        raise ValueError("the llama_flash Config needs max_kv_read_tokens > 0 (the read index)")
+    cu_k = inp["cu_seqlens_k_cpu"]
+    total_k = int(cu_k[-1])
     slots = inp["slot_mapping"]
     kwargs = dict(
         input_ids=inp["input_ids"][None],
         position_ids=inp["positions"][None],
         cu_seq_lens_q=inp["query_start_loc"],
         max_length_q=step.scalars["max_query_len"],
-        cu_seq_lens_k={a.layer_type: kv["cu_seqlens_k"]},
+        cu_seq_lens_k={a.layer_type: inp["cu_seqlens_k"]},
         max_length_k={a.layer_type: step.scalars["max_seq_len"]},
         write_index=[torch.where(slots >= 0, slots, a.write_trash_index)],
-        read_index=[kv["kv_read_index"]],
+        read_index=[inp["kv_read_index"][:total_k]],
         logits_indices=inp["logits_indices"],
         logits_to_keep=inp["logits_indices"],
         cache=cache,
@@ -135,8 +112,7 @@ def forward(model: torch.nn.Module, cache: PagedAttentionCache, step) -> torch.T
         mask = torch.full(
             shape, torch.finfo(model.dtype).min, dtype=model.dtype, device=slots.device
         )
-        cu_q, cu_k = inp["query_start_loc_cpu"].tolist(), kv["cu_seqlens_k_cpu"].tolist()
-        build_attention_mask(mask, cu_q, cu_k)
+        build_attention_mask(mask, inp["query_start_loc_cpu"].tolist(), cu_k.tolist())
         kwargs["attention_mask"] = mask
     logits = model(**kwargs).logits[0]
     step.outputs["logits"][:, : logits.shape[-1]].copy_(logits)

@@ -66,6 +66,8 @@ class Config(rt.ConfigBase):
     """Blocks of the paged KV pool; every block id must be below it (0 bounds ids only by the int32 block index)."""
     attention_windows: tuple[int, ...] = ()
     """Attention window of each layer in tokens, in layer order, repeating when shorter than the layers; each distinct window has its own block lists and KV pools (empty, max_attention_window)."""
+    max_kv_read_tokens: int = 0
+    """KV tokens the per-KV-token read index of the FlashAttention contract holds (the KV tokens of a step's sequences after it, all together); 0 keeps no read index."""
     logits_dtype: torch.dtype = torch.float32
     """Dtype of the engine's logits output."""
     world_size: int = dataclasses.field(init=False)
@@ -104,6 +106,7 @@ class Config(rt.ConfigBase):
         rt.check_int(self, 'tokens_per_block', minimum=1, errors=errors)
         rt.check_int(self, 'num_kv_blocks', minimum=0, errors=errors)
         rt.check_ints(self, 'attention_windows', minimum=1, errors=errors)
+        rt.check_int(self, 'max_kv_read_tokens', minimum=0, errors=errors)
         rt.check_dtype(self, 'logits_dtype', ('float16', 'bfloat16', 'float32', 'float64'), errors)
         rt.require(self, errors)  # every parameter error at once
         object.__setattr__(self, 'world_size', self.tp_size * self.pp_size)
@@ -419,6 +422,29 @@ TENSORS = (
         pad=0,
         inputs=(rt.Bind('logits_indices'),),
     ),
+    # KV-cache slot of every KV position of every sequence, sequence after sequence (sequence i's at cu_seqlens_k[i] .. cu_seqlens_k[i + 1] - 1), staged on the host.
+    rt.TensorDecl(
+        'host_kv_read_index',
+        dtype=torch.int64,
+        memory=rt.PINNED,
+        capacity=lambda c: (c.max_kv_read_tokens,),
+        shape=lambda c, s: (c.max_kv_read_tokens,),
+        fill=rt.Rule(paged_attention.kv_read_index),
+        pad=-1,
+        when=lambda c: c.max_kv_read_tokens > 0,
+    ),
+    # Device copy of host_kv_read_index (the rows a gather of each sequence's K/V reads).
+    rt.TensorDecl(
+        'kv_read_index',
+        dtype=torch.int64,
+        memory=rt.DEVICE,
+        capacity=lambda c: (c.max_kv_read_tokens,),
+        shape=lambda c, s: (c.max_kv_read_tokens,),
+        fill=rt.Mirror('host_kv_read_index'),
+        pad=-1,
+        when=lambda c: c.max_kv_read_tokens > 0,
+        inputs=(rt.Bind('kv_read_index'),),
+    ),
     # Whether each logit row produces a token (1 for every generation token and for a chunk that ends its prompt, 0 for a chunk that stops mid-prompt, whose sampled token is discarded), on the host.
     rt.TensorDecl(
         'host_produces_token',
@@ -471,9 +497,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
     tensor_decls = TENSORS
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     advances_on_device = False  # decode steps without a copy
-    no_advance = ('query_start_loc', 'query_lens', 'seq_lens', 'cu_seqlens_k', 'token_positions', 'block_table', 'kv_slot_mapping', 'group_block_tables', 'group_slot_mappings', 'logits_indices', 'produces_token')  # rules without an advance form
+    no_advance = ('query_start_loc', 'query_lens', 'seq_lens', 'cu_seqlens_k', 'token_positions', 'block_table', 'kv_slot_mapping', 'group_block_tables', 'group_slot_mappings', 'logits_indices', 'kv_read_index', 'produces_token')  # rules without an advance form
     # what the step calls on requests: a Request field none of them reads is refused when set
-    request_readers = ('block_table', 'check_kv_blocks', 'cu_seqlens_k', 'group_block_tables', 'group_slot_mappings', 'kv_slot_mapping', 'logits_indices', 'produces_token', 'query_lens', 'query_start_loc', 'row_slots', 'seq_lens', 'seq_slots', 'token_ids', 'token_positions')
+    request_readers = ('block_table', 'check_kv_blocks', 'check_kv_read_tokens', 'cu_seqlens_k', 'group_block_tables', 'group_slot_mappings', 'kv_read_index', 'kv_slot_mapping', 'logits_indices', 'produces_token', 'query_lens', 'query_start_loc', 'row_slots', 'seq_lens', 'seq_slots', 'token_ids', 'token_positions')
     project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:
@@ -524,6 +550,9 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         s = b.sizes
         # the step sizes within their capacities (_size_bounds)
         self._sizes_within(s)
+        # The KV tokens of the step's sequences after it fit the per-KV-token read index
+        # (max_kv_read_tokens; 0 keeps none).
+        paged_attention.check_kv_read_tokens(b, max_kv_read_tokens=c.max_kv_read_tokens)
         return Checked(
             b,
             # Every sequence's kv_block_ids cover its tokens after the step, with ids in the pool,
@@ -609,6 +638,18 @@ class RuntimeBuffers(rt.RuntimeBuffers):
         # host_logits_indices: 0-based row in the packed tokens of each logit row's token (the last
         # of a chunk, every generation token), staged on the host.
         t.host_logits_indices.wrote(paged_attention.logits_indices(t.host_logits_indices.out, b))
+        # host_kv_read_index: KV-cache slot of every KV position of every sequence, sequence after
+        # sequence (sequence i's at cu_seqlens_k[i] .. cu_seqlens_k[i + 1] - 1), staged on the host.
+        if c.max_kv_read_tokens > 0:
+            t.host_kv_read_index.wrote(
+                paged_attention.kv_read_index(
+                    t.host_kv_read_index.out,
+                    b,
+                    k.paged_kv_blocks,
+                    max_blocks_per_seq=c.max_blocks_per_seq,
+                    tokens_per_block=c.tokens_per_block,
+                )
+            )
         # host_produces_token: Whether each logit row produces a token (1 for every generation token
         # and for a chunk that ends its prompt, 0 for a chunk that stops mid-prompt, whose sampled
         # token is discarded), on the host.

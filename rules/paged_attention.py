@@ -152,6 +152,45 @@ def _kv_slots(out: np.ndarray, b: Batch, ids: np.ndarray, index: np.ndarray, tpb
     return n
 
 
+def check_kv_read_tokens(b: Batch, *, max_kv_read_tokens: int) -> None:
+    """The KV tokens of the step's sequences fit the read index (when the Config keeps one)."""
+    if max_kv_read_tokens and b.sizes.num_sequences:
+        total = int(b.seq_kv_tokens.sum())
+        if total > max_kv_read_tokens:
+            raise BatchError(
+                f"the step's sequences hold {total} KV tokens after it, more than the read "
+                f"index holds (max_kv_read_tokens={max_kv_read_tokens}): schedule fewer or "
+                "shorter sequences, or raise max_kv_read_tokens"
+            )
+
+
+def kv_read_index(
+    out: np.ndarray, b: Batch, plan: BlockPlan, *, max_blocks_per_seq: int, tokens_per_block: int
+) -> int:
+    """The KV-cache slot of every KV position of every sequence, sequence after sequence:
+    sequence i's positions 0 .. seq_lens[i] - 1 at out[cu_seqlens_k[i] .. cu_seqlens_k[i + 1] -
+    1] (what a gather of each sequence's K/V reads, e.g. transformers' read_index). Returns the
+    entries written (check_kv_read_tokens bounds them)."""
+    if plan.slots is not None:  # in flight: the block table's rows
+        ids, index = plan.slots.blocks.ids, plan.slots.index
+    else:
+        ids = _sequence_blocks(b, plan, max_blocks_per_seq)
+        index = np.arange(len(ids))
+    lens = b.seq_kv_tokens
+    total = int(lens.sum())
+    starts = np.add.accumulate(lens) - lens
+    seq = np.repeat(np.arange(len(lens)), lens)
+    column, offset = _block_offset(np.arange(total) - starts[seq], tokens_per_block)
+    block = ids[index[seq], column]
+    np.add(
+        np.multiply(block, tokens_per_block, dtype=np.int64),
+        offset,
+        out=out[:total],
+        casting="unsafe",
+    )
+    return total
+
+
 def _group_tables(plan: BlockPlan) -> tuple:
     """The block table of each attention window (several windows run only in flight)."""
     if plan.slots is None:  # pragma: no cover - the stateless step refuses several windows

@@ -18,6 +18,7 @@ def reference_flash(ctx: list, gen: list, *, tokens_per_block: int, width: int) 
         "cu_seqlens_k": [0],
         "row_slots": [],
         "produces_token": [],
+        "kv_read_index": [],
     }
     query_lens = []
 
@@ -37,6 +38,8 @@ def reference_flash(ctx: list, gen: list, *, tokens_per_block: int, width: int) 
         out["seq_lens"].append(kv_first + len(tokens))
         out["cu_seqlens_k"].append(out["cu_seqlens_k"][-1] + kv_first + len(tokens))
         out["row_slots"].append(slot)
+        for kv in range(kv_first + len(tokens)):  # every KV position the sequence reads
+            out["kv_read_index"].append(blocks[kv // tpb] * tpb + kv % tpb)
         out["block_table"].append(list(blocks) + [0] * (width - len(blocks)))
         query_lens.append(len(tokens))
 

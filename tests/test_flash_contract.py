@@ -32,9 +32,12 @@ NAMES = {  # engine name -> the host mirror bound beside it, if any
 }
 
 
+READ_TOKENS = 1 << 16  # the read index's capacity: more than any random step's KV tokens
+
+
 def buffers(tpb: int = TPB):
     # a 4096-token window of 4-token blocks: no random sequence outgrows it
-    return make_buffers("llama_flash", tokens_per_block=tpb)
+    return make_buffers("llama_flash", tokens_per_block=tpb, max_kv_read_tokens=READ_TOKENS)
 
 
 def assert_flash_step(step, want: dict, where: object = None) -> None:
@@ -45,6 +48,9 @@ def assert_flash_step(step, want: dict, where: object = None) -> None:
             assert got[mirror] == want[name], (mirror, where)
     assert step.scalars == want["scalars"], where
     assert list(step.outputs["logits"].shape)[0] == len(want["logits_indices"]), where
+    read, n = got["kv_read_index"], len(want["kv_read_index"])
+    assert read[:n] == want["kv_read_index"], where
+    assert set(read[n:]) <= {-1}, where  # past cu_seqlens_k[-1]: the pad
 
 
 @SETTINGS
@@ -200,6 +206,25 @@ def test_a_sequence_past_its_block_table_row_is_refused() -> None:
         r"max_blocks_per_seq x tokens_per_block = 8",
     ):
         b.step([5] + [0] * 7)
+
+
+def test_a_step_whose_kv_tokens_overflow_the_read_index_is_refused() -> None:
+    """The read index holds max_kv_read_tokens entries: a step whose sequences hold more KV
+    tokens after it is refused before a byte is written, and the last step stays current."""
+    b = make_buffers("llama_flash", tokens_per_block=4, max_beam_width=1, max_kv_read_tokens=10)
+    b.add(Request(seq_slot=0, prompt=list(range(1, 7)), kv_block_ids=[[1, 2]]))
+    b.add(Request(seq_slot=1, prompt=list(range(1, 6)), kv_block_ids=[[3, 4]]))
+    step = b.step(chunks={0: 6})
+    assert step.inputs["kv_read_index"].tolist()[:7] == [4, 5, 6, 7, 8, 9, -1]
+    with pytest.raises(
+        BatchError,
+        match=r"the step's sequences hold 12 KV tokens after it, more than the read index "
+        r"holds \(max_kv_read_tokens=10\): schedule fewer or shorter sequences, or raise "
+        r"max_kv_read_tokens",
+    ):
+        b.step([7] + [0] * 7, chunks={1: 5})
+    after = b.step([7] + [0] * 7, chunks={}).inputs["kv_read_index"].tolist()
+    assert after[:8] == [4, 5, 6, 7, 8, 9, 10, -1]  # slot 1 waits: slot 0 decodes alone
 
 
 @pytest.mark.parametrize(

@@ -61,8 +61,6 @@ class Flight:
 def run(model, jobs, mutate=None, seen=None) -> dict[int, list[int]]:
     """Every job through bufc + transformers' paged attention; each request's greedy tokens.
     `mutate(step)` may corrupt the first mixed step; `seen` counts what the run exercised."""
-    fields = {f.name for f in dataclasses.fields(llama_flash.Config)}
-    extra = {"max_kv_read_tokens": SLOTS * 64} if "max_kv_read_tokens" in fields else {}
     config = llama_flash.Config(
         max_batch_size=SLOTS,
         max_num_tokens=BUDGET,
@@ -71,7 +69,7 @@ def run(model, jobs, mutate=None, seen=None) -> dict[int, list[int]]:
         max_attention_window=64,
         tokens_per_block=TPB,
         logits_dtype=torch.float64,
-        **extra,
+        max_kv_read_tokens=SLOTS * 64,  # the read index: every slot's whole window
     )
     buffers = llama_flash.RuntimeBuffers(config)
     cache = hf_paged.new_cache(model, page_size=TPB, num_blocks=40, max_batch_tokens=BUDGET)
@@ -171,12 +169,8 @@ def test_tokens_equal_transformers_generate(model, jobs, reference, attention):
 
 
 def _kv_read(inputs: dict) -> None:
-    """The last KV slot the first sequence reads, one back: kv_read_index's once bound, else
-    (read through block_table) its first block (one back: a page of another layer)."""
-    if "kv_read_index" in inputs:
-        inputs["kv_read_index"][int(inputs["seq_lens_cpu"][0]) - 1].sub_(1)
-    else:
-        inputs["block_table"][0, 0].sub_(1)
+    """The last KV slot the first sequence reads, one back."""
+    inputs["kv_read_index"][int(inputs["seq_lens_cpu"][0]) - 1].sub_(1)
 
 
 MUTATIONS = {
