@@ -11,13 +11,13 @@ spec: ``bufc contract --check`` (in ``make check``) fails when it is stale.
 
 from __future__ import annotations
 
-import re
 from importlib import resources
 from typing import TYPE_CHECKING
 
 import jinja2
 
 from . import expr as E
+from .emit_inputs import meaning, source
 from .plan import FamilyPlan, PlannedTensor
 
 if TYPE_CHECKING:
@@ -46,26 +46,11 @@ def _pad(t: PlannedTensor) -> str:
     return "`repeat_last`" if t.pad == "repeat_last" else f"`{t.pad if t.pad is not None else 0}`"
 
 
-def _source(plan: FamilyPlan, t: PlannedTensor) -> PlannedTensor:
-    """The host tensor a device mirror copies (its rule and pad), or the tensor itself."""
-    if t.fill_kind == "mirror" and t.fill_target is not None:
-        return next((x for x in plan.tensors if x.name == t.fill_target), t)
-    return t
-
-
-# where a host tensor's doc says it is staged on the host: not what its device copy is
-_ON_HOST = re.compile(r",? (?:staged )?on the host(?=[.;:)]|$)")
-
-
 def _meaning(compiled: Compiled, plan: FamilyPlan, t: PlannedTensor) -> str:
-    source = _source(plan, t)
-    doc = (
-        f"Device copy of `{source.name}`: {_ON_HOST.sub('', source.doc)}"
-        if source is not t
-        else t.doc
-    )
-    if source.fill_kind == "rule" and source.fill_target:
-        rule = compiled.spec.rule(source.fill_target)
+    host = source(plan, t)
+    doc = meaning(plan, t)
+    if host.fill_kind == "rule" and host.fill_target:
+        rule = compiled.spec.rule(host.fill_target)
         if rule is not None:
             doc = f"{doc} Rule `{rule.name}`: {rule.doc}."
     return doc
@@ -91,7 +76,7 @@ def family_tables(compiled: Compiled, family: str, beyond: str | None = None) ->
             cond = f" (when `{E.to_source(t.when)}`)" if t.when is not None else ""
             rows.append(
                 f"| `{b.engine_name}` | {b.direction} | {t.dtype} | {t.memory} | `[{shape}]` | "
-                f"{_pad(_source(plan, t))} | {_cell(_meaning(compiled, plan, t) + when + cond)} |"
+                f"{_pad(source(plan, t))} | {_cell(_meaning(compiled, plan, t) + when + cond)} |"
             )
     out = [
         "| engine name | in/out | dtype | memory | step shape | pad | meaning |",

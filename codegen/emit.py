@@ -22,13 +22,14 @@ from . import expr as E
 from . import vocab
 from .contract import ROLES, describe
 from .emit_formulas import capture_source, construct_source, scalar_source, step_source
+from .emit_inputs import step_fields
 from .model import Check, Derived, Impl, Parameter
 from .plan import FamilyPlan, PlannedFill, PlannedIndexSet, PlannedTensor, StepProgram
 
 if TYPE_CHECKING:
     from .pipeline import Compiled
 
-FORMAT_VERSION = 7  # the runtime API the generated modules are written against
+FORMAT_VERSION = 8  # the runtime API the generated modules are written against
 MARKER = "@" + "generated"  # split so that grep finds only outputs
 # the headers name no path, so the output does not depend on how --spec and --out were spelled;
 # `bufc check` prints the exact command
@@ -549,6 +550,7 @@ def render_family(plan: FamilyPlan, file: str) -> str:
         ],
         "index_sets": [_index_set(x) for x in plan.index_sets],
     }
+    context["step_fields"], context["inputs_by_key"] = step_fields(plan)
     source = _template().render(**context)
     ast.parse(source)  # defence in depth: never hand out something that is not Python
     return source

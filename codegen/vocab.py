@@ -80,9 +80,11 @@ RULE_MODULES: frozenset[str] = frozenset(
     }
 )
 
-# The fields of the step record (bufc.runtime.step.Step): a step scalar is read as
-# step.NAME, which these answer first (tests/test_generated_names.py compares the two).
-STEP_FIELDS: frozenset[str] = frozenset({"inputs", "outputs", "sizes", "scalars", "ring_slots"})
+# The fields and properties of the step record (bufc.runtime.step.Step): a step scalar is read
+# as step.NAME, which these answer first (tests/test_generated_names.py compares the two).
+STEP_FIELDS: frozenset[str] = frozenset(
+    {"inputs", "outputs", "sizes", "scalars", "ring_slots", "mode"}
+)
 
 # The names a generated module (family.py.j2, and render_init's generated/__init__.py) binds or
 # reads as plain names. The only names it binds that are not here are the spec's own: fields
@@ -116,6 +118,8 @@ MODULE_NAMES: frozenset[str] = frozenset(
         "Checked",
         "Advancing",
         "RuntimeBuffers",
+        "StepInputs",
+        "property",  # read in StepInputs' body (its attributes)
         # builtins (formulas call min, max and len)
         "object",
         "int",
@@ -143,6 +147,8 @@ MEMBER_NAMES: frozenset[str] = frozenset(
         "no_advance",
         "request_readers",
         "project_impls",
+        "step_inputs",
+        "__slots__",
         "__post_init__",
         "_limits",
         "_size_bounds",

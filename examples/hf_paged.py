@@ -49,6 +49,9 @@ from transformers.generation.continuous_batching.utils import (
     build_attention_mask,
 )
 
+from bufc.generated import llama_flash
+from bufc.runtime import Step
+
 
 def new_cache(
     model: torch.nn.Module, *, page_size: int, num_blocks: int, max_batch_tokens: int
@@ -81,26 +84,28 @@ def kv_block_ids(cache: PagedAttentionCache, blocks: list[int]) -> list[int]:
 
 
 @torch.no_grad()
-def forward(model: torch.nn.Module, cache: PagedAttentionCache, step) -> torch.Tensor:
+def forward(
+    model: torch.nn.Module, cache: PagedAttentionCache, step: Step[llama_flash.StepInputs]
+) -> torch.Tensor:
     """One forward of the step through transformers' paged path: writes the step's K/V into
-    `cache`, returns the logits of its logit rows (also copied into step.outputs["logits"])."""
+    `cache`, returns the logits of its logit rows (also copied into step.outputs["logits"]).
+    It reads the step's typed record (`mypy` checks every name)."""
     inp, a = step.inputs, _allocator(cache)
     if "kv_read_index" not in inp:
         raise ValueError("the llama_flash Config needs max_kv_read_tokens > 0 (the read index)")
-    cu_k = inp["cu_seqlens_k_cpu"]
-    total_k = int(cu_k[-1])
-    slots = inp["slot_mapping"]
+    total_k = int(inp.cu_seqlens_k_cpu[-1])
+    slots = inp.slot_mapping
     kwargs = dict(
-        input_ids=inp["input_ids"][None],
-        position_ids=inp["positions"][None],
-        cu_seq_lens_q=inp["query_start_loc"],
-        max_length_q=step.scalars["max_query_len"],
-        cu_seq_lens_k={a.layer_type: inp["cu_seqlens_k"]},
-        max_length_k={a.layer_type: step.scalars["max_seq_len"]},
+        input_ids=inp.input_ids[None],
+        position_ids=inp.positions[None],
+        cu_seq_lens_q=inp.query_start_loc,
+        max_length_q=inp.max_query_len,
+        cu_seq_lens_k={a.layer_type: inp.cu_seqlens_k},
+        max_length_k={a.layer_type: inp.max_seq_len},
         write_index=[torch.where(slots >= 0, slots, a.write_trash_index)],
-        read_index=[inp["kv_read_index"][:total_k]],
-        logits_indices=inp["logits_indices"],
-        logits_to_keep=inp["logits_indices"],
+        read_index=[inp.kv_read_index[:total_k]],
+        logits_indices=inp.logits_indices,
+        logits_to_keep=inp.logits_indices,
         cache=cache,
         block_table=None,
         use_cache=False,
@@ -112,7 +117,7 @@ def forward(model: torch.nn.Module, cache: PagedAttentionCache, step) -> torch.T
         mask = torch.full(
             shape, torch.finfo(model.dtype).min, dtype=model.dtype, device=slots.device
         )
-        build_attention_mask(mask, inp["query_start_loc_cpu"].tolist(), cu_k.tolist())
+        build_attention_mask(mask, inp.query_start_loc_cpu.tolist(), inp.cu_seqlens_k_cpu.tolist())
         kwargs["attention_mask"] = mask
     logits = model(**kwargs).logits[0]
     step.outputs["logits"][:, : logits.shape[-1]].copy_(logits)

@@ -127,8 +127,10 @@ class PooledQwen2:
             v = attn.v_proj(h).view(tokens, self.kv_heads, self.head_dim)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)
-            out = torch.empty_like(q)
+            out = torch.zeros_like(q)
             for i, (a, b) in enumerate(zip(starts, starts[1:])):
+                if a == b:  # a row a CUDA-graph bucket pads with: no tokens
+                    continue
                 rows = offsets[pool, i]  # [2, width]: K entries, V entries
                 query = torch.arange(seq_len[i] - new[i], seq_len[i])
                 kslab, vslab = rows[0, query // tpb] + base, rows[1, query // tpb] + base
@@ -294,9 +296,14 @@ def serve(
     blocks_per_window: int = 64,
     contract: str = "trtllm",
     mutate: Callable[[dict, dict], None] | None = None,
+    bucket: bool = False,
 ) -> Served:
     """Serve `jobs` in flight (greedy) with the model's per-layer windows: on the llama
     family's KV pools (`contract` "trtllm") or llama_flash's KV-cache groups ("flash").
+    `bucket`: every step is built at a CUDA-graph bucket of max_batch_size rows (and, on
+    llama_flash, token_budget tokens; TensorRT-LLM's positions are per sequence, so there one
+    token per padded row), and the model reads the padded views (padded rows have no tokens,
+    padded tokens write no K/V).
     `mutate(inputs, statics)` may alter a step's inputs (copies of the static mapping and
     window sizes included) before the model runs."""
     windows = layer_windows(model, max_sequence_length)
@@ -357,7 +364,11 @@ def serve(
         for slot, n in chunks.items():
             begin = active[slot].position
             served.crossed += any(begin < w < begin + n for w in sizes[:-1])
-        step = buffers.step(tokens if produced else None, chunks=chunks, blocks=blocks)
+        at = None
+        if bucket:  # TensorRT-LLM's positions are per sequence: a token per padded row there
+            rows, n = len(chunks) + len(generation), sum(chunks.values()) + len(generation)
+            at = (token_budget if flash else n + max_batch_size - rows, max_batch_size)
+        step = buffers.step(tokens if produced else None, chunks=chunks, blocks=blocks, bucket=at)
         inputs = dict(step.inputs)
         if mutate is not None:
             inputs = {k: v.clone() for k, v in inputs.items()}

@@ -18,7 +18,7 @@ import dataclasses
 
 from bufc import runtime as rt  # first: without torch it says how to install it
 
-rt.check_format_version(7)  # before the imports a newer bufc may not have
+rt.check_format_version(8)  # before the imports a newer bufc may not have
 import typing
 from collections.abc import Sequence
 
@@ -191,10 +191,50 @@ class Checked:
     batch: batch.Batch
 
 
-class RuntimeBuffers(rt.RuntimeBuffers):
+class StepInputs(rt.StepInputs):
+    """The engine inputs of one encoder step, read-only: by attribute or by engine name
+    (``step.inputs['name']``), with the step scalars and the step mode (``mode``)."""
+
+    __slots__ = ()
+    FAMILY = 'encoder'
+
+    @property
+    def all_reduce_workspace(self) -> torch.Tensor:
+        """Static: buffer and flag addresses of the custom all-reduce (tensor parallelism)."""
+        return self._input('all_reduce_workspace')
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """Device copy of host_encoder_input_ids: Encoder input tokens of each request,
+        concatenated.
+        """
+        return self._input('input_ids')
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """Device copy of host_encoder_position_ids: Position of every encoder input token (0 ..
+        length - 1 per request).
+        """
+        return self._input('position_ids')
+
+    @property
+    def input_lengths(self) -> torch.Tensor:
+        """Device copy of host_encoder_request_input_lengths: Encoder input length of each
+        request.
+        """
+        return self._input('input_lengths')
+
+    @property
+    def max_input_length(self) -> torch.Tensor:
+        """Only its shape counts, the longest encoder input of the step (zeros)."""
+        return self._input('max_input_length')
+
+
+class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
     """The encoder family's buffers: allocated at capacity once, filled every step."""
 
     config_type = Config
+    step_inputs = StepInputs  # what step.inputs is
     sizes_type = StepSizes
     state_type = State
     tensor_decls = TENSORS

@@ -18,7 +18,7 @@ import dataclasses
 
 from bufc import runtime as rt  # first: without torch it says how to install it
 
-rt.check_format_version(7)  # before the imports a newer bufc may not have
+rt.check_format_version(8)  # before the imports a newer bufc may not have
 import typing
 from collections.abc import Sequence
 
@@ -607,10 +607,158 @@ class Advancing:
     host_kv_cache_block_offsets: typing.Any
 
 
-class RuntimeBuffers(rt.RuntimeBuffers):
+class StepInputs(rt.StepInputs):
+    """The engine inputs of one gpt_pp step, read-only: by attribute or by engine name
+    (``step.inputs['name']``), with the step scalars and the step mode (``mode``)."""
+
+    __slots__ = ()
+    FAMILY = 'gpt_pp'
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """Device copy of host_input_ids: Token ids of the packed batch."""
+        return self._input('input_ids')
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """Device copy of host_position_ids: Position of every input token (one per generation
+        beam).
+        """
+        return self._input('position_ids')
+
+    @property
+    def host_context_lengths(self) -> torch.Tensor:
+        """Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts)."""
+        return self._input('host_context_lengths')
+
+    @property
+    def context_lengths(self) -> torch.Tensor:
+        """Device copy of host_context_lengths: Input tokens of each sequence this step (chunk
+        plus drafts, or prompt plus drafts).
+        """
+        return self._input('context_lengths')
+
+    @property
+    def sequence_length(self) -> torch.Tensor:
+        """Device copy of host_sequence_lengths: Tokens of each sequence once this step's inputs
+        are appended.
+        """
+        return self._input('sequence_length')
+
+    @property
+    def host_request_types(self) -> torch.Tensor:
+        """Kind of each sequence, 0 for context and 1 for generation."""
+        return self._input('host_request_types')
+
+    @property
+    def host_past_key_value_lengths(self) -> torch.Tensor:
+        """KV length per sequence as the reference sets it, a context chunk's tokens through this
+        step, a generation sequence's before it (prompt + generated - 1, no drafts).
+        """
+        return self._input('host_past_key_value_lengths')
+
+    @property
+    def last_token_ids(self) -> torch.Tensor:
+        """Device copy of host_last_token_ids: 1-based index in the packed tokens of the last
+        token of each logit row.
+        """
+        return self._input('last_token_ids')
+
+    @property
+    def host_kv_cache_block_offsets(self) -> torch.Tensor:
+        """KV-cache block index of every block of each sequence, K row then V row."""
+        return self._input('host_kv_cache_block_offsets')
+
+    @property
+    def kv_cache_block_offsets(self) -> torch.Tensor:
+        """Device copy of host_kv_cache_block_offsets: KV-cache block index of every block of
+        each sequence, K row then V row.
+        """
+        return self._input('kv_cache_block_offsets')
+
+    @property
+    def host_kv_cache_pool_pointers(self) -> torch.Tensor:
+        """Static: (primary, secondary) address of each KV pool."""
+        return self._input('host_kv_cache_pool_pointers')
+
+    @property
+    def host_kv_cache_pool_mapping(self) -> torch.Tensor:
+        """Static: (pool, layer in pool) of each attention layer of this rank (as
+        kv_heads_per_layer and attention_windows lay the pools out, unless set).
+        """
+        return self._input('host_kv_cache_pool_mapping')
+
+    @property
+    def cache_indirection(self) -> torch.Tensor:
+        """Beam of each past token of each beam, written by the decoder ([batch, step beam width,
+        window]).
+        """
+        return self._input('cache_indirection')
+
+    @property
+    def host_beam_widths(self) -> torch.Tensor:
+        """Beam width of each generation request (its sequences are consecutive rows)."""
+        return self._input('host_beam_widths')
+
+    @property
+    def host_max_attention_window_sizes(self) -> torch.Tensor:
+        """Attention window of each attention layer on this pipeline rank."""
+        return self._input('host_max_attention_window_sizes')
+
+    @property
+    def host_sink_token_length(self) -> torch.Tensor:
+        """Attention sink tokens."""
+        return self._input('host_sink_token_length')
+
+    @property
+    def host_context_progress(self) -> torch.Tensor:
+        """Address of the layer-wise KV-transfer progress record, or 0 (set by the executor)."""
+        return self._input('host_context_progress')
+
+    @property
+    def host_runtime_perf_knobs(self) -> torch.Tensor:
+        """Static: [0] multi-block mode, [1] FP32 context FMHA accumulation, the rest -1."""
+        return self._input('host_runtime_perf_knobs')
+
+    @property
+    def all_reduce_workspace(self) -> torch.Tensor:
+        """Static: buffer and flag addresses of the custom all-reduce (tensor parallelism)."""
+        return self._input('all_reduce_workspace')
+
+    @property
+    def row_slots_cpu(self) -> torch.Tensor:
+        """Seq slot of each step row (each context request's, then each generation beam's; a
+        request's beams share its slot), on the host.
+        """
+        return self._input('row_slots_cpu')
+
+    @property
+    def row_slots(self) -> torch.Tensor:
+        """Device copy of host_row_slots: Seq slot of each step row (each context request's, then
+        each generation beam's; a request's beams share its slot).
+        """
+        return self._input('row_slots')
+
+    @property
+    def hidden_states_input(self) -> torch.Tensor:
+        """Hidden states exchanged between pipeline ranks (input on later, output on earlier
+        ranks).
+        """
+        return self._input('hidden_states_input')
+
+    @property
+    def max_kv_cache_length_rounded(self) -> int:
+        """Step scalar: The longest past KV length of the step rounded up to 256, the reference's
+        CUDA-graph key (kvCacheLengthRound).
+        """
+        return self._scalar('max_kv_cache_length_rounded')
+
+
+class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
     """The gpt_pp family's buffers: allocated at capacity once, filled every step."""
 
     config_type = Config
+    step_inputs = StepInputs  # what step.inputs is
     sizes_type = StepSizes
     state_type = State
     tensor_decls = TENSORS

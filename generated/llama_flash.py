@@ -18,7 +18,7 @@ import dataclasses
 
 from bufc import runtime as rt  # first: without torch it says how to install it
 
-rt.check_format_version(7)  # before the imports a newer bufc may not have
+rt.check_format_version(8)  # before the imports a newer bufc may not have
 import typing
 from collections.abc import Sequence
 
@@ -488,10 +488,170 @@ class Checked:
     paged_kv_blocks: typing.Any
 
 
-class RuntimeBuffers(rt.RuntimeBuffers):
+class StepInputs(rt.StepInputs):
+    """The engine inputs of one llama_flash step, read-only: by attribute or by engine name
+    (``step.inputs['name']``), with the step scalars and the step mode (``mode``)."""
+
+    __slots__ = ()
+    FAMILY = 'llama_flash'
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """Device copy of host_input_ids: Token ids of the packed batch."""
+        return self._input('input_ids')
+
+    @property
+    def all_reduce_workspace(self) -> torch.Tensor:
+        """Static: buffer and flag addresses of the custom all-reduce (tensor parallelism)."""
+        return self._input('all_reduce_workspace')
+
+    @property
+    def row_slots_cpu(self) -> torch.Tensor:
+        """Seq slot of each step row (each context request's, then each generation beam's; a
+        request's beams share its slot), on the host.
+        """
+        return self._input('row_slots_cpu')
+
+    @property
+    def row_slots(self) -> torch.Tensor:
+        """Device copy of host_row_slots: Seq slot of each step row (each context request's, then
+        each generation beam's; a request's beams share its slot).
+        """
+        return self._input('row_slots')
+
+    @property
+    def query_start_loc_cpu(self) -> torch.Tensor:
+        """0, then the cumulative query tokens of each sequence (FlashAttention's cu_seqlens_q),
+        on the host.
+        """
+        return self._input('query_start_loc_cpu')
+
+    @property
+    def query_start_loc(self) -> torch.Tensor:
+        """Device copy of host_query_start_loc: 0, then the cumulative query tokens of each
+        sequence (FlashAttention's cu_seqlens_q).
+        """
+        return self._input('query_start_loc')
+
+    @property
+    def seq_lens_cpu(self) -> torch.Tensor:
+        """KV tokens of each sequence once this step's tokens are written (FlashAttention's
+        seqused_k), on the host.
+        """
+        return self._input('seq_lens_cpu')
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """Device copy of host_seq_lens: KV tokens of each sequence once this step's tokens are
+        written (FlashAttention's seqused_k).
+        """
+        return self._input('seq_lens')
+
+    @property
+    def cu_seqlens_k_cpu(self) -> torch.Tensor:
+        """0, then the cumulative KV tokens of each sequence once this step's tokens are written
+        (FlashAttention's cu_seqlens_k), on the host.
+        """
+        return self._input('cu_seqlens_k_cpu')
+
+    @property
+    def cu_seqlens_k(self) -> torch.Tensor:
+        """Device copy of host_cu_seqlens_k: 0, then the cumulative KV tokens of each sequence
+        once this step's tokens are written (FlashAttention's cu_seqlens_k).
+        """
+        return self._input('cu_seqlens_k')
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Device copy of host_positions: Position of every token of the packed batch (drafts
+        included).
+        """
+        return self._input('positions')
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """Device copy of host_block_table: KV-cache block ids of each sequence (0-based, as
+        allocated; 0 past its blocks).
+        """
+        return self._input('block_table')
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """Device copy of host_kv_slot_mapping: KV-cache slot each token's K/V is written to
+        (block id x tokens_per_block + offset).
+        """
+        return self._input('slot_mapping')
+
+    @property
+    def group_block_tables(self) -> torch.Tensor:
+        """Device copy of host_group_block_tables: Block ids of each sequence in each KV-cache
+        group (one group per attention window, ascending).
+        """
+        return self._input('group_block_tables')
+
+    @property
+    def group_slot_mappings(self) -> torch.Tensor:
+        """Device copy of host_group_slot_mappings: KV-cache slot of each token in each KV-cache
+        group (that group's block id x tokens_per_block + offset).
+        """
+        return self._input('group_slot_mappings')
+
+    @property
+    def logits_indices(self) -> torch.Tensor:
+        """Device copy of host_logits_indices: 0-based row in the packed tokens of each logit
+        row's token (the last of a chunk, every generation token).
+        """
+        return self._input('logits_indices')
+
+    @property
+    def kv_read_index(self) -> torch.Tensor:
+        """Device copy of host_kv_read_index: KV-cache slot of every KV position of every
+        sequence, sequence after sequence (sequence i's at cu_seqlens_k[i] .. cu_seqlens_k[i +
+        1] - 1).
+        """
+        return self._input('kv_read_index')
+
+    @property
+    def produces_token_cpu(self) -> torch.Tensor:
+        """Whether each logit row produces a token (1 for every generation token and for a chunk
+        that ends its prompt, 0 for a chunk that stops mid-prompt, whose sampled token is
+        discarded), on the host.
+        """
+        return self._input('produces_token_cpu')
+
+    @property
+    def produces_token(self) -> torch.Tensor:
+        """Device copy of host_produces_token: Whether each logit row produces a token (1 for
+        every generation token and for a chunk that ends its prompt, 0 for a chunk that stops
+        mid-prompt, whose sampled token is discarded).
+        """
+        return self._input('produces_token')
+
+    @property
+    def max_query_len(self) -> int:
+        """Step scalar: The most query tokens of one sequence in this step (FlashAttention's
+        max_seqlen_q).
+        """
+        return self._scalar('max_query_len')
+
+    @property
+    def max_seq_len(self) -> int:
+        """Step scalar: The most KV tokens of one sequence after this step (FlashAttention's
+        max_seqlen_k).
+        """
+        return self._scalar('max_seq_len')
+
+    @property
+    def num_actual_tokens(self) -> int:
+        """Step scalar: Tokens of this step before any CUDA-graph padding."""
+        return self._scalar('num_actual_tokens')
+
+
+class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
     """The llama_flash family's buffers: allocated at capacity once, filled every step."""
 
     config_type = Config
+    step_inputs = StepInputs  # what step.inputs is
     sizes_type = StepSizes
     state_type = State
     tensor_decls = TENSORS

@@ -18,7 +18,7 @@ import dataclasses
 
 from bufc import runtime as rt  # first: without torch it says how to install it
 
-rt.check_format_version(7)  # before the imports a newer bufc may not have
+rt.check_format_version(8)  # before the imports a newer bufc may not have
 import typing
 from collections.abc import Sequence
 
@@ -397,10 +397,139 @@ class Checked:
     paged_kv_blocks: typing.Any
 
 
-class RuntimeBuffers(rt.RuntimeBuffers):
+class StepInputs(rt.StepInputs):
+    """The engine inputs of one llama_flashinfer step, read-only: by attribute or by engine name
+    (``step.inputs['name']``), with the step scalars and the step mode (``mode``)."""
+
+    __slots__ = ()
+    FAMILY = 'llama_flashinfer'
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """Device copy of host_input_ids: Token ids of the packed batch."""
+        return self._input('input_ids')
+
+    @property
+    def all_reduce_workspace(self) -> torch.Tensor:
+        """Static: buffer and flag addresses of the custom all-reduce (tensor parallelism)."""
+        return self._input('all_reduce_workspace')
+
+    @property
+    def row_slots_cpu(self) -> torch.Tensor:
+        """Seq slot of each step row (each context request's, then each generation beam's; a
+        request's beams share its slot), on the host.
+        """
+        return self._input('row_slots_cpu')
+
+    @property
+    def row_slots(self) -> torch.Tensor:
+        """Device copy of host_row_slots: Seq slot of each step row (each context request's, then
+        each generation beam's; a request's beams share its slot).
+        """
+        return self._input('row_slots')
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Device copy of host_positions: Position of every token of the packed batch (drafts
+        included).
+        """
+        return self._input('positions')
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """Device copy of host_kv_slot_mapping: KV-cache slot each token's K/V is written to
+        (block id x tokens_per_block + offset).
+        """
+        return self._input('slot_mapping')
+
+    @property
+    def logits_indices(self) -> torch.Tensor:
+        """Device copy of host_logits_indices: 0-based row in the packed tokens of each logit
+        row's token (the last of a chunk, every generation token).
+        """
+        return self._input('logits_indices')
+
+    @property
+    def produces_token_cpu(self) -> torch.Tensor:
+        """Whether each logit row produces a token (1 for every generation token and for a chunk
+        that ends its prompt, 0 for a chunk that stops mid-prompt, whose sampled token is
+        discarded), on the host.
+        """
+        return self._input('produces_token_cpu')
+
+    @property
+    def produces_token(self) -> torch.Tensor:
+        """Device copy of host_produces_token: Whether each logit row produces a token (1 for
+        every generation token and for a chunk that ends its prompt, 0 for a chunk that stops
+        mid-prompt, whose sampled token is discarded).
+        """
+        return self._input('produces_token')
+
+    @property
+    def qo_indptr_cpu(self) -> torch.Tensor:
+        """0, then the cumulative query tokens of each sequence (FlashInfer's qo_indptr), on the
+        host.
+        """
+        return self._input('qo_indptr_cpu')
+
+    @property
+    def qo_indptr(self) -> torch.Tensor:
+        """Device copy of host_qo_indptr: 0, then the cumulative query tokens of each sequence
+        (FlashInfer's qo_indptr).
+        """
+        return self._input('qo_indptr')
+
+    @property
+    def paged_kv_indptr_cpu(self) -> torch.Tensor:
+        """0, then the cumulative KV pages of each sequence (the pages its KV after the step
+        fills), on the host.
+        """
+        return self._input('paged_kv_indptr_cpu')
+
+    @property
+    def paged_kv_indptr(self) -> torch.Tensor:
+        """Device copy of host_paged_kv_indptr: 0, then the cumulative KV pages of each sequence
+        (the pages its KV after the step fills).
+        """
+        return self._input('paged_kv_indptr')
+
+    @property
+    def paged_kv_indices(self) -> torch.Tensor:
+        """Device copy of host_paged_kv_indices: The KV page ids of every sequence in turn (its
+        first pages, as allocated).
+        """
+        return self._input('paged_kv_indices')
+
+    @property
+    def paged_kv_last_page_len_cpu(self) -> torch.Tensor:
+        """KV tokens in each sequence's last page (1 .. page size), on the host."""
+        return self._input('paged_kv_last_page_len_cpu')
+
+    @property
+    def paged_kv_last_page_len(self) -> torch.Tensor:
+        """Device copy of host_paged_kv_last_page_len: KV tokens in each sequence's last page (1
+        .. page size).
+        """
+        return self._input('paged_kv_last_page_len')
+
+    @property
+    def max_query_len(self) -> int:
+        """Step scalar: The most query tokens of one sequence in this step (FlashAttention's
+        max_seqlen_q).
+        """
+        return self._scalar('max_query_len')
+
+    @property
+    def num_actual_tokens(self) -> int:
+        """Step scalar: Tokens of this step before any CUDA-graph padding."""
+        return self._scalar('num_actual_tokens')
+
+
+class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
     """The llama_flashinfer family's buffers: allocated at capacity once, filled every step."""
 
     config_type = Config
+    step_inputs = StepInputs  # what step.inputs is
     sizes_type = StepSizes
     state_type = State
     tensor_decls = TENSORS

@@ -18,7 +18,7 @@ import dataclasses
 
 from bufc import runtime as rt  # first: without torch it says how to install it
 
-rt.check_format_version(7)  # before the imports a newer bufc may not have
+rt.check_format_version(8)  # before the imports a newer bufc may not have
 import typing
 from collections.abc import Sequence
 
@@ -393,10 +393,95 @@ class Advancing:
     decode: decode.Decode
 
 
-class RuntimeBuffers(rt.RuntimeBuffers):
+class StepInputs(rt.StepInputs):
+    """The engine inputs of one mamba step, read-only: by attribute or by engine name
+    (``step.inputs['name']``), with the step scalars and the step mode (``mode``)."""
+
+    __slots__ = ()
+    FAMILY = 'mamba'
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """Device copy of host_input_ids: Token ids of the packed batch."""
+        return self._input('input_ids')
+
+    @property
+    def host_context_lengths(self) -> torch.Tensor:
+        """Input tokens of each sequence this step (chunk plus drafts, or prompt plus drafts)."""
+        return self._input('host_context_lengths')
+
+    @property
+    def context_lengths(self) -> torch.Tensor:
+        """Device copy of host_context_lengths: Input tokens of each sequence this step (chunk
+        plus drafts, or prompt plus drafts).
+        """
+        return self._input('context_lengths')
+
+    @property
+    def sequence_length(self) -> torch.Tensor:
+        """Device copy of host_sequence_lengths: Tokens of each sequence once this step's inputs
+        are appended.
+        """
+        return self._input('sequence_length')
+
+    @property
+    def host_request_types(self) -> torch.Tensor:
+        """Kind of each sequence, 0 for context and 1 for generation."""
+        return self._input('host_request_types')
+
+    @property
+    def last_token_ids(self) -> torch.Tensor:
+        """Device copy of host_last_token_ids: 1-based index in the packed tokens of the last
+        token of each logit row.
+        """
+        return self._input('last_token_ids')
+
+    @property
+    def all_reduce_workspace(self) -> torch.Tensor:
+        """Static: buffer and flag addresses of the custom all-reduce (tensor parallelism)."""
+        return self._input('all_reduce_workspace')
+
+    @property
+    def row_slots_cpu(self) -> torch.Tensor:
+        """Seq slot of each step row (each context request's, then each generation beam's; a
+        request's beams share its slot), on the host.
+        """
+        return self._input('row_slots_cpu')
+
+    @property
+    def row_slots(self) -> torch.Tensor:
+        """Device copy of host_row_slots: Seq slot of each step row (each context request's, then
+        each generation beam's; a request's beams share its slot).
+        """
+        return self._input('row_slots')
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """Device copy of host_slot_mapping: State slot of each sequence (its request's
+        seq_slot).
+        """
+        return self._input('slot_mapping')
+
+    @property
+    def host_conv_state_pointers(self) -> tuple[torch.Tensor, ...]:
+        """Static: address of each recurrent layer's paged convolution state. One view per member
+        of local_rnn_layer, in order (engine names conv_state_ptr_{local_rnn_layer}).
+        """
+        return self._inputs('host_conv_state_pointers')
+
+    @property
+    def host_rnn_state_pointers(self) -> tuple[torch.Tensor, ...]:
+        """Static: address of each recurrent layer's paged recurrent state. One view per member
+        of local_rnn_layer, in order (engine names rnn_state_ptr_{local_rnn_layer}).
+        """
+        return self._inputs('host_rnn_state_pointers')
+
+
+class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
     """The mamba family's buffers: allocated at capacity once, filled every step."""
 
     config_type = Config
+    step_inputs = StepInputs  # what step.inputs is
     sizes_type = StepSizes
     state_type = State
     tensor_decls = TENSORS

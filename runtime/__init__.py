@@ -49,10 +49,11 @@ from .decl import (
 from .guards import SizeBounds, check_size
 from .project import ProjectImpl, rule_module
 from .staging import REPEAT_LAST, Targets, write_all, written_max
-from .step import Step
+from .step import Step, StepInputs, StepMode
 
-FORMAT_VERSION = 7
-"""The generated-module format this runtime implements; bumped on incompatible changes (7: the
+FORMAT_VERSION = 8
+"""The generated-module format this runtime implements; bumped on incompatible changes (8: the
+typed step record, each family's ``StepInputs`` on ``rt.StepInputs``; 7: the
 step sizes' capacities made once, ``_size_bounds``, an ``rt.SizeBounds``; 6: no
 continue program, every in-flight step runs the family's ``_check`` and ``_fill`` or
 advances; 5: the continue program, ``_continues``, ``_continue_check`` and ``_continue``, on the rules of
@@ -62,7 +63,7 @@ step scalars (``_scalars``) and capture values (``_capture``); 3: a spec's own i
 modules imported through ``rule_module``, and ``project_impls``)."""
 
 READS_FORMATS = (FORMAT_VERSION,)
-"""The formats it reads: a module of format 6 has no ``_size_bounds``, and one of format 5 or
+"""The formats it reads: a module of format 7 has no ``StepInputs``, one of format 6 no ``_size_bounds``, and one of format 5 or
 earlier imports what moved or is gone (``bufc.rules.sizes`` is ``bufc.requests.sizes``, the KV
 offsets are ``bufc.rules.kv_offsets``, ``bufc.rules.continued`` is gone): regenerate it."""
 
@@ -103,6 +104,8 @@ __all__ = [
     "RuleError",
     "RuntimeBuffers",
     "Step",
+    "StepInputs",
+    "StepMode",
     "StepSizes",
     "REPEAT_LAST",
     "write_all",

@@ -65,6 +65,16 @@ def bindings(decls: list[TensorDecl], config: Any, sizes_type: type) -> Bindings
     return Bindings(per_step("inputs"), per_step("outputs"), rings, static)
 
 
+def repeated(b: Bindings) -> dict[str, tuple[str, ...]]:
+    """The engine names of each tensor bound once per member of index sets (``each``), in
+    their order: what a typed step record hands out as one tuple."""
+    out: dict[str, list[str]] = {}
+    for engine_name, tensor, _, index in b.inputs:
+        if index:
+            out.setdefault(tensor, []).append(engine_name)
+    return {tensor: tuple(names) for tensor, names in out.items()}
+
+
 def step_sizes(sizes: Any, sizes_type: type) -> Any:
     """`sizes`, a `sizes_type` (the family's StepSizes) handed to views(), with every size a
     plain non-negative int (numpy integers converted); ValueError otherwise."""

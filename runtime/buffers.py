@@ -12,26 +12,28 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic
 
 import numpy as np
 import torch
 
 from ..errors import BatchError, FillCountError, RuleError
 from ..requests import step as request_step
-from .bindings import bindings
-from .decl import Mirror, TensorDecl
+from .bindings import bindings, repeated
+from .buckets import Relayout, at_bucket
+from .decl import TensorDecl
+from .failures import Failures
 from .guards import exclusive as _exclusive
 from .project import ProjectImpl, reading, rule_error
 from .staging import HALVES, DeviceStep, Targets
-from .step import NO_SCALARS, Step
+from .step import NO_SCALARS, InputsT, Step
 from .storage import allocate, check_allocatable, records
-from .tokens import Gather, tokens_on_device, tokens_on_host
+from .tokens import Gather, sampled_tokens, tokens_on_device, tokens_on_host
 from .transfer import Transfer
 from .views import Views
 
 
-class RuntimeBuffers(Views):
+class RuntimeBuffers(Views, Failures, Generic[InputsT]):
     """Subclassed by each generated module, which sets these and defines the step program
     (``_limits``, ``_check``, ``_fill`` and, where every rule has an advance form,
     ``_advance_check`` and ``_advance``)."""
@@ -82,7 +84,9 @@ class RuntimeBuffers(Views):
         self._sizes_within = self._size_bounds()
         if device_tokens is None:
             device_tokens = self.device.type == "cuda"
-        sampled, mirror = self._sampled_tokens(decls) if device_tokens else (None, None)
+        sampled, mirror = (
+            sampled_tokens(decls, self.sampled_tokens) if device_tokens else (None, None)
+        )
         gather_rows = self.limits.max_batch_size * self.limits.max_beam_width
         storage = allocate(self._t, c, self.device, gather_rows if mirror else 0, double_buffered)
         self.double_buffered = double_buffered
@@ -96,12 +100,15 @@ class RuntimeBuffers(Views):
         self._replays = self._io.replays
         self.copies_per_step = self._io.copies_per_step
         self._bind = bindings(decls, c, self.sizes_type)
+        self._each = repeated(self._bind)
         self._ring_step = 0
         for name, values in (static_inputs or {}).items():
             self.set_static(name, values)
         self._half = 1  # the first step writes half 0
         self._step_views: list[tuple[Any, dict, dict] | None] = [None] * HALVES
         self._last: Any = None  # the sizes of the last step
+        self._layout: Any = None  # the sizes its tensors are laid out at (its bucket's, if any)
+        self._relayout = Relayout(self.decls, c)
         self._scalars_now: Mapping[str, int] = NO_SCALARS  # the last step's scalars
         self._decode: Any = None  # the state a following advance() continues from, if any
         self._by_step = False  # the last step was step()'s: advance() does not continue it
@@ -113,15 +120,6 @@ class RuntimeBuffers(Views):
         self._flight = self._in_flight()  # the requests in flight (add, finish, step)
         # the Request fields the family never reads: refused when set (add, prepare_step)
         self.limits = self._flight.limits = reading(self)
-
-    def _sampled_tokens(self, decls: list[TensorDecl]) -> tuple[str | None, str | None]:
-        """The host tensor whose generation rows take the sampled tokens, and its mirror."""
-        sampled = self.sampled_tokens if self.sampled_tokens in self.decls else None
-        mirror = next(
-            (d.name for d in decls if isinstance(d.fill, Mirror) and d.fill.source == sampled),
-            None,
-        )
-        return sampled, mirror
 
     # the step program, generated per family
     def _limits(self) -> Any:
@@ -180,25 +178,37 @@ class RuntimeBuffers(Views):
     # ------------------------------------------------------------------------ per step
     @_exclusive
     def prepare_step(
-        self, context_requests: Sequence[Any], generation_requests: Sequence[Any]
-    ) -> Step:
+        self,
+        context_requests: Sequence[Any],
+        generation_requests: Sequence[Any],
+        *,
+        bucket: tuple[int, int] | None = None,
+    ) -> Step[InputsT]:
         """Fill every buffer for one step and return the engine IO views (the stateless entry
-        point: every scheduled request is read).
+        point: every scheduled request is read). `bucket`: (tokens, rows) of the CUDA graph
+        the step runs in; every tensor is then laid out at those sizes, and so are the views.
 
         Raises BatchError, with the buffers untouched, when the batch is invalid or over
         capacity. The engine must run on the current CUDA stream (the copy is ordered on it).
         """
         self._not_in_flight("prepare_step")
-        step = self._prepare(lambda: self._batch(context_requests, generation_requests))
+        step = self._prepare(lambda: self._batch(context_requests, generation_requests), bucket)
         self._by_step = False
         return step
 
-    def _prepare(self, batch: Callable[[], Any], gather: Gather | None = None) -> Step:
-        """Check and fill the step of the batch `batch()` reads, copy it (and gather the
-        sampled tokens of `gather` on the device), and hand out its views."""
+    def _prepare(
+        self, batch: Callable[[], Any], bucket: Any, gather: Gather | None = None
+    ) -> Step[InputsT]:
+        """Check and fill the step of the batch `batch()` reads (laid out at `bucket`, if not
+        None), copy it (and gather the sampled tokens of `gather` on the device), and hand out
+        its views."""
         try:
-            checked = self._check(batch())
-            s = checked.batch.sizes
+            b = batch()
+            s = layout = b.sizes
+            if bucket is not None:
+                layout = at_bucket(s, bucket)
+                self._relayout.check(self._targets[0], s, layout)
+            checked = self._check(b)
         except BatchError:
             raise
         except Exception as exc:  # a value a check could not even read (an odd type)
@@ -214,6 +224,10 @@ class RuntimeBuffers(Views):
         targets = self._targets[h]
         try:
             decode = self._fill(targets, checked)
+            scalars = self._scalars(targets, s)
+            if layout is not s:
+                self._relayout.apply(targets, s, layout)
+                decode = None  # no advance() from a step laid out at a bucket
         except FillCountError as exc:  # a rule returned a bad count: the error names it
             self._abandon_half(h)
             raise self._noted(exc) from None
@@ -234,13 +248,13 @@ class RuntimeBuffers(Views):
         self._half = h
         self._run += 1
         self._half_run[h] = self._run
-        self._scalars_now = self._scalars(targets, s)
-        self._last = s
+        self._scalars_now = scalars
+        self._last, self._layout = s, layout
         self._decode = decode
-        return self._step(s)
+        return self._step(s, layout)
 
     @_exclusive
-    def advance(self, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> Step:
+    def advance(self, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> Step[InputsT]:
         """The next decode step of the same generation requests, each beam one token longer.
 
         `tokens[i]` is sequence i's new token (as sampled from the last step's output row i).
@@ -260,7 +274,7 @@ class RuntimeBuffers(Views):
             )
         return self._advance_step(tokens_on_host(tokens, self.limits, "advance()"))
 
-    def _advance_step(self, tokens: Any, gather: Gather | None = None) -> Step:
+    def _advance_step(self, tokens: Any, gather: Gather | None = None) -> Step[InputsT]:
         if self.no_advance:
             raise BatchError(
                 f"advance() is not available for this family: its fill rule(s) "
@@ -316,8 +330,9 @@ class RuntimeBuffers(Views):
         self._half = h
         self._half_run[h] = self._run
         self._scalars_now = self._scalars(targets, self._last)
+        self._layout = self._last
         self._decode = advancing.decode
-        return self._step(self._last)
+        return self._step(self._last, self._last)
 
     # ------------------------------------------------------------- requests in flight
     @_exclusive
@@ -353,7 +368,8 @@ class RuntimeBuffers(Views):
         chunks: Mapping[int, int] | None = None,
         blocks: Mapping[int, Any] | None = None,
         generation: bool = True,
-    ) -> Step:
+        bucket: tuple[int, int] | None = None,
+    ) -> Step[InputsT]:
         """The next step of the requests in flight, from what changed since the last one.
 
         - `tokens`: what the last step sampled, indexed by seq slot (``tokens[slot]``, or
@@ -372,6 +388,8 @@ class RuntimeBuffers(Views):
           of ids for every list of the request, or one list per list it holds).
         - `generation`: False runs no generation request in this step (a recurrent model runs
           context and generation requests in separate steps); they produce no token.
+        - `bucket`: (tokens, rows) of the CUDA graph the step runs in: every tensor is laid out
+          at those sizes, and so are the step's views (``prepare_step`` takes it too).
 
         Tokens as a tensor on the buffers' CUDA device (``device_tokens``) are not read on the
         host: the device writes them into the generation rows after the step's copy, so the
@@ -390,6 +408,7 @@ class RuntimeBuffers(Views):
         # the in-flight state continues in place only a step of its own (prepare_step and
         # advance are refused while it holds requests)
         steady = self._decode is not None and not self.no_advance and self._by_step
+        steady = steady and bucket is None
         on_device = (
             self._tokens is not None
             and isinstance(tokens, torch.Tensor)
@@ -425,7 +444,7 @@ class RuntimeBuffers(Views):
             gather = Gather(tensor, plan.gather.src, plan.gather.dst, self.limits.token_limit)
         try:
             if plan.batch is not None:
-                step = self._prepare(lambda: plan.batch, gather)
+                step = self._prepare(lambda: plan.batch, bucket, gather)
             else:
                 step = self._advance_step(plan.tokens, gather)
         except BaseException:
@@ -443,30 +462,6 @@ class RuntimeBuffers(Views):
                 "(add/step): finish them first, or drive these buffers with step() alone"
             )
 
-    def _abandon_half(self, h: int) -> None:
-        """Half h was partly written by a step that failed: the current half stays the last
-        step's, h holds no run any more, and every row of h is re-padded when it is next
-        written (its high-water marks at capacity, no repeated tail known). Rule state is
-        rebuilt from the requests. Without double buffering h is the last step's half too: no
-        half holds a run and nothing continues from it (the next step is prepared in full)."""
-        self._half_run[h] = None
-        for name, target in vars(self._targets[h]).items():
-            target.written[:] = [self._t[name].numel, None]
-        self.state = self.state_type()
-        if not self.double_buffered:
-            self._half_run[:] = [None] * HALVES
-            self._decode = None
-
-    def _noted(self, error: BatchError) -> BatchError:
-        """A failure after the step started writing, as raised: without double buffering it
-        says what the one staging half lost."""
-        if not self.double_buffered:
-            error.add_note(
-                "with one staging half (double_buffered=False) the last step's buffers hold "
-                "part of the failed step: the next step is prepared in full"
-            )
-        return error
-
     def _tokens_back(self) -> None:
         """The sampled tokens the last step gathered on the device are back on the host: the
         in-flight state takes them (BatchError from the next plan for one that was out of
@@ -474,26 +469,3 @@ class RuntimeBuffers(Views):
         values = self._io.tokens_back()
         if values is not None:
             self._flight.tokens_back(values)
-
-    def _to_device(self, h: int, work: Callable[[], None]) -> None:
-        """The device work of the step written into half h (its copy, or a decode step on
-        the device), all or nothing: should it raise, the device arena is restored from the
-        last step's half, half h is abandoned and the error is a BatchError."""
-        high_water = self._io.high_water
-        try:
-            work()
-        except Exception as exc:
-            if self.double_buffered:
-                self._io.restore(h, high_water)
-            else:  # no other half: the device is sent everything with the next step
-                self._io.forget()
-            self._abandon_half(h)
-            named = self._rule_error(exc, ", on the host and the device")
-            if named is not None:  # a project's device advance form raised
-                raise self._noted(named) from exc
-            raise self._noted(
-                BatchError(
-                    f"the step's device work failed ({type(exc).__name__}: {exc}); the step "
-                    "was abandoned and the last step stays current, on the host and the device"
-                )
-            ) from exc

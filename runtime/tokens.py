@@ -35,7 +35,18 @@ from ..errors import BatchError
 from ..requests.batch import Limits
 from ..requests.sampled import OnDevice
 from ..requests.values import check_token_dtype
+from .decl import Mirror, TensorDecl
 from .staging import ALIGN, HALVES, Staging
+
+
+def sampled_tokens(decls: list[TensorDecl], name: str | None) -> tuple[str | None, str | None]:
+    """The host tensor `name` whose generation rows take the sampled tokens, if the family has
+    it, and its device mirror."""
+    sampled = name if any(d.name == name for d in decls) else None
+    mirror = next(
+        (d.name for d in decls if isinstance(d.fill, Mirror) and d.fill.source == sampled), None
+    )
+    return sampled, mirror
 
 
 def tokens_on_host(tokens: Any, limits: Limits, where: str) -> Any:

@@ -16,7 +16,7 @@ from .bindings import prefix_layout, step_sizes
 from .decl import Static
 from .guards import exclusive as _exclusive
 from .staging import HALVES
-from .step import Step
+from .step import Step, StepInputs, StepMode
 from .storage import static_values
 
 if TYPE_CHECKING:
@@ -37,12 +37,15 @@ class Views:
     decls: dict[str, TensorDecl]
     double_buffered: bool
     captures: ClassVar[bool] = False  # the family has ``_capture`` (prepare_for_cuda_graph)
+    step_inputs: ClassVar[type[StepInputs]] = StepInputs  # the family's typed inputs record
     VIEW_CACHE: ClassVar[int] = 16  # shapes whose views each tensor keeps, per staging half
     _t: dict[str, Stored]
     _bind: Bindings
+    _each: dict[str, tuple[str, ...]]  # a repeated binding's engine names, by tensor
     _targets: list[Targets]
     _half: int
     _last: Any
+    _layout: Any
     _half_run: list[int | None]
     _step_views: list[tuple[Any, dict, dict] | None]
     _scalars_now: Mapping[str, int]
@@ -105,14 +108,18 @@ class Views:
             out[engine_name] = view[index] if index else view
         return out
 
-    def _step(self, s: Any) -> Step:
+    def _step(self, s: Any, layout: Any) -> Step:
+        """The step of sizes `s`, its views at `layout` (its bucket's sizes, or `s`)."""
         cached = self._step_views[self._half]
         # steady decoding and serving churn repeat the sizes (often the one StepSizes): reuse
         # the views
-        if cached is None or (cached[0] is not s and cached[0] != s):
-            cached = self._step_views[self._half] = (s, *self._views_at(s))
-        inputs, outputs = dict(cached[1]), dict(cached[2])
+        if cached is None or (cached[0] is not layout and cached[0] != layout):
+            cached = self._step_views[self._half] = (layout, *self._views_at(layout))
+        # the inputs record is read-only: it shares the cached views unless a ring adds its slot
+        inputs, outputs = cached[1], dict(cached[2])
         slots = {}
+        if self._bind.rings:
+            inputs = dict(inputs)
         for which, engine_name, name, ring in self._bind.rings:
             slot = self._ring_step % ring
             view = self._view(name, self._t[name].capacity)[slot]
@@ -121,7 +128,7 @@ class Views:
         if self._bind.rings:
             self._ring_step += 1
         return Step(
-            inputs=inputs,
+            inputs=self.step_inputs(inputs, self._scalars_now, StepMode.of(s), self._each),
             outputs=outputs,
             sizes=s,
             scalars=self._scalars_now,
@@ -129,16 +136,19 @@ class Views:
         )
 
     @_exclusive
-    def views(self, sizes: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def views(self, sizes: Any) -> tuple[StepInputs, dict[str, torch.Tensor]]:
         """Engine IO views for arbitrary sizes (e.g. a CUDA-graph batch bucket larger than the
         step): the same storage as the step's views, with the rows past the step holding their
-        pad values."""
-        return self._views_at(sizes)
+        pad values. The inputs are the family's typed record, with the last step's scalars and
+        the mode of `sizes`."""
+        inputs, outputs = self._views_at(sizes)
+        mode = StepMode.of(sizes)
+        return self.step_inputs(inputs, self._scalars_now, mode, self._each), outputs
 
     def _views_at(self, sizes: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         c = self.config
         sizes = step_sizes(sizes, self.sizes_type)
-        last = self._last
+        last = self._layout
         if last is not None and sizes != last:
             # a bucket: only a tensor whose step rows lead its shape keeps them in place
             # ([rows, ...], or [1, rows, ...]); one laid out [.., rows, ..] (LoRA's [modules,
@@ -154,7 +164,8 @@ class Views:
                 raise ValueError(
                     f"views(): {', '.join(moved)} change shape past their first dimension at "
                     "these sizes, so the step's values would not line up with a view at them; "
-                    "this family's steps cannot be padded to a bucket"
+                    "build the step at its bucket instead: step(..., bucket=(tokens, rows)) or "
+                    "prepare_step(..., bucket=(tokens, rows))"
                 )
 
         def view(n: str, f: Any, index: tuple[int, ...]) -> torch.Tensor:

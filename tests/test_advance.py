@@ -96,7 +96,7 @@ def test_advance_without_the_next_kv_block_raises_and_leaves_the_step_as_it_was(
     before = {k: v.clone() for k, v in step.inputs.items()}
     with pytest.raises(BatchError, match="needs KV block 1, which kv_block_ids does not hold"):
         b.advance([5])  # token 5 starts block 1; the request has one block
-    again = b._step(step.sizes)  # noqa: SLF001 - the visible step is unchanged
+    again = b._step(step.sizes, step.sizes)  # noqa: SLF001 - the visible step is unchanged
     for key, value in before.items():
         assert again.inputs[key].tolist() == value.tolist(), key
     r.kv_block_ids[0].append(3)

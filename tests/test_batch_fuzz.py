@@ -315,11 +315,16 @@ def test_a_negative_encoder_input_length_is_rejected():
 def test_bucket_views_of_lora_tensors_are_refused():
     """views(bucket) for a CUDA graph gives the same storage at the bucket's sizes; the
     per-sequence LoRA tensors are laid out [modules, layers, sequences, ...], so at more
-    sequences the step's values would sit at other offsets: views() refuses, naming them."""
+    sequences the step's values would sit at other offsets: views() refuses, naming them and
+    the call that builds the step at its bucket (tests/test_buckets.py)."""
     b = make_buffers("gpt_lora")
     rows = [("attn_qkv", 1, 10, 20, None, 8), ("mlp_gate", 0, 30, 40, 50, 4)]
     step = b.prepare_step([], [gen(1, lora_weights=rows, **kv()), gen(2, **kv())])
-    with pytest.raises(ValueError, match="attn_qkv_lora_ranks_1, .*cannot be padded to a bucket"):
+    with pytest.raises(
+        ValueError,
+        match=r"attn_qkv_lora_ranks_1, .*build the step at its bucket instead: "
+        r"step\(\.\.\., bucket=\(tokens, rows\)\)",
+    ):
         b.views(step.sizes.generation_bucket(4))
     inputs, _ = b.views(step.sizes)  # the step's own sizes are fine
     assert torch.equal(inputs["attn_qkv_lora_ranks_1"], step.inputs["attn_qkv_lora_ranks_1"])

@@ -188,10 +188,12 @@ def test_a_rule_module_named_like_a_generated_name_is_imported_under_a_free_alia
 
 
 def test_the_step_fields_a_scalar_may_not_take_are_the_step_records():
-    """codegen's STEP_FIELDS (it needs no torch) lists runtime.step.Step's fields."""
+    """codegen's STEP_FIELDS (it needs no torch) lists runtime.step.Step's fields and
+    properties."""
     import dataclasses
 
     from bufc.codegen import vocab
     from bufc.runtime.step import Step
 
-    assert {f.name for f in dataclasses.fields(Step)} == vocab.STEP_FIELDS
+    properties = {n for n, v in vars(Step).items() if isinstance(v, property)}
+    assert {f.name for f in dataclasses.fields(Step)} | properties == vocab.STEP_FIELDS

@@ -14,15 +14,15 @@ perturb a copy of one array and see the comparison fail. `test_the_driver_on_cpu
 same driver with a torch paged attention reading the arrays as FlashInfer does (no GPU).
 
 The GPU tests are skipped without CUDA or flashinfer. FlashInfer 0.7.2.post1 (pruned) and what
-it imports are carried in the git-ignored `.dev-wheels/flashinfer/` (its INSTALL.sh says how
-it was built). On the H100 machine, from the checkout root (the fa2 kernels are JIT-built
-first, about a minute):
+it imports are carried in the git-ignored `.dev-wheels/flashinfer/`, built on a machine with the
+network (about 17 MB) by `sh bench/flashinfer_carry.sh`. On the H100 machine, `.dev-wheels`
+carried, from the checkout root (the fa2 kernels are JIT-built first, about a minute):
 
-    sh .dev-wheels/flashinfer/INSTALL.sh > /tmp/fi.env && . /tmp/fi.env &&
+    sh bench/flashinfer_install.sh > /tmp/fi.env && . /tmp/fi.env &&
         python3 -P -m pytest -q -s tests/test_gpu_flashinfer.py
 
-INSTALL.sh puts flashinfer and bufc (the checkout's folders as the distribution lays them out)
-in /tmp/site; `-P` keeps the checkout's own bufc/ folder from shadowing that package.
+The installer puts flashinfer and bufc (the checkout's folders as the distribution lays them
+out) in /tmp/site; `-P` keeps the checkout's own bufc/ folder from shadowing that package.
 """
 
 from __future__ import annotations

@@ -121,3 +121,12 @@ def test_a_layer_reading_another_group_s_table_fails_the_run(model, jobs, refere
     served = serve(model, jobs, max_sequence_length=MAX_SEQ, contract="flash", mutate=swap)
     with pytest.raises(Mismatch):
         check(model, jobs, served, reference)
+
+
+@pytest.mark.parametrize("contract", ["trtllm", "flash"])
+def test_every_step_at_one_cuda_graph_bucket_gives_the_same_model(model, jobs, reference, contract):
+    """Both contracts with every step built at one bucket (the pools' or groups' rows at the
+    bucket's sequences, padded rows and tokens holding their pads): the same tokens."""
+    served = serve(model, jobs, max_sequence_length=MAX_SEQ, contract=contract, bucket=True)
+    check(model, jobs, served, reference)
+    assert served.crossed and served.reused_slots
