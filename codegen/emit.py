@@ -550,7 +550,7 @@ def render_family(plan: FamilyPlan, file: str) -> str:
         ],
         "index_sets": [_index_set(x) for x in plan.index_sets],
     }
-    context["step_fields"], context["inputs_by_key"] = step_fields(plan)
+    context["step_fields"], context["inputs_by_key"], context["scalars_only"] = step_fields(plan)
     source = _template().render(**context)
     ast.parse(source)  # defence in depth: never hand out something that is not Python
     return source

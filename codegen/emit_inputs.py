@@ -46,48 +46,52 @@ def _docstring(text: str) -> list[str]:
     return [f'"""{lines[0]}', *lines[1:], '"""']
 
 
-def step_fields(plan: FamilyPlan) -> tuple[list[dict[str, Any]], list[str]]:
-    """The record's attributes (name, type, docstring lines, and what it reads), and the engine
-    names left to reading by name (not identifiers, or taken by the record's own API)."""
+# names the class body reads itself (the decorator, the attributes' annotations): an input or
+# scalar named so is read by name only, so that it shadows none of them
+CLASS_BODY = frozenset(("property", "int", "tuple", "torch"))
+
+
+def step_fields(plan: FamilyPlan) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """The record's attributes (name, type, docstring lines, and what it reads); the engine
+    names left to reading by name (not identifiers, or taken by the record's own API or its
+    class body); and the step scalars left to ``step.scalars`` (those, or an input's name)."""
     fields: list[dict[str, Any]] = []
     by_key: list[str] = []
+    scalars_only: list[str] = []
     seen: set[str] = set()
 
+    def attribute(attr: str) -> bool:
+        named = attr.isidentifier() and not keyword.iskeyword(attr) and not attr.startswith("_")
+        return named and attr not in RESERVED and attr not in CLASS_BODY
+
     def add(attr: str, kind: str, getter: str, key: str, doc: str) -> None:
+        if getter == "_scalar" and (attr in seen or not attribute(attr)):
+            scalars_only.append(attr)  # (an input of that name takes the attribute)
+            return
         if attr in seen:  # bound by several tensors under exclusive conditions: the first doc
             return
         seen.add(attr)
-        if (
-            not attr.isidentifier()
-            or keyword.iskeyword(attr)
-            or attr.startswith("_")
-            or attr in RESERVED
-        ):
-            by_key.append(attr)
-        else:
-            fields.append(
-                {"name": attr, "type": kind, "getter": getter, "key": key, "doc": _docstring(doc)}
-            )
+        if not attribute(attr):
+            by_key.append(L.comment(key))
+            return
+        fields.append(
+            {"name": attr, "type": kind, "getter": getter, "key": key, "doc": _docstring(doc)}
+        )
 
     for pt in plan.tensors:
         for b in pt.bindings:
             if b.direction != "input":
                 continue
+            doc = meaning(plan, pt, quote="")
             if b.each:  # one view per member: a tuple, named by the tensor
-                doc = (
-                    f"{meaning(plan, pt, quote='')} One view per member of {', '.join(b.each)}, in order "
-                    f"(engine names {b.engine_name})."
+                doc += (
+                    f" One view per member of {', '.join(b.each)}, in order (engine names "
+                    f"{b.engine_name})."
                 )
                 add(pt.name, "tuple[torch.Tensor, ...]", "_inputs", pt.name, doc)
             else:
-                add(
-                    b.engine_name,
-                    "torch.Tensor",
-                    "_input",
-                    b.engine_name,
-                    meaning(plan, pt, quote=""),
-                )
+                add(b.engine_name, "torch.Tensor", "_input", b.engine_name, doc)
     assert plan.program is not None
     for x in plan.program.scalars:
         add(x.name, "int", "_scalar", x.name, f"Step scalar: {x.doc}")
-    return fields, by_key
+    return fields, by_key, scalars_only

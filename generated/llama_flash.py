@@ -128,6 +128,7 @@ class Config(rt.ConfigBase):
             (lambda: self.widest_attention_window <= self.max_attention_window, "every attention window must be at most max_attention_window, the block table's capacity (buffers.yaml: widest_attention_window <= max_attention_window)"),
             (lambda: len(self.attention_windows) <= self.num_layers, 'attention_windows gives one window per layer at most (it repeats when shorter); a longer list would lose its extra values (buffers.yaml: len(attention_windows) <= num_layers)'),
             (lambda: self.max_beam_width == 1 or len(self.attention_window_sizes) == 1, "layers with different attention windows need beam width 1 (TensorRT-LLM's detachFrontBlock) (buffers.yaml: max_beam_width == 1 or len(attention_window_sizes) == 1)"),
+            (lambda: self.max_kv_read_tokens == 0 or self.num_kv_groups == 1, 'the read index (max_kv_read_tokens) follows one KV-cache group; leave it 0 with several attention windows (buffers.yaml: max_kv_read_tokens == 0 or num_kv_groups == 1)'),
         )
 
 
@@ -659,7 +660,7 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
     advances_on_device = False  # decode steps without a copy
     no_advance = ('query_start_loc', 'query_lens', 'seq_lens', 'cu_seqlens_k', 'token_positions', 'block_table', 'kv_slot_mapping', 'group_block_tables', 'group_slot_mappings', 'logits_indices', 'kv_read_index', 'produces_token')  # rules without an advance form
     # what the step calls on requests: a Request field none of them reads is refused when set
-    request_readers = ('block_table', 'check_kv_blocks', 'check_kv_read_tokens', 'cu_seqlens_k', 'group_block_tables', 'group_slot_mappings', 'kv_read_index', 'kv_slot_mapping', 'logits_indices', 'produces_token', 'query_lens', 'query_start_loc', 'row_slots', 'seq_lens', 'seq_slots', 'token_ids', 'token_positions')
+    request_readers = ('block_table', 'check_kv_blocks', 'check_kv_tokens', 'cu_seqlens_k', 'group_block_tables', 'group_slot_mappings', 'kv_read_index', 'kv_slot_mapping', 'logits_indices', 'produces_token', 'query_lens', 'query_start_loc', 'row_slots', 'seq_lens', 'seq_slots', 'token_ids', 'token_positions')
     project_impls = ()  # the spec's own implementations the step calls: none
 
     def _limits(self) -> batch.Limits:
@@ -710,9 +711,14 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
         s = b.sizes
         # the step sizes within their capacities (_size_bounds)
         self._sizes_within(s)
-        # The KV tokens of the step's sequences after it fit the per-KV-token read index
-        # (max_kv_read_tokens; 0 keeps none).
-        paged_attention.check_kv_read_tokens(b, max_kv_read_tokens=c.max_kv_read_tokens)
+        # The KV tokens of the step's sequences after it, all together, fit cu_seqlens_k's int32 and
+        # the per-KV-token read index (max_kv_read_tokens; 0 keeps none).
+        paged_attention.check_kv_tokens(
+            b,
+            max_blocks_per_seq=c.max_blocks_per_seq,
+            tokens_per_block=c.tokens_per_block,
+            max_kv_read_tokens=c.max_kv_read_tokens,
+        )
         return Checked(
             b,
             # Every sequence's kv_block_ids cover its tokens after the step, with ids in the pool,

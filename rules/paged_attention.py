@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import BatchError
 from ..requests.batch import Batch
-from ..requests.values import EMPTY
+from ..requests.values import EMPTY, INT32_MAX
 from . import kv_offsets
 from .core import last_token_ids, position_ids
 from .kv_rows import BlockPlan, KeptRows
@@ -152,16 +152,28 @@ def _kv_slots(out: np.ndarray, b: Batch, ids: np.ndarray, index: np.ndarray, tpb
     return n
 
 
-def check_kv_read_tokens(b: Batch, *, max_kv_read_tokens: int) -> None:
-    """The KV tokens of the step's sequences fit the read index (when the Config keeps one)."""
-    if max_kv_read_tokens and b.sizes.num_sequences:
-        total = int(b.seq_kv_tokens.sum())
-        if total > max_kv_read_tokens:
-            raise BatchError(
-                f"the step's sequences hold {total} KV tokens after it, more than the read "
-                f"index holds (max_kv_read_tokens={max_kv_read_tokens}): schedule fewer or "
-                "shorter sequences, or raise max_kv_read_tokens"
-            )
+def check_kv_tokens(
+    b: Batch, *, max_blocks_per_seq: int, tokens_per_block: int, max_kv_read_tokens: int
+) -> None:
+    """The KV tokens of the step's sequences after it, all together, fit cu_seqlens_k's int32
+    and the read index (when the Config keeps one). Summed only where the step's rows times a
+    whole block row could pass either bound."""
+    n = b.sizes.num_sequences
+    bound = n * max_blocks_per_seq * tokens_per_block  # (a longer sequence is refused anyway)
+    if bound <= INT32_MAX and (not max_kv_read_tokens or bound <= max_kv_read_tokens):
+        return
+    total = int(b.seq_kv_tokens.sum())
+    if total > INT32_MAX:
+        raise BatchError(
+            f"the step's sequences hold {total} KV tokens after it, more than cu_seqlens_k's "
+            f"int32 holds ({INT32_MAX}): schedule fewer or shorter sequences"
+        )
+    if max_kv_read_tokens and total > max_kv_read_tokens:
+        raise BatchError(
+            f"the step's sequences hold {total} KV tokens after it, more than the read "
+            f"index holds (max_kv_read_tokens={max_kv_read_tokens}): schedule fewer or "
+            "shorter sequences, or raise max_kv_read_tokens"
+        )
 
 
 def kv_read_index(

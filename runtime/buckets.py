@@ -18,35 +18,40 @@ from typing import Any
 import numpy as np
 
 from ..errors import BatchError
+from ..requests.values import is_int
 from .bindings import prefix_layout
-from .decl import Rule, TensorDecl
+from .decl import Mirror, Rule, TensorDecl
 from .staging import Targets
 
 
 def at_bucket(sizes: Any, bucket: Any) -> Any:
     """The step's sizes padded to `bucket`, ``(tokens, rows)`` (StepSizes.padded), or
     BatchError when the step does not fit it."""
-    if (
-        not isinstance(bucket, tuple)
-        or len(bucket) != 2
-        or not all(type(x) is int and x >= 0 for x in bucket)
-    ):
+    if not isinstance(bucket, tuple) or len(bucket) != 2 or not all(is_int(x) for x in bucket):
         raise BatchError(f"bucket must be (tokens, rows), two non-negative ints; got {bucket!r}")
-    tokens, rows = bucket
+    tokens, rows = int(bucket[0]), int(bucket[1])
+    if tokens < 0 or rows < 0:
+        raise BatchError(f"bucket must be (tokens, rows), two non-negative ints; got {bucket!r}")
     if tokens < sizes.num_tokens or rows < sizes.num_sequences:
         raise BatchError(
             f"the step has {sizes.num_tokens} tokens and {sizes.num_sequences} sequences, more "
-            f"than its bucket (tokens, rows) = {bucket}: pick a larger bucket"
+            f"than its bucket (tokens, rows) = {(tokens, rows)}: pick a larger bucket"
         )
     return sizes.padded(tokens, rows)
 
 
 class Relayout:
-    """The rule tensors of a family moved to a bucket's layout after their fill."""
+    """The rule tensors of a family moved to a bucket's layout after their fill: those the
+    engine reads through the step's views (bound, or mirrored by a bound tensor). An unbound
+    one (the beam-search copy lists a decoder reads) keeps the step's own layout."""
 
     def __init__(self, decls: dict[str, TensorDecl], config: Any) -> None:
-        self._all = decls
-        self._decls = {n: d for n, d in decls.items() if isinstance(d.fill, Rule)}
+        bound = {n for n, d in decls.items() if d.inputs or d.outputs}
+        bound |= {
+            d.fill.source for n, d in decls.items() if isinstance(d.fill, Mirror) and n in bound
+        }
+        self._all = {n: d for n, d in decls.items() if n in bound}  # what a bucket shapes
+        self._decls = {n: d for n, d in self._all.items() if isinstance(d.fill, Rule)}
         self._config = config
         self._scratch: dict[str, np.ndarray] = {}
 

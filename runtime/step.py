@@ -105,6 +105,9 @@ class StepInputs(Mapping[str, torch.Tensor]):
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"a step's inputs are read-only (setting {name!r})")
 
+    def __reduce__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle build a new one
+        return (type(self), (dict(self._views), dict(self._scalars), self._mode, dict(self._each)))
+
     if not TYPE_CHECKING:  # mypy reports an unknown attribute itself
 
         def __getattr__(self, name: str) -> Any:  # a name no attribute has, or whose raised
@@ -113,6 +116,8 @@ class StepInputs(Mapping[str, torch.Tensor]):
             reads = getattr(type(self), name, None)
             if isinstance(reads, property):  # an input this step lacks: the property says so
                 return reads.fget(self)  # type: ignore[misc]
+            if name in self._views:  # an engine name no attribute can take
+                raise AttributeError(f"read the input {name!r} by name: inputs[{name!r}]")
             known = {n for n in dir(type(self)) if not n.startswith("_")} | set(self._scalars)
             raise AttributeError(
                 f"{type(self).__name__} has no input or scalar {name!r}{_nearest(name, known)}"
@@ -130,7 +135,10 @@ class StepInputs(Mapping[str, torch.Tensor]):
 
     def _inputs(self, tensor: str) -> tuple[torch.Tensor, ...]:
         """A repeated binding's views, in the order of its index sets."""
-        return tuple(self._views[name] for name in self._each.get(tensor, ()))
+        names = self._each.get(tensor)
+        if names is None:
+            self._input(tensor)  # raises: not among this step's inputs
+        return tuple(self._views[name] for name in names or ())
 
     def _scalar(self, name: str) -> int:
         value = self._scalars.get(name)

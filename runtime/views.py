@@ -140,9 +140,9 @@ class Views:
         """Engine IO views for arbitrary sizes (e.g. a CUDA-graph batch bucket larger than the
         step): the same storage as the step's views, with the rows past the step holding their
         pad values. The inputs are the family's typed record, with the last step's scalars and
-        the mode of `sizes`."""
+        mode (padded rows run nothing)."""
         inputs, outputs = self._views_at(sizes)
-        mode = StepMode.of(sizes)
+        mode = StepMode.of(self._last) if self._last is not None else StepMode.IDLE
         return self.step_inputs(inputs, self._scalars_now, mode, self._each), outputs
 
     def _views_at(self, sizes: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -173,3 +173,25 @@ def test_a_bucket_beyond_a_capacity_is_refused() -> None:
         BatchError, match=r"^at the bucket \w+ would be \[.*\], beyond its capacity"
     ):
         b.prepare_step(ctx, [], bucket=(8, rows))
+
+
+def test_an_unbound_tensor_keeps_the_steps_layout_at_a_bucket() -> None:
+    """The beam-search copy lists (bound to no engine name: the decoder reads them at the
+    step's sizes, [3, num_generation_requests]) are not moved by a bucket; a bucket may be
+    given as numpy integers."""
+    twin, padded = (make_buffers("llama", max_beam_width=2, tokens_per_block=4) for _ in range(2))
+    gen = [
+        Request(s, [1, 2, 3], generated=[[4], [5]], beam_width=2, kv_block_ids=[[1 + s, 9 + s]])
+        for s in (0, 1)
+    ]
+    want = twin.prepare_step([], copy.deepcopy(gen))
+    got = padded.prepare_step([], gen, bucket=(np.int64(6), np.int64(6)))
+    n = want.sizes.num_generation_requests
+    for name in ("host_cache_indirection_copies", "host_cache_indirection_decoder_copies"):
+        rows = want.sizes.num_requests if "decoder" in name else n
+        assert (
+            padded.tensors[name]
+            .flatten()[: 3 * rows]
+            .equal(twin.tensors[name].flatten()[: 3 * rows])
+        ), name
+    assert got.sizes == want.sizes

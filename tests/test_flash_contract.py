@@ -275,3 +275,35 @@ def test_block_ids_are_bound_by_the_pool_and_the_int32_table_not_an_encoding() -
     pooled = make_buffers("llama_flash", tokens_per_block=TPB, num_kv_blocks=100)
     with pytest.raises(BatchError, match=r"outside 0 \.\. 99 \(num_kv_blocks=100\)"):
         pooled.add(Request(seq_slot=0, prompt=[1, 2, 3], kv_block_ids=[[100]]))
+
+
+def test_kv_tokens_past_cu_seqlens_k_s_int32_are_refused() -> None:
+    """cu_seqlens_k is int32 (FlashAttention's): a step whose sequences together hold more KV
+    tokens is refused by the check its step runs first (summed only past the proven bound)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from bufc.rules.paged_attention import check_kv_tokens
+
+    big = SimpleNamespace(
+        sizes=SimpleNamespace(num_sequences=2), seq_kv_tokens=np.array([2**30 + 5] * 2)
+    )
+    with pytest.raises(
+        BatchError,
+        match=r"^the step's sequences hold 2147483658 KV tokens after it, more than cu_seqlens_k's "
+        r"int32 holds \(2147483647\): schedule fewer or shorter sequences$",
+    ):
+        check_kv_tokens(big, max_blocks_per_seq=2047, tokens_per_block=2**20, max_kv_read_tokens=0)
+    check_kv_tokens(big, max_blocks_per_seq=1, tokens_per_block=4, max_kv_read_tokens=0)  # bound
+
+
+def test_a_read_index_with_several_kv_cache_groups_is_refused() -> None:
+    from bufc.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError,
+        match=r"the read index \(max_kv_read_tokens\) follows one KV-cache group; leave it 0 with "
+        r"several attention windows",
+    ):
+        make_buffers("llama_flash", attention_windows=[8, 64], max_kv_read_tokens=64)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import make_buffers
 
 from bufc.codegen.emit_inputs import RESERVED
@@ -165,3 +166,87 @@ def test_mypy_checks_an_engine_that_reads_the_record(tmp_path: Path) -> None:
     bad = _mypy(tmp_path / "typo", typo)
     assert bad.returncode == 1
     assert '"StepInputs" has no attribute "cu_seqlen_k_cpu"' in bad.stdout
+
+
+HOSTILE = """version: 1
+extends: bufc
+flags:
+  hostile: {doc: Hostile names., type: bool, default: false}
+families:
+  hostile_flash:
+    doc: llama_flash plus tensors bound under names the record keeps for itself.
+    extends: llama_flash
+    flags: {hostile: true}
+tensors:
+"""
+TENSOR = """  - name: host_%s
+    doc: Token ids again.
+    dtype: int32
+    memory: pinned
+    capacity: ["max_num_tokens"]
+    shape: ["num_tokens"]
+    fill: {rule: token_ids}
+    pad: 0
+    when: hostile
+    bind: [{input: %s}]
+"""
+
+
+def test_names_the_record_keeps_are_read_by_name_only() -> None:
+    """Inputs named like the record's API or what its class body reads (`property`, `int`,
+    `keys`) get no attribute, and a step scalar whose name an input takes stays in
+    step.scalars; the generated docstring lists both; the module imports and reads them."""
+    import types
+
+    from bufc.codegen.emit import render_family
+    from bufc.codegen.emit_inputs import step_fields
+    from bufc.codegen.pipeline import compile_text
+
+    names = ("property", "int", "keys", "max_query_len")
+    spec = HOSTILE + "".join(TENSOR % (n, n) for n in names)
+    plan = compile_text(spec, "buffers.yaml").plan("hostile_flash")
+    fields, by_key, scalars_only = step_fields(plan)
+    assert by_key == ["property", "int", "keys"] and scalars_only == ["max_query_len"]
+    assert "max_query_len" in {f["name"] for f in fields}  # the input's
+    module = types.ModuleType("hostile_flash")
+    sys.modules["hostile_flash"] = module  # (dataclasses look their module up)
+    try:
+        source = render_family(plan, "buffers.yaml")
+        exec(compile(source, "hostile_flash.py", "exec"), vars(module))  # noqa: S102
+    finally:
+        del sys.modules["hostile_flash"]
+    doc = module.StepInputs.__doc__
+    assert "Read by engine name only: property, int, keys." in doc
+    assert "Step scalars in ``step.scalars`` only: max_query_len." in doc
+    views = {n: torch.tensor([i]) for i, n in enumerate(names)}
+    inputs = module.StepInputs(views, {"max_query_len": 7}, StepMode.DECODE, {})
+    assert (
+        inputs["property"] is views["property"] and inputs.max_query_len is views["max_query_len"]
+    )
+    assert callable(inputs.keys) and inputs.mode is StepMode.DECODE
+    with pytest.raises(AttributeError, match=r"read the input '_x' by name: inputs\['_x'\]"):
+        module.StepInputs({"_x": views["int"]}).__getattr__("_x")
+
+
+def test_a_record_copies_and_pickles() -> None:
+    import copy
+    import pickle
+
+    inputs = flash().step(chunks={0: 4}).inputs
+    for twin in (copy.copy(inputs), copy.deepcopy(inputs), pickle.loads(pickle.dumps(inputs))):
+        assert type(twin) is type(inputs) and twin.mode is inputs.mode
+        assert list(twin) == list(inputs) and twin.cu_seqlens_k.equal(inputs.cu_seqlens_k)
+        assert twin.max_seq_len == inputs.max_seq_len
+
+
+def test_views_at_a_bucket_report_the_steps_mode() -> None:
+    b = flash()
+    step = b.step(chunks={0: 4})
+    assert b.views(step.sizes.padded(8, 4))[0].mode is StepMode.PREFILL  # padded rows run nothing
+
+
+def test_a_repeated_binding_this_step_lacks_says_so() -> None:
+    b = make_buffers("mamba", num_layers=2, max_beam_width=1)  # pointers bound once: statics
+    inputs = b.views(b.sizes_type(*(1,) * 10))[0]
+    with pytest.raises(AttributeError, match=r"'host_conv_state_pointers' is not among this step"):
+        inputs.host_conv_state_pointers  # noqa: B018
