@@ -54,5 +54,7 @@ cp "$REPO"/bufc/*.py "$SITE/bufc/"
 for folder in codegen runtime rules requests generated schema examples; do
     ln -s "$REPO/$folder" "$SITE/bufc/$folder"
 done
+mkdir "$SITE/bufc/spec"  # the built-in spec a project's `extends: bufc` reads
+ln -s "$REPO/buffers.yaml" "$SITE/bufc/spec/buffers.yaml"
 PYTHONPATH=$SITE $PY -P -c "import flashinfer, bufc.generated.llama_flashinfer; print('flashinfer', flashinfer.__version__, 'from', flashinfer.__file__)"
 echo "export PYTHONPATH=$SITE FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp/fiws PATH=\"\$PATH:$SITE/_ninja/bin\"" >&3
