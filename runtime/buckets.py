@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import BatchError
 from ..requests.values import is_int
-from .bindings import prefix_layout
+from .bindings import Bindings, prefix_layout
 from .decl import Mirror, Rule, TensorDecl
 from .staging import Targets
 
@@ -45,8 +45,10 @@ class Relayout:
     engine reads through the step's views (bound, or mirrored by a bound tensor). An unbound
     one (the beam-search copy lists a decoder reads) keeps the step's own layout."""
 
-    def __init__(self, decls: dict[str, TensorDecl], config: Any) -> None:
-        bound = {n for n, d in decls.items() if d.inputs or d.outputs}
+    def __init__(self, decls: dict[str, TensorDecl], config: Any, bind: Bindings) -> None:
+        # what the step's views bind under this Config (bindings.py decides it), and the host
+        # tensors their mirrors copy
+        bound = {tensor for _, tensor, _, _ in bind.inputs + bind.outputs}
         bound |= {
             d.fill.source for n, d in decls.items() if isinstance(d.fill, Mirror) and n in bound
         }

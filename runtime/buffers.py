@@ -101,6 +101,7 @@ class RuntimeBuffers(Views, Failures, Generic[InputsT]):
         self.copies_per_step = self._io.copies_per_step
         self._bind = bindings(decls, c, self.sizes_type)
         self._each = repeated(self._bind)
+        self._relayout = Relayout(self.decls, c, self._bind)
         self._ring_step = 0
         for name, values in (static_inputs or {}).items():
             self.set_static(name, values)
@@ -108,7 +109,6 @@ class RuntimeBuffers(Views, Failures, Generic[InputsT]):
         self._step_views: list[tuple[Any, dict, dict] | None] = [None] * HALVES
         self._last: Any = None  # the sizes of the last step
         self._layout: Any = None  # the sizes its tensors are laid out at (its bucket's, if any)
-        self._relayout = Relayout(self.decls, c)
         self._scalars_now: Mapping[str, int] = NO_SCALARS  # the last step's scalars
         self._decode: Any = None  # the state a following advance() continues from, if any
         self._by_step = False  # the last step was step()'s: advance() does not continue it
