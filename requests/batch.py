@@ -219,6 +219,15 @@ class Batch:  # not slotted: a derived column is kept in __dict__
         return np.arange(self.sizes.num_context_tokens) + np.repeat(self.ctx_begin - starts, k)
 
     @derived
+    def ctx_logit_rows(self) -> np.ndarray:
+        """The logit row of each context chunk's last token (a last chunk's drafts follow it,
+        one row each), for the rules that place a chunk's logit row."""
+        if not self.has_context_drafts:
+            return np.arange(self.sizes.num_context_requests)
+        rows = 1 + self.ctx_drafts
+        return np.add.accumulate(rows) - rows
+
+    @derived
     def seq_first(self) -> np.ndarray:
         """The first generation sequence of each generation request."""
         return np.add.accumulate(self.gen_beam_width) - self.gen_beam_width

@@ -259,8 +259,7 @@ def last_token_ids(out: np.ndarray, b: Batch) -> int:
         )
         return s.num_logits
     groups = np.ones(b.sizes.num_logits, dtype=np.int64)
-    heads = np.cumsum(1 + b.ctx_drafts) - (1 + b.ctx_drafts)
-    groups[heads] = b.ctx_chunk
+    groups[b.ctx_logit_rows] = b.ctx_chunk
     np.cumsum(groups, out=out[: b.sizes.num_logits])
     return b.sizes.num_logits
 

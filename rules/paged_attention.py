@@ -105,10 +105,16 @@ def kv_slot_mapping(
 ) -> int:
     """The KV-cache slot of each token: its block's id x tokens_per_block + its offset in the
     block (the block of KV position p is column p // tokens_per_block of the block table)."""
-    if plan.slots is not None:  # in flight: each token's block straight from the block table
-        return _kv_slots(out, b, plan.slots.blocks.ids, plan.slots.index, tokens_per_block)
-    rows = _sequence_blocks(b, plan, max_blocks_per_seq)
-    return _kv_slots(out, b, rows, np.arange(len(rows)), tokens_per_block)
+    return _kv_slots(out, b, *_block_rows(b, plan, max_blocks_per_seq), tokens_per_block)
+
+
+def _block_rows(b: Batch, plan: BlockPlan, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Block rows and the row of each sequence in them: in flight the request table's block
+    table itself (each token's block read straight from it), else the lists converted."""
+    if plan.slots is not None:
+        return plan.slots.blocks.ids, plan.slots.index
+    rows = _sequence_blocks(b, plan, width)
+    return rows, np.arange(len(rows))
 
 
 def _block_offset(positions: np.ndarray, tpb: int) -> tuple[np.ndarray, np.ndarray]:
@@ -182,12 +188,8 @@ def kv_read_index(
     """The KV-cache slot of every KV position of every sequence, sequence after sequence:
     sequence i's positions 0 .. seq_lens[i] - 1 at out[cu_seqlens_k[i] .. cu_seqlens_k[i + 1] -
     1] (what a gather of each sequence's K/V reads, e.g. transformers' read_index). Returns the
-    entries written (check_kv_read_tokens bounds them)."""
-    if plan.slots is not None:  # in flight: the block table's rows
-        ids, index = plan.slots.blocks.ids, plan.slots.index
-    else:
-        ids = _sequence_blocks(b, plan, max_blocks_per_seq)
-        index = np.arange(len(ids))
+    entries written (check_kv_tokens bounds them)."""
+    ids, index = _block_rows(b, plan, max_blocks_per_seq)
     lens = b.seq_kv_tokens
     total = int(lens.sum())
     starts = np.add.accumulate(lens) - lens
@@ -301,10 +303,8 @@ def produces_token(out: np.ndarray, b: Batch) -> int:
     n = s.num_logits
     out[:n] = 1
     if s.num_context_requests:
-        # a context request's logit rows: its chunk's last token, then its drafts (only a last
-        # chunk carries drafts, so only the first row can be a discarded one)
-        heads = np.add.accumulate(1 + b.ctx_drafts) - (1 + b.ctx_drafts)
-        out[heads] = b.ctx_begin + b.ctx_chunk == b.ctx_prompt_len
+        # only a chunk's own logit row can be a discarded one (drafts ride on a last chunk)
+        out[b.ctx_logit_rows] = b.ctx_begin + b.ctx_chunk == b.ctx_prompt_len
     return n
 
 
