@@ -40,6 +40,7 @@ ROLES: dict[str, tuple[str, str]] = {
     "advance_check": ("_advance_check", "the advance check of rule '{}'"),
     "advance": ("_advance", "the advance form of rule '{}'"),
     "device_advance": ("_advance_on_device", "the device advance form of rule '{}'"),
+    "device_fill": ("_device_fill", "the device build's form of rule '{}'"),
     "derive": ("Config", "the function of derived value '{}'"),
 }
 
@@ -127,6 +128,17 @@ def calls(
                     r.name,
                     r.device_advance,
                     ("the device mirror", "the decode step"),
+                )
+            )
+        if r.device_fill is not None:
+            out.append(
+                Call(
+                    "device_fill",
+                    r.name,
+                    r.device_fill,
+                    ("the device mirror at the bucket", "the step's device rows", "its pad"),
+                    r.reads,
+                    "reads",
                 )
             )
     return out

@@ -29,7 +29,7 @@ from .plan import FamilyPlan, PlannedFill, PlannedIndexSet, PlannedTensor, StepP
 if TYPE_CHECKING:
     from .pipeline import Compiled
 
-FORMAT_VERSION = 8  # the runtime API the generated modules are written against
+FORMAT_VERSION = 9  # the runtime API the generated modules are written against
 MARKER = "@" + "generated"  # split so that grep finds only outputs
 # the headers name no path, so the output does not depend on how --spec and --out were spelled;
 # `bufc check` prints the exact command
@@ -303,6 +303,8 @@ def _roles(program: StepProgram, derived: Sequence[Derived]) -> list[tuple[str, 
             out.append(("advance_check", f.rule, f.advance_check))
         if f.device_advance is not None:
             out.append(("device_advance", f.rule, f.device_advance))
+        if f.device_fill is not None:
+            out.append(("device_fill", f.rule, f.device_fill))
     return out
 
 
@@ -427,7 +429,10 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
             )
         advances.append({"doc": L.fill_doc(f), "lines": _advance_lines(f, alias)})
     device = _device_advances(plan, alias) if advance else None
+    device_fills = _device_fills(plan, alias)
     return {
+        "device_fills": device_fills,
+        "device_scalars": _device_scalars(program, sizes) if device_fills is not None else None,
         "device_advances": device,
         # the device form reads the Config only under a construct-time condition
         "device_reads_config": any(x.startswith("if ") for f in device or () for x in f["lines"]),
@@ -482,6 +487,47 @@ def _device_advances(plan: FamilyPlan, alias: _Aliases) -> list[dict[str, Any]] 
         else:
             lines = L.under(m.when, [L.call("v.copy", [repr(f.tensor)])])
         out.append({"doc": doc, "lines": lines})
+    return out
+
+
+def _device_fills(plan: FamilyPlan, alias: _Aliases) -> list[dict[str, Any]] | None:
+    """The device build's program, one entry per bound device mirror of a rule tensor (its
+    rule's device form on the step's device rows), or None where the family has none: a
+    bound mirror whose rule has no device form, or a step scalar without a device value."""
+    program = plan.program
+    assert program is not None
+    if any(x.device is None for x in program.scalars):
+        return None
+    fills = {f.tensor: f for f in program.fills}
+    out = []
+    for m in plan.tensors:
+        f = fills.get(m.fill_target or "")
+        if m.fill_kind != "mirror" or not m.bindings or f is None:
+            continue
+        if f.device_fill is None or m.pad is None:  # (a bucket's pad rows need a pad)
+            return None
+        args = [alias(f.device_fill), f"o.{m.name}", "d", repr(m.pad), *L.kwargs(f.reads)]
+        out.append(
+            {
+                "doc": L.wrapped(f"{m.name}: {L.comment(m.doc)}"),
+                "lines": L.guarded(m.when, args[0], args[1:]),
+            }
+        )
+    return out or None
+
+
+def _device_scalars(program: StepProgram, sizes: set[str]) -> list[dict[str, Any]]:
+    """The lines of the generated `_device_scalars`: each step scalar's device value."""
+    out = []
+    for x in program.scalars:
+        assert x.device is not None
+        value = scalar_source(x.device, sizes)
+        out.append(
+            {
+                "doc": L.wrapped(f"{x.name}: {L.comment(x.doc)}"),
+                "lines": L.under(x.guard, _assign(f"scalars[{x.name!r}]", value, x.guard)),
+            }
+        )
     return out
 
 

@@ -86,6 +86,7 @@ class Scalar:
     value: Formula
     when: Formula | None
     loc: Location
+    device: Formula | None = None  # its value in the device build (no max_of), if not `value`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,6 +249,7 @@ class Rule:
     loc: Location
     field_locs: tuple[tuple[str, Location], ...] = ()
     pads: tuple[str, ...] = ()  # what its tensors' padded rows may hold (vocab.PAD_KINDS)
+    device_fill: Impl | None = None  # the device build's form (on the step's device rows)
 
     def field_loc(self, key: str) -> Location:
         return dict(self.field_locs).get(key, self.loc)
@@ -385,6 +387,7 @@ class _Builder:
                 self.formula(r["value"], ("scalars", n, "value")),
                 self.opt_formula(r, "when", ("scalars", n)),
                 kl(("scalars", n)),
+                self.opt_formula(r, "device", ("scalars", n)),
             )
             for n, r in d.get("scalars", {}).items()
         )
@@ -530,6 +533,9 @@ class _Builder:
                     kl(path),
                     tuple((k, kl((*path, k))) for k in r),
                     tuple(r.get("pads", ())),
+                    self.impl(r["device_fill"], (*path, "device_fill"))
+                    if "device_fill" in r
+                    else None,
                 )
             )
         return tuple(rules), checks

@@ -100,6 +100,9 @@ class PlannedScalar:
     doc: str
     value: E.Expr
     guard: E.Expr | None
+    # its value in the device build: the declared `device` formula, else `value` where it
+    # reads no tensor (None: the family has no device build)
+    device: E.Expr | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +149,7 @@ class PlannedFill:
     advance_check_state: str | None = None  # the request check whose state it receives
     advance_check_result: bool = False  # the advance form receives what it returns
     device_advance: Impl | None = None  # the advance form on the device mirror
+    device_fill: Impl | None = None  # the device build's form (on the step's device rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +285,8 @@ def _scalars(
             guard = _conj(guard, when_of[t])
         guard = _fold(guard, flags)
         if guard != E.FALSE:
-            out.append(PlannedScalar(x.name, x.doc, value, guard))
+            device = E.fold(x.device.expr, flags) if x.device else None if read else value
+            out.append(PlannedScalar(x.name, x.doc, value, guard, device))
     return tuple(out)
 
 
@@ -535,6 +540,7 @@ def _program(
                 else None,
                 advance_check_result=bool(rule.advance_check and rule.advance_check.result),
                 device_advance=rule.device_advance,
+                device_fill=rule.device_fill,
             )
         )
     for name, cond in spec.requests.checks:  # the family's own checks, beside its rules'

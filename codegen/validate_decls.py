@@ -13,6 +13,7 @@ from .validate_names import (
     CHECK,
     CHECK_WHEN,
     DERIVED,
+    DEVICE_SCALAR,
     KIND_TEXT,
     REQUESTS,
     SCALAR,
@@ -53,6 +54,7 @@ def declarations(scope: Scope) -> None:
         scope.formula(z.bound, SIZE_BOUND)
     for x in s.scalars:
         scope.formula(x.value, SCALAR)
+        scope.formula(x.device, DEVICE_SCALAR)
         scope.formula(x.when, WHEN)
     scope.formula(s.requests.encoder_only, REQUESTS)
     for name, cond in s.requests.checks:

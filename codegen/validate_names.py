@@ -80,6 +80,8 @@ REQUESTS = Context("a condition under requests", frozenset({"flag"}), "bool")
 SET_BOUND = Context("an index set's first or count", CONSTRUCT, "int")
 SET_WHERE = Context("an index set's 'where'", CONSTRUCT | {"flag", "index"}, "bool")
 SCALAR = Context("a step scalar", CONSTRUCT | {"size"}, "int", tensors=True)
+# the device build writes no host tensor: its value reads the Config and the step sizes alone
+DEVICE_SCALAR = Context("a step scalar's device value", CONSTRUCT | {"size"}, "int")
 CAPTURE = Context("a capture value", CONSTRUCT | {"size", "scalar", "argument"}, "int")
 
 

@@ -39,6 +39,7 @@ def contracts(scope: Scope) -> None:
             r.advance,
             r.advance_check.impl if r.advance_check else None,
             r.device_advance,
+            r.device_fill,
         ):
             if isinstance(impl, Impl):
                 check_impl(scope, impl)

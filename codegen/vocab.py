@@ -143,6 +143,7 @@ MEMBER_NAMES: frozenset[str] = frozenset(
         "tensor_decls",
         "sampled_tokens",
         "advances_on_device",
+        "device_build",
         "captures",
         "no_advance",
         "request_readers",
@@ -160,6 +161,8 @@ MEMBER_NAMES: frozenset[str] = frozenset(
         "_advance_check",
         "_advance",
         "_advance_on_device",
+        "_device_fill",
+        "_device_scalars",
         "_scalars",
         "_capture",
     }
@@ -190,6 +193,7 @@ LOCAL_NAMES: frozenset[str] = frozenset(
         "s",
         "t",
         "v",
+        "o",
     }
 )
 

@@ -18,7 +18,7 @@ import dataclasses
 
 from bufc import runtime as rt  # first: without torch it says how to install it
 
-rt.check_format_version(8)  # before the imports a newer bufc may not have
+rt.check_format_version(9)  # before the imports a newer bufc may not have
 import typing
 from collections.abc import Sequence
 
@@ -240,6 +240,7 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
     tensor_decls = TENSORS
     sampled_tokens = None  # generation rows take the sampled tokens
     advances_on_device = False  # decode steps without a copy
+    device_build = False  # step() may run on the device (build='device')
     no_advance = ('encoder_input_ids', 'encoder_position_ids', 'encoder_input_lengths')  # rules without an advance form
     # what the step calls on requests: a Request field none of them reads is refused when set
     request_readers = ('check_encoder_inputs', 'encoder_input_ids', 'encoder_input_lengths', 'encoder_position_ids', 'encoder_sizes')

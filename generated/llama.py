@@ -18,7 +18,7 @@ import dataclasses
 
 from bufc import runtime as rt  # first: without torch it says how to install it
 
-rt.check_format_version(8)  # before the imports a newer bufc may not have
+rt.check_format_version(9)  # before the imports a newer bufc may not have
 import typing
 from collections.abc import Sequence
 
@@ -739,6 +739,7 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
     tensor_decls = TENSORS
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     advances_on_device = True  # decode steps without a copy
+    device_build = False  # step() may run on the device (build='device')
     captures = True  # prepare_for_cuda_graph writes capture values (_capture)
     no_advance = ()  # rules without an advance form
     # what the step calls on requests: a Request field none of them reads is refused when set

@@ -18,7 +18,7 @@ import dataclasses
 
 from bufc import runtime as rt  # first: without torch it says how to install it
 
-rt.check_format_version(8)  # before the imports a newer bufc may not have
+rt.check_format_version(9)  # before the imports a newer bufc may not have
 import typing
 from collections.abc import Sequence
 
@@ -631,14 +631,16 @@ class StepInputs(rt.StepInputs):
     @property
     def max_query_len(self) -> int:
         """Step scalar: The most query tokens of one sequence in this step (FlashAttention's
-        max_seqlen_q).
+        max_seqlen_q); built on the device, an upper bound, exact when at most one sequence
+        has more than one token.
         """
         return self._scalar('max_query_len')
 
     @property
     def max_seq_len(self) -> int:
         """Step scalar: The most KV tokens of one sequence after this step (FlashAttention's
-        max_seqlen_k).
+        max_seqlen_k); built on the device, the declared bound max_blocks_per_seq x
+        tokens_per_block (vLLM's max_model_len).
         """
         return self._scalar('max_seq_len')
 
@@ -658,6 +660,7 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
     tensor_decls = TENSORS
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     advances_on_device = False  # decode steps without a copy
+    device_build = True  # step() may run on the device (build='device')
     no_advance = ('query_start_loc', 'query_lens', 'seq_lens', 'cu_seqlens_k', 'token_positions', 'block_table', 'kv_slot_mapping', 'group_block_tables', 'group_slot_mappings', 'logits_indices', 'kv_read_index', 'produces_token')  # rules without an advance form
     # what the step calls on requests: a Request field none of them reads is refused when set
     request_readers = ('block_table', 'check_kv_blocks', 'check_kv_tokens', 'cu_seqlens_k', 'group_block_tables', 'group_slot_mappings', 'kv_read_index', 'kv_slot_mapping', 'logits_indices', 'produces_token', 'query_lens', 'query_start_loc', 'row_slots', 'seq_lens', 'seq_slots', 'token_ids', 'token_positions')
@@ -826,11 +829,94 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
         """The step scalars of the step just written (Step.scalars), each from its formula."""
         scalars: dict[str, int] = {}
         # max_query_len: The most query tokens of one sequence in this step (FlashAttention's
-        # max_seqlen_q).
+        # max_seqlen_q); built on the device, an upper bound, exact when at most one sequence has
+        # more than one token.
         scalars['max_query_len'] = rt.written_max(t.host_query_lens)
         # max_seq_len: The most KV tokens of one sequence after this step (FlashAttention's
-        # max_seqlen_k).
+        # max_seqlen_k); built on the device, the declared bound max_blocks_per_seq x
+        # tokens_per_block (vLLM's max_model_len).
         scalars['max_seq_len'] = rt.written_max(t.host_seq_lens)
+        # num_actual_tokens: Tokens of this step before any CUDA-graph padding.
+        scalars['num_actual_tokens'] = s.num_tokens
+        return scalars
+
+    def _device_fill(self, o: rt.DeviceTargets, d: rt.DeviceRows) -> None:
+        """The device build's step (build='device'): every bound device tensor written on the
+        device from the step's rows, at its bucket shape (captured once per bucket as a CUDA
+        graph and replayed)."""
+        c = self.config
+        # input_ids: Token ids of the packed batch; context chunks first, then each generation beam.
+        core.device_token_ids(o.input_ids, d, 0)
+        # row_slots: Device copy of host_row_slots.
+        core.device_row_slots(o.row_slots, d, -1)
+        # query_start_loc: Device copy of host_query_start_loc.
+        paged_attention.device_query_start_loc(o.query_start_loc, d, 'repeat_last')
+        # seq_lens: Device copy of host_seq_lens.
+        paged_attention.device_seq_lens(o.seq_lens, d, 0)
+        # cu_seqlens_k: Device copy of host_cu_seqlens_k.
+        paged_attention.device_cu_seqlens_k(o.cu_seqlens_k, d, 'repeat_last')
+        # positions: Device copy of host_positions (the rotary embedding's positions).
+        paged_attention.device_token_positions(o.positions, d, 0)
+        # block_table: Device copy of host_block_table.
+        paged_attention.device_block_table(
+            o.block_table,
+            d,
+            0,
+            max_blocks_per_seq=c.max_blocks_per_seq,
+        )
+        # kv_slot_mapping: Device copy of host_kv_slot_mapping.
+        paged_attention.device_kv_slot_mapping(
+            o.kv_slot_mapping,
+            d,
+            -1,
+            max_blocks_per_seq=c.max_blocks_per_seq,
+            tokens_per_block=c.tokens_per_block,
+        )
+        # group_block_tables: Device copy of host_group_block_tables; layer l reads row group l of
+        # it.
+        if c.num_kv_groups > 1:
+            paged_attention.device_group_block_tables(
+                o.group_block_tables,
+                d,
+                0,
+                max_blocks_per_seq=c.max_blocks_per_seq,
+            )
+        # group_slot_mappings: Device copy of host_group_slot_mappings.
+        if c.num_kv_groups > 1:
+            paged_attention.device_group_slot_mappings(
+                o.group_slot_mappings,
+                d,
+                -1,
+                tokens_per_block=c.tokens_per_block,
+            )
+        # logits_indices: Device copy of host_logits_indices; the engine computes logits at these
+        # rows.
+        paged_attention.device_logits_indices(o.logits_indices, d, 0)
+        # kv_read_index: Device copy of host_kv_read_index (the rows a gather of each sequence's K/V
+        # reads).
+        if c.max_kv_read_tokens > 0:
+            paged_attention.device_kv_read_index(
+                o.kv_read_index,
+                d,
+                -1,
+                max_blocks_per_seq=c.max_blocks_per_seq,
+                tokens_per_block=c.tokens_per_block,
+            )
+        # produces_token: Device copy of host_produces_token.
+        paged_attention.device_produces_token(o.produces_token, d, 0)
+
+    def _device_scalars(self, s: StepSizes) -> dict[str, int]:
+        """The step scalars of a step built on the device, each from its device value."""
+        c = self.config
+        scalars: dict[str, int] = {}
+        # max_query_len: The most query tokens of one sequence in this step (FlashAttention's
+        # max_seqlen_q); built on the device, an upper bound, exact when at most one sequence has
+        # more than one token.
+        scalars['max_query_len'] = s.num_tokens - s.num_sequences + 1
+        # max_seq_len: The most KV tokens of one sequence after this step (FlashAttention's
+        # max_seqlen_k); built on the device, the declared bound max_blocks_per_seq x
+        # tokens_per_block (vLLM's max_model_len).
+        scalars['max_seq_len'] = c.max_blocks_per_seq * c.tokens_per_block
         # num_actual_tokens: Tokens of this step before any CUDA-graph padding.
         scalars['num_actual_tokens'] = s.num_tokens
         return scalars

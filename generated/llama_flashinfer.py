@@ -18,7 +18,7 @@ import dataclasses
 
 from bufc import runtime as rt  # first: without torch it says how to install it
 
-rt.check_format_version(8)  # before the imports a newer bufc may not have
+rt.check_format_version(9)  # before the imports a newer bufc may not have
 import typing
 from collections.abc import Sequence
 
@@ -515,7 +515,8 @@ class StepInputs(rt.StepInputs):
     @property
     def max_query_len(self) -> int:
         """Step scalar: The most query tokens of one sequence in this step (FlashAttention's
-        max_seqlen_q).
+        max_seqlen_q); built on the device, an upper bound, exact when at most one sequence
+        has more than one token.
         """
         return self._scalar('max_query_len')
 
@@ -535,6 +536,7 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
     tensor_decls = TENSORS
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     advances_on_device = False  # decode steps without a copy
+    device_build = False  # step() may run on the device (build='device')
     no_advance = ('query_lens', 'token_positions', 'kv_slot_mapping', 'logits_indices', 'produces_token', 'query_start_loc', 'paged_kv_indptr', 'paged_kv_indices', 'paged_kv_last_page_len')  # rules without an advance form
     # what the step calls on requests: a Request field none of them reads is refused when set
     request_readers = ('check_kv_blocks', 'kv_slot_mapping', 'logits_indices', 'paged_kv_indices', 'paged_kv_indptr', 'paged_kv_last_page_len', 'produces_token', 'query_lens', 'query_start_loc', 'row_slots', 'seq_slots', 'token_ids', 'token_positions')
@@ -673,7 +675,8 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
         """The step scalars of the step just written (Step.scalars), each from its formula."""
         scalars: dict[str, int] = {}
         # max_query_len: The most query tokens of one sequence in this step (FlashAttention's
-        # max_seqlen_q).
+        # max_seqlen_q); built on the device, an upper bound, exact when at most one sequence has
+        # more than one token.
         scalars['max_query_len'] = rt.written_max(t.host_query_lens)
         # num_actual_tokens: Tokens of this step before any CUDA-graph padding.
         scalars['num_actual_tokens'] = s.num_tokens

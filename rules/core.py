@@ -24,6 +24,8 @@ from .decode import Decode
 if TYPE_CHECKING:
     import torch
 
+    from ..runtime.device_rows import DeviceRows
+
 GLM_MASK_TOKENS = (50260, 50263, 50264)  # [MASK], [sMASK], [gMASK] in GLM-10B's vocabulary
 
 
@@ -286,6 +288,18 @@ def row_slots(out: np.ndarray, b: Batch) -> int:
     out[:n_ctx] = b.seq_slot[:n_ctx]
     out[n_ctx:n] = b.per_sequence(b.seq_slot[n_ctx:])
     return n
+
+
+def device_token_ids(out: torch.Tensor, d: DeviceRows, pad: int | str) -> None:
+    """token_ids in the device build: a context token from the step's context tokens, a
+    generation row's its slot's last sampled token."""
+    ids = d.context_tokens.where(d.from_context, d.last_token.index_select(0, d.token_slot))
+    out.copy_(d.tokens(ids, pad))
+
+
+def device_row_slots(out: torch.Tensor, d: DeviceRows, pad: int | str) -> None:
+    """row_slots in the device build: each row's slot (one beam per request)."""
+    out.copy_(d.rows(d.slot[:-1], pad))
 
 
 def check_fixed_drafts(b: Batch, *, max_draft_tokens: int) -> None:

@@ -46,13 +46,17 @@ from .decl import (
     Static,
     TensorDecl,
 )
+from .device_build import DeviceTargets
+from .device_rows import DeviceRows
 from .guards import SizeBounds, check_size
 from .project import ProjectImpl, rule_module
 from .staging import REPEAT_LAST, Targets, write_all, written_max
 from .step import Step, StepInputs, StepMode
 
-FORMAT_VERSION = 8
-"""The generated-module format this runtime implements; bumped on incompatible changes (8: the
+FORMAT_VERSION = 9
+"""The generated-module format this runtime implements; bumped on incompatible changes (9: the
+device build, ``device_build``, ``_device_fill`` on ``rt.DeviceTargets`` and ``rt.DeviceRows``,
+``_device_scalars``; 8: the
 typed step record, each family's ``StepInputs`` on ``rt.StepInputs``; 7: the
 step sizes' capacities made once, ``_size_bounds``, an ``rt.SizeBounds``; 6: no
 continue program, every in-flight step runs the family's ``_check`` and ``_fill`` or
@@ -95,6 +99,8 @@ __all__ = [
     "ConfigBase",
     "ConfigError",
     "Constant",
+    "DeviceRows",
+    "DeviceTargets",
     "IndexSet",
     "Mirror",
     "ProjectImpl",

@@ -22,6 +22,7 @@ from ..requests import step as request_step
 from .bindings import bindings, repeated
 from .buckets import Relayout, at_bucket
 from .decl import TensorDecl
+from .device_build import device_build
 from .failures import Failures
 from .guards import exclusive as _exclusive
 from .project import ProjectImpl, reading, rule_error
@@ -45,6 +46,7 @@ class RuntimeBuffers(Views, Failures, Generic[InputsT]):
     # the host tensor whose generation rows take each sequence's sampled token
     sampled_tokens: ClassVar[str | None] = None
     advances_on_device: ClassVar[bool] = False  # the family has ``_advance_on_device``
+    device_build: ClassVar[bool] = False  # the family has ``_device_fill`` (build='device')
     # the spec's own implementations the step calls: an exception one raises names it
     project_impls: ClassVar[tuple[ProjectImpl, ...]] = ()
 
@@ -56,6 +58,7 @@ class RuntimeBuffers(Views, Failures, Generic[InputsT]):
         *,
         device_tokens: bool | None = None,
         double_buffered: bool = True,
+        build: str = "host",
     ) -> None:
         """Allocate every tensor of the family for `config` on `device` (staging in pinned
         memory on CUDA). `static_inputs` gives the values of the static tensors (tensor name
@@ -67,7 +70,9 @@ class RuntimeBuffers(Views, Failures, Generic[InputsT]):
         step's host views keep their values meanwhile. False: one half, written in place (a
         step first waits for the last copy; the last step's host views change with the next
         step; after a fill or device failure past the checks, a bug, the next step is prepared
-        in full): half the host memory, and only this step's changes to write."""
+        in full): half the host memory, and only this step's changes to write.
+        `build`: ``'host'`` (default), or ``'device'``: only what changed is sent, the device
+        tensors are written on the device, a CUDA graph per bucket (``device_build.py``)."""
         if not isinstance(config, self.config_type):
             raise TypeError(
                 f"expected {self.config_type.__module__}.Config, got {type(config).__name__}"
@@ -120,6 +125,7 @@ class RuntimeBuffers(Views, Failures, Generic[InputsT]):
         self._flight = self._in_flight()  # the requests in flight (add, finish, step)
         # the Request fields the family never reads: refused when set (add, prepare_step)
         self.limits = self._flight.limits = reading(self)
+        self._device = device_build(self, build)  # None: the host build
 
     # the step program, generated per family
     def _limits(self) -> Any:
@@ -150,6 +156,12 @@ class RuntimeBuffers(Views, Failures, Generic[InputsT]):
         raise NotImplementedError
 
     def _advance_on_device(self, v: DeviceStep, advancing: Any) -> None:
+        raise NotImplementedError
+
+    def _device_fill(self, targets: Any, rows: Any) -> None:
+        raise NotImplementedError
+
+    def _device_scalars(self, sizes: Any) -> Mapping[str, int]:
         raise NotImplementedError
 
     def _scalars(self, targets: Targets, sizes: Any) -> Mapping[str, int]:
@@ -341,7 +353,10 @@ class RuntimeBuffers(Views, Failures, Generic[InputsT]):
         width, drafts, explicit position ids and KV block lists are read and checked now, once
         (BatchError otherwise, nothing kept). Its first step is the next ``step``."""
         try:
-            self._flight.add(request, self._admit)
+            device = self._device  # the device build's own arrival checks too
+            self._flight.add(request, self._admit if device is None else device.admitting)
+            if device is not None:  # the slot's block rows go up with the next step
+                device.arrived_at(int(request.seq_slot))
         except BatchError:
             raise
         except Exception as exc:  # a value an arrival check could not even read
@@ -405,6 +420,16 @@ class RuntimeBuffers(Views, Failures, Generic[InputsT]):
         """
         if generation is not True and generation is not False:
             raise BatchError(f"step(): generation must be True or False, got {generation!r}")
+        if self._device is not None:
+            return self._device.step(
+                tokens,
+                accepted=accepted,
+                drafts=drafts,
+                chunks=chunks,
+                blocks=blocks,
+                generation=generation,
+                bucket=bucket,
+            )
         # the in-flight state continues in place only a step of its own (prepare_step and
         # advance are refused while it holds requests)
         steady = self._decode is not None and not self.no_advance and self._by_step
@@ -455,6 +480,8 @@ class RuntimeBuffers(Views, Failures, Generic[InputsT]):
         return step
 
     def _not_in_flight(self, what: str) -> None:
+        if self._device is not None:
+            raise BatchError(f"{what}() builds on the host; these buffers build='device'")
         flight = self._flight
         if flight.waiting or flight.n_rows or flight.completing:
             raise BatchError(

@@ -40,6 +40,10 @@ class Replays:
         self._pool: Any = None
         self.replayed = 0  # steps replayed so far (for tests and benchmarks)
 
+    def captured(self, key: Hashable) -> bool:
+        """`key`'s work is a graph: the next run replays it."""
+        return self.enabled and key in self._graphs
+
     def seen(self, key: Hashable) -> bool:
         """`key` ran before (or was noted)."""
         return key in self._graphs or key in self._seen

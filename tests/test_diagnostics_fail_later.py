@@ -51,6 +51,14 @@ SCALAR_CASES = [
         id="max_of_device",
     ),
     pytest.param(
+        _scalar('top: {doc: T., value: "max_of(host_ids)", device: "max_of(host_ids)"}'),
+        [
+            "buffers.yaml:12:61: max_of() reads what a step wrote, so only a step scalar's value "
+            "may use it, not a step scalar's device value"
+        ],
+        id="max_of_in_device_value",
+    ),
+    pytest.param(
         _scalar('top: {doc: T., value: "max_of(1 + 2)"}'),
         ["buffers.yaml:12:26: max_of() takes the name of a tensor"],
         id="max_of_expression",

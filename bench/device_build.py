@@ -1,0 +1,187 @@
+"""The step built on the device (``build='device'``) beside the host build and the gather feeder,
+in one run: host microseconds per ``step`` call (median and p99) and the device time of the
+step's preparation (CUDA events around the call, measured in a second pass that waits for
+each step), for ``llama_flash`` at B requests in flight with 0, 2 or 8 changes per step.
+
+    python bench/device_build.py --device cuda --batches 64,256,1024 --changes 0,2,8
+
+Traffic: B requests decode; each step `changes` of them finish and as many arrive in their
+slots with a PROMPT-token prompt, run whole in their first step; every decoding request's KV
+grows by a token, with a new block appended when it needs one. The tokens the last step
+sampled are a tensor on the device (indexed by slot) for bufc's two builds, and a host array
+for the feeder, which reads them on the host. Both bufc builds run each step at the bucket
+(B + changes x PROMPT tokens, B rows); the feeder pads nothing. Ratios are to the feeder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gather_flash import GatherFlash  # noqa: E402
+
+from bufc.generated import llama_flash  # noqa: E402
+from bufc.runtime import Request  # noqa: E402
+
+PROMPT, TPB, HISTORY = 64, 16, 192  # prompt tokens, tokens per block, tokens decoded before
+
+
+def config(batch: int, changes: int) -> llama_flash.Config:
+    return llama_flash.Config(
+        max_batch_size=batch,
+        max_num_tokens=batch * (PROMPT + HISTORY + 1),  # the first step runs every history
+        vocab_size=32000,
+        num_layers=2,
+        max_attention_window=2048,
+        tokens_per_block=TPB,
+        num_kv_blocks=batch * 2048 // TPB + 8,
+    )
+
+
+class Traffic:
+    """The same calls for every feeder (see the module docstring)."""
+
+    def __init__(self, batch: int, changes: int, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+        self.batch, self.changes = batch, changes
+        self.next_block = 0
+        self.kv: dict[int, int] = {}  # KV tokens each slot holds after its next token
+        self.lists: dict[int, int] = {}  # blocks each slot holds
+
+    def blocks(self, n: int) -> list[int]:
+        out = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        return out
+
+    def request(self, slot: int, generated: int) -> Request:
+        prompt = [self.rng.randrange(32000) for _ in range(PROMPT + generated)]
+        n = -(-(PROMPT + generated + 1) // TPB)
+        self.lists[slot], self.kv[slot] = n, PROMPT + generated
+        return Request(slot, prompt, kv_block_ids=[self.blocks(n)])
+
+    def start(self) -> list[Request]:
+        return [self.request(s, self.rng.randint(1, HISTORY)) for s in range(self.batch)]
+
+    def step(self) -> tuple[list[int], list[Request], dict[int, list[int]]]:
+        """This step's finishes, arrivals and appended blocks (for the decoding slots)."""
+        slots = sorted(self.kv)
+        done = self.rng.sample(slots, self.changes)
+        arrived = [self.request(s, 0) for s in done]
+        blocks = {}
+        for s in slots:
+            if s in done:
+                continue
+            self.kv[s] += 1
+            if -(-(self.kv[s] + 1) // TPB) > self.lists[s]:
+                self.lists[s] += 1
+                blocks[s] = self.blocks(1)
+        return done, arrived, blocks
+
+
+def run(kind: str, batch: int, changes: int, steps: int, device: str, wait: bool) -> list[float]:
+    """Host µs per step (or, with `wait`, device µs of each step's work) for one feeder."""
+    c = config(batch, changes)
+    traffic = Traffic(batch, changes, seed=batch * 10 + changes)
+    if kind == "feeder":
+        b: object = GatherFlash(c, device)
+    else:
+        b = llama_flash.RuntimeBuffers(c, device, build=kind)
+    sampled = torch.randint(0, 32000, (batch,), device=device)
+    host_sampled = sampled.cpu().numpy().astype(np.int64)
+    bucket = (batch + changes * PROMPT, batch)
+    for r in traffic.start():
+        b.add(r)  # type: ignore[attr-defined]
+    b.step()  # type: ignore[attr-defined]  # every prompt (the history) at once
+    tokens = host_sampled if kind == "feeder" else sampled
+    out = []
+    cuda = device == "cuda"
+    for i in range(steps + 5):
+        done, arrived, blocks = traffic.step()
+        for s in done:
+            b.finish(s)  # type: ignore[attr-defined]
+        for r in arrived:
+            b.add(r)  # type: ignore[attr-defined]
+        if wait and cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        if kind == "feeder":
+            b.step(tokens, blocks=blocks)  # type: ignore[attr-defined]
+        else:
+            b.step(tokens, blocks=blocks, bucket=bucket)  # type: ignore[attr-defined]
+        t = (time.perf_counter() - t0) * 1e6
+        if wait and cuda:
+            end.record()
+            end.synchronize()
+            t = start.elapsed_time(end) * 1e3
+        if i >= 5:  # the first steps capture the buckets' graphs
+            out.append(t)
+    return out
+
+
+def _stats(xs: list[float]) -> tuple[float, float]:
+    xs = sorted(xs)
+    return statistics.median(xs), xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batches", default="64,256,1024")
+    ap.add_argument("--changes", default="0,2,8")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    rows = []
+    print(f"device: {torch.cuda.get_device_name() if a.device == 'cuda' else 'cpu'}")
+    print(
+        "B     chg  host µs median (p99): device build | host build | feeder   "
+        "ratios to feeder   prep device µs (device build | host build)"
+    )
+    for batch in map(int, a.batches.split(",")):
+        for changes in map(int, a.changes.split(",")):
+            host = {
+                k: run(k, batch, changes, a.steps, a.device, False)
+                for k in ("device", "host", "feeder")
+            }
+            dev = (
+                {
+                    k: run(k, batch, changes, a.steps // 2, a.device, True)
+                    for k in ("device", "host")
+                }
+                if a.device == "cuda"
+                else {}
+            )
+            st = {k: _stats(v) for k, v in host.items()}
+            row = {
+                "batch": batch,
+                "changes": changes,
+                **{f"{k}_median_us": v[0] for k, v in st.items()},
+                **{f"{k}_p99_us": v[1] for k, v in st.items()},
+                **{f"{k}_prep_device_us": statistics.median(v) for k, v in dev.items()},
+            }
+            rows.append(row)
+            f = st["feeder"][0]
+            prep = " | ".join(f"{statistics.median(dev[k]):.0f}" for k in dev) or "-"
+            print(
+                f"{batch:<5} {changes:<4} "
+                + " | ".join(f"{st[k][0]:.0f} ({st[k][1]:.0f})" for k in st)
+                + f"   {st['device'][0] / f:.2f}x {st['host'][0] / f:.2f}x   {prep}",
+                flush=True,
+            )
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,384 @@
+"""The step built on the device (``RuntimeBuffers(config, device, build='device')``): the host
+plans and checks the step as the host build does, then sends only what changed; the family's
+generated device program (``_device_fill``) writes every bound device tensor on the device,
+inside one CUDA graph per bucket.
+
+Per step, the host:
+
+1. plans the step against the request table (``requests.step.plan``) and runs the family's
+   generated checks on it (``_check``): every value the call hands over is checked there,
+   before anything is sent;
+2. packs the delta into one pinned half: each row's slot, the first position and size of a
+   context row's chunk (-1, 1 for a generation row: the device knows where it is), whether a
+   context chunk ends its prompt, the context chunks' tokens, the slots whose sampled token the
+   device takes in, and the block rows of the slots whose lists arrived or grew;
+3. copies that half to the device (one copy) and replays the bucket's graph (one launch).
+
+The graph applies the block rows to the device mirror, takes in the last step's sampled tokens
+(the caller's tensor, indexed by slot, never read on the host; one outside the vocabulary is
+written as 0 and flagged, and the next step is refused as in the host build), derives the
+step's rows (``device_rows.build``), runs the family's device forms, and moves each row's slot
+to its KV length after the step. The mirror is written by the graph alone: a step refused or
+failed before its launch leaves the mirror and the request table at the last step (an eager
+run, on the CPU or a bucket's first step, restores what it wrote if it fails).
+
+Host inputs (the ``*_cpu`` mirrors) are left out: an engine under CUDA graphs reads none.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ..errors import BatchError
+from ..requests import device as device_limits
+from ..requests import step as request_step
+from ..requests.values import show
+from .buckets import at_bucket
+from .decl import DEVICE, Mirror
+from .device_rows import DeviceRows, build
+from .graphs import Replays
+from .step import Step, StepMode
+from .tokens import tokens_on_device
+
+if TYPE_CHECKING:
+    from .buffers import RuntimeBuffers
+
+HEADER = 1  # the delta's first element: the step's context tokens
+
+
+class DeviceTargets:
+    """The device tensors a device step writes, by name, each at the step's bucket shape."""
+
+    def __init__(self, views: Mapping[str, torch.Tensor]) -> None:
+        self.__dict__.update(views)
+
+
+class DeviceMirror:
+    """The request table's per-slot columns on the device (slot S: the spare slot, pad rows'),
+    written by the device step alone."""
+
+    def __init__(self, slots: int, groups: int, width: int, device: torch.device) -> None:
+        n = slots + 1
+        self.kv_len = torch.zeros(n, dtype=torch.int64, device=device)  # KV tokens so far
+        self.last_token = torch.zeros(n, dtype=torch.int64, device=device)
+        self.blocks = torch.zeros((groups, n, width), dtype=torch.int32, device=device)
+        self.tokens_in = torch.zeros(n, dtype=torch.int64, device=device)  # the caller's tokens
+        self.flag = torch.full((2,), -1, dtype=torch.int64, device=device)  # bad slot, its token
+
+    def state(self) -> tuple[torch.Tensor, ...]:
+        return (self.kv_len, self.last_token, self.blocks, self.flag)
+
+
+class Layout:
+    """Where each part of a bucket's delta lies in the delta buffer (int64 elements)."""
+
+    def __init__(self, tokens: int, rows: int, block_rows: int, slots: int, width: int) -> None:
+        self.tokens, self.rows, self.block_rows = tokens, rows, block_rows
+        o = HEADER
+        self.slot, self.begin, self.query, self.done = (o + k * rows for k in range(4))
+        self.taken = o + 4 * rows
+        self.context = self.taken + slots
+        self.row_index = self.context + tokens
+        self.row_values = self.row_index + block_rows
+        self.size = self.row_values + block_rows * width
+
+
+class DeviceBuild:
+    """One RuntimeBuffers' device build (see the module docstring)."""
+
+    def __init__(self, buffers: RuntimeBuffers[Any]) -> None:
+        self.b = buffers
+        flight, limits = buffers._flight, buffers.limits
+        if flight.kv is None or limits.max_beam_width < 1:  # pragma: no cover - generate-time
+            raise ValueError("the device build needs a paged KV cache")
+        self.slots = limits.max_batch_size
+        self.groups, self.width = len(flight.kvs), limits.kv_width
+        bounds = dict(buffers._sizes_within.bounds)
+        most_rows, most_tokens = bounds["num_sequences"], bounds["num_tokens"]
+        self.mirror = DeviceMirror(self.slots, self.groups, self.width, buffers.device)
+        top = Layout(most_tokens, most_rows, self.groups * self.slots, self.slots, self.width)
+        cuda = buffers.device.type == "cuda"
+        self.host = [torch.zeros(top.size, dtype=torch.int64, pin_memory=cuda) for _ in (0, 1)]
+        self.host_np = [h.numpy() for h in self.host]
+        self.delta = torch.zeros(top.size, dtype=torch.int64, device=buffers.device)
+        self.copied = [torch.cuda.Event() if cuda else None for _ in (0, 1)]
+        self.flag_host = torch.full((2,), -1, dtype=torch.int64, pin_memory=cuda)
+        self.flag_event = torch.cuda.Event() if cuda else None
+        self.replays = Replays(buffers.device)
+        self.half = 0
+        self.arrived: dict[int, None] = {}  # slots whose block rows the device lacks
+        self.layouts: dict[tuple[int, int, int], Layout] = {}
+        self.views: dict[Any, tuple[DeviceTargets, dict, dict]] = {}
+        self.token_limit = limits.token_limit
+        c = buffers.config
+        self.written = {  # the device tensors the device program writes, by name
+            n: d
+            for n, d in buffers.decls.items()
+            if d.memory == DEVICE and isinstance(d.fill, Mirror) and d.inputs
+        }
+        self.capacity = {n: math.prod(d.capacity(c)) for n, d in self.written.items()}
+        self.bytes_up = 0
+
+    # ------------------------------------------------------------------------- arrivals
+    def admitting(self, entry: Any) -> None:
+        """The arrival checks of a request: the device build's, then the family's."""
+        device_limits.admit(entry)
+        self.b._admit(entry)
+
+    def arrived_at(self, slot: int) -> None:
+        self.arrived[slot] = None
+
+    # ------------------------------------------------------------------------- the step
+    def step(
+        self,
+        tokens: Any,
+        *,
+        accepted: Mapping[int, int] | None,
+        drafts: Mapping[int, Any] | None,
+        chunks: Mapping[int, int] | None,
+        blocks: Mapping[int, Any] | None,
+        generation: bool,
+        bucket: Any,
+    ) -> Step[Any]:
+        device_limits.refuse_drafts(drafts, accepted)
+        self._flagged()
+        flight = self.b._flight
+        on_device = isinstance(tokens, torch.Tensor) and tokens.device == self.b.device
+        if tokens is not None and not on_device:
+            raise BatchError(
+                f"step(): the device build takes the sampled tokens as a tensor on "
+                f"{self.b.device}, indexed by seq slot (or None); got {show(tokens)}"
+            )
+        try:
+            held = tokens_on_device(tokens, self.b.limits) if on_device else None
+            plan = request_step.plan(
+                flight,
+                held,
+                chunks=chunks,
+                blocks=blocks,
+                generation=generation,
+                on_device=on_device,
+            )
+        except BatchError:
+            raise
+        except Exception as exc:  # a value a check could not even read (an odd type)
+            raise BatchError(
+                f"step(): a value could not be checked ({type(exc).__name__}: {exc})"
+            ) from exc
+        try:
+            b = plan.batch
+            assert b is not None  # (not steady: every step has its batch)
+            s = b.sizes
+            layout = s if bucket is None else at_bucket(s, bucket)
+            self._within(layout)
+            self.b._check(b)
+            h = self.half ^ 1
+            key, lay = self._pack(h, b, plan, layout)
+            step = self._step(s, layout)
+        except BaseException:
+            plan.undo()
+            raise
+        try:
+            self._launch(h, key, lay, tokens)
+        except BaseException:
+            plan.undo()
+            raise
+        request_step.commit(flight, plan)
+        flight.pending = None  # the device keeps the tokens: nothing comes back
+        self.arrived.clear()
+        self.half = h
+        return step
+
+    def _within(self, layout: Any) -> None:
+        """BatchError, before anything is written, for a bucket beyond a tensor's capacity."""
+        c = self.b.config
+        for name, d in self.written.items():
+            if math.prod(d.shape(c, layout)) > self.capacity[name]:
+                raise BatchError(
+                    f"at the bucket {name} would be {list(d.shape(c, layout))}, beyond its "
+                    f"capacity {list(d.capacity(c))}: pick a smaller bucket"
+                )
+
+    def _flagged(self) -> None:
+        """A token the last step took in was outside the vocabulary: its request is marked,
+        and every step refuses until it is finished (as the host build's gather does)."""
+        if self.flag_event is not None:
+            self.flag_event.synchronize()  # the last step's device work (not the model)
+        slot, value = self.flag_host.tolist()
+        if slot >= 0:
+            self.flag_host.fill_(-1)
+            if self.b._flight.entries[slot] is not None:
+                self.b._flight.bad[slot] = value
+
+    # -------------------------------------------------------------------- the delta
+    def _pack(self, h: int, b: Any, plan: Any, layout: Any) -> tuple[tuple[int, int, int], Layout]:
+        """Write the step's delta into pinned half `h`; its graph key and layout."""
+        flight, S = self.b._flight, self.slots
+        s = b.sizes
+        changed = self._block_rows(plan)
+        k = sum(len(rows) for rows in changed)
+        K = 0 if not k else 1 << (k - 1).bit_length()  # a power of two: few graphs
+        R, T = layout.num_sequences, layout.num_tokens
+        key = (T, R, K)
+        lay = self.layouts.get(key)
+        if lay is None:
+            lay = self.layouts[key] = Layout(T, R, K, S, self.width)
+        event = self.copied[h]
+        if event is not None:
+            event.synchronize()  # the copy that last read this half
+        a = self.host_np[h][: lay.size]
+        n, n_ctx, n_tok = s.num_sequences, s.num_context_requests, s.num_context_tokens
+        a[0] = n_tok
+        slot = a[lay.slot : lay.slot + R]
+        slot[:n] = b.seq_slot
+        slot[n:] = S
+        begin, query, done = (a[o : o + R] for o in (lay.begin, lay.query, lay.done))
+        begin[:n_ctx], query[:n_ctx] = b.ctx_begin, b.ctx_chunk
+        done[:n_ctx] = b.ctx_begin + b.ctx_chunk == b.ctx_prompt_len
+        begin[n_ctx:n], query[n_ctx:n], done[n_ctx:n] = -1, 1, 1
+        begin[n:], query[n:], done[n:] = 0, 0, 0
+        taken = a[lay.taken : lay.taken + S]
+        p = 0 if plan.gathered is None else len(plan.gathered[0])
+        if p:
+            taken[:p] = plan.gathered[0]
+        taken[p:] = S
+        context = a[lay.context : lay.context + T]
+        o = 0
+        for i, (start, size) in enumerate(zip(b.ctx_begin.tolist(), b.ctx_chunk.tolist())):
+            context[o : o + size] = b.prompt_array(i)[start : start + size]
+            o += size
+        index = a[lay.row_index : lay.row_index + K]
+        values = a[lay.row_values : lay.row_values + K * self.width].reshape(K, self.width)
+        j = 0
+        for g, rows in enumerate(changed):  # each group's rows in one gather
+            table = flight.kvs[g]
+            index[j : j + len(rows)] = g * (S + 1) + rows
+            values[j : j + len(rows)] = table.ids[rows * table.lists]  # (a slot's first list)
+            j += len(rows)
+        index[k:], values[k:] = S, 0  # the spare slot's row of group 0 stays zero
+        return key, lay
+
+    def _block_rows(self, plan: Any) -> list[np.ndarray]:
+        """Per KV-cache group, the slots whose block row the device lacks: every slot that
+        arrived since the last step, and each one this step appended to (one list per slot:
+        one beam)."""
+        kvs = self.b._flight.kvs
+        slots: list[list[Any]] = [[list(self.arrived)] for _ in kvs]
+        for table, appended, _ in plan.undo_blocks:
+            g = next(g for g, t in enumerate(kvs) if t is table)
+            slots[g].append(np.atleast_1d(appended) // table.lists)
+        return [np.unique(np.concatenate(r).astype(np.int64)) for r in slots]
+
+    # -------------------------------------------------------------------- the device
+    def _step(self, s: Any, layout: Any) -> Step[Any]:
+        """The step's views: every bound device tensor at its bucket (host inputs left out)."""
+        cached = self.views.get(layout)
+        if cached is None:
+            bufs, c = self.b, self.b.config
+            bufs._layout = layout
+            inputs, outputs = bufs._views_at(layout)
+            device = {n for n, d in bufs.decls.items() if d.memory == DEVICE}
+            names = {e: n for e, n, _, _ in bufs._bind.inputs}
+            inputs = {e: v for e, v in inputs.items() if names[e] in device}
+            targets = DeviceTargets(
+                {n: bufs._view(n, tuple(d.shape(c, layout))) for n, d in self.written.items()}
+            )
+            cached = self.views[layout] = (targets, inputs, outputs)
+        scalars = self.b._device_scalars(s)
+        self.b._scalars_now, self.b._last, self.b._layout = scalars, s, layout
+        return Step(
+            inputs=self.b.step_inputs(cached[1], scalars, StepMode.of(s), self.b._each),
+            outputs=dict(cached[2]),
+            sizes=s,
+            scalars=scalars,
+        )
+
+    def _launch(self, h: int, key: tuple[int, int, int], lay: Layout, tokens: Any) -> None:
+        """One copy of the delta, the tokens into the mirror's intake, one replay."""
+        S = self.slots
+        m = self.mirror
+        if tokens is not None:
+            m.tokens_in[:S].copy_(tokens[:S] if tokens.ndim == 1 else tokens[:S, 0])
+        self.delta[: lay.size].copy_(self.host[h][: lay.size], non_blocking=True)
+        self.bytes_up += lay.size * 8
+        event = self.copied[h]
+        if event is not None:
+            event.record()
+        targets = self.views[self.b._layout][0]
+
+        def work() -> None:
+            self._device_step(lay, targets)
+
+        if self.replays.captured(key):
+            self.replays.run(key, work, lambda: _nothing, _nothing)
+        else:  # an eager run (the CPU, or a bucket's first step): undone if it fails
+            saved = [t.clone() for t in (*m.state(), *vars(targets).values())]
+            try:
+                self.replays.run(key, work, lambda: _nothing, _nothing)
+            except BaseException:
+                for t, before in zip((*m.state(), *vars(targets).values()), saved):
+                    t.copy_(before)
+                raise
+        self.flag_host.copy_(m.flag, non_blocking=True)
+        if self.flag_event is not None:
+            self.flag_event.record()
+
+    def _device_step(self, lay: Layout, targets: DeviceTargets) -> None:
+        """The step's device work (captured per bucket): block rows, sampled tokens, the
+        family's device program, each row's KV length after the step."""
+        m, d, S, R = self.mirror, self.delta, self.slots, lay.rows
+        if lay.block_rows:
+            values = d[lay.row_values : lay.row_values + lay.block_rows * self.width]
+            m.blocks.view(-1, self.width).index_copy_(
+                0,
+                d[lay.row_index : lay.row_index + lay.block_rows],
+                values.view(lay.block_rows, self.width).to(torch.int32),
+            )
+        taken = d[lay.taken : lay.taken + S]
+        token = m.tokens_in.index_select(0, taken)
+        bad = (taken < S) & ((token < 0) | (token >= self.token_limit))
+        m.last_token.index_copy_(0, taken, token.masked_fill(bad, 0))
+        first = bad.to(torch.int64).argmax().reshape(1)
+        found = torch.cat((taken.index_select(0, first), token.index_select(0, first)))
+        m.flag.copy_(found.where(bad.any(), -1))
+        rows = build(
+            slot=d[lay.slot : lay.slot + R],
+            begin=d[lay.begin : lay.begin + R],
+            query=d[lay.query : lay.query + R],
+            ends_prompt=d[lay.done : lay.done + R],
+            context_tokens=d[lay.context : lay.context + lay.tokens],
+            context_count=d[0],
+            kv_len=m.kv_len,
+            last_token=m.last_token,
+            blocks=m.blocks,
+        )
+        self.b._device_fill(targets, rows)
+        m.kv_len.index_copy_(0, rows.slot[:R], rows.kv[:R])
+
+
+def device_build(buffers: RuntimeBuffers[Any], build: str) -> DeviceBuild | None:
+    """The device build of `buffers` for ``build='device'``, None for ``'host'``."""
+    if build == "host":
+        return None
+    family = type(buffers).__module__.rpartition(".")[2]
+    if build != "device":
+        raise ValueError(f"build must be 'host' or 'device', got {build!r}")
+    if not getattr(buffers, "device_build", False):
+        raise ValueError(
+            f"the {family} family has no device build: a tensor it binds on the device has no "
+            "device form (a rule's device_fill), or a step scalar no device value; use "
+            "build='host'"
+        )
+    return DeviceBuild(buffers)
+
+
+def _nothing() -> None:
+    """No host effect to repeat on a replay."""
+
+
+__all__ = ["DeviceBuild", "DeviceRows", "DeviceTargets", "device_build"]
