@@ -129,6 +129,43 @@ def run(kind: str, batch: int, changes: int, steps: int, device: str, wait: bool
     return out
 
 
+def stages(batch: int, changes: int, steps: int, device: str) -> dict[str, float]:
+    """Median host µs of each stage of the device build's step (timers around its methods)."""
+    from bufc.runtime import device_build as build
+
+    times: dict[str, list[float]] = {}
+    real = {}
+
+    def timed(owner: object, name: str, label: str) -> None:
+        f = real[label] = getattr(owner, name)
+
+        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                times.setdefault(label, []).append((time.perf_counter() - t0) * 1e6)
+
+        setattr(owner, name, run)
+
+    targets = [
+        (build.request_step, "plan", "plan"),
+        (llama_flash.RuntimeBuffers, "_check", "checks"),
+        (build.DeviceBuild, "_pack", "delta"),
+        (build.DeviceBuild, "_step", "views"),
+        (build.DeviceBuild, "_launch", "copy + replay"),
+        (build.DeviceBuild, "step", "step"),
+    ]
+    for owner, name, label in targets:
+        timed(owner, name, label)
+    try:
+        run("device", batch, changes, steps, device, False)
+    finally:
+        for owner, name, label in targets:
+            setattr(owner, name, real[label])
+    return {k: statistics.median(v[5:]) for k, v in times.items()}
+
+
 def _stats(xs: list[float]) -> tuple[float, float]:
     xs = sorted(xs)
     return statistics.median(xs), xs[min(len(xs) - 1, int(0.99 * len(xs)))]
@@ -141,7 +178,18 @@ def main() -> None:
     ap.add_argument("--changes", default="0,2,8")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--json")
+    ap.add_argument("--stages", action="store_true", help="the device build's stages alone")
     a = ap.parse_args()
+    if a.stages:
+        for batch in map(int, a.batches.split(",")):
+            for changes in map(int, a.changes.split(",")):
+                st = stages(batch, changes, a.steps, a.device)
+                print(
+                    f"B={batch} changes={changes}: "
+                    + ", ".join(f"{k} {v:.0f}" for k, v in st.items()),
+                    flush=True,
+                )
+        return
     rows = []
     print(f"device: {torch.cuda.get_device_name() if a.device == 'cuda' else 'cpu'}")
     print(

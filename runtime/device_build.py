@@ -266,13 +266,13 @@ class DeviceBuild:
     def _block_rows(self, plan: Any) -> list[np.ndarray]:
         """Per KV-cache group, the slots whose block row the device lacks: every slot that
         arrived since the last step, and each one this step appended to (one list per slot:
-        one beam)."""
-        kvs = self.b._flight.kvs
-        slots: list[list[Any]] = [[list(self.arrived)] for _ in kvs]
-        for table, appended, _ in plan.undo_blocks:
-            g = next(g for g, t in enumerate(kvs) if t is table)
-            slots[g].append(np.atleast_1d(appended) // table.lists)
-        return [np.unique(np.concatenate(r).astype(np.int64)) for r in slots]
+        one beam). A slot may be named twice: its row is written twice, alike."""
+        arrived = np.fromiter(self.arrived, np.int64, len(self.arrived))
+        out = []
+        for table in self.b._flight.kvs:
+            parts = [np.atleast_1d(r) // table.lists for t, r, _ in plan.undo_blocks if t is table]
+            out.append(np.concatenate([arrived, *parts]) if parts else arrived)
+        return out
 
     # -------------------------------------------------------------------- the device
     def _step(self, s: Any, layout: Any) -> Step[Any]:
