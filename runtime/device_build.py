@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from .buffers import RuntimeBuffers
 
 HEADER = 1  # the delta's first element: the step's context tokens
+KEPT = 64  # layouts whose views and delta offsets are kept (steps at no bucket make many)
 
 
 class DeviceTargets:
@@ -227,6 +228,8 @@ class DeviceBuild:
         key = (T, R, K)
         lay = self.layouts.get(key)
         if lay is None:
+            if len(self.layouts) >= KEPT:
+                del self.layouts[next(iter(self.layouts))]
             lay = self.layouts[key] = Layout(T, R, K, S, self.width)
         event = self.copied[h]
         if event is not None:
@@ -288,6 +291,8 @@ class DeviceBuild:
             targets = DeviceTargets(
                 {n: bufs._view(n, tuple(d.shape(c, layout))) for n, d in self.written.items()}
             )
+            if len(self.views) >= KEPT:  # the oldest layout's views (a bucket's stay hot)
+                del self.views[next(iter(self.views))]
             cached = self.views[layout] = (targets, inputs, outputs)
         scalars = self.b._device_scalars(s)
         self.b._scalars_now, self.b._last, self.b._layout = scalars, s, layout
