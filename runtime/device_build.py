@@ -149,7 +149,7 @@ class DeviceBuild:
         device_limits.refuse_drafts(drafts, accepted)
         self._flagged()
         flight = self.b._flight
-        on_device = isinstance(tokens, torch.Tensor) and tokens.device == self.b.device
+        on_device = isinstance(tokens, torch.Tensor) and tokens.device == self.mirror.kv_len.device
         if tokens is not None and not on_device:
             raise BatchError(
                 f"step(): the device build takes the sampled tokens as a tensor on "
