@@ -95,6 +95,15 @@ def step_view(
     )
 
 
+def decode_view(t: RequestTable) -> Batch:
+    """The ``Batch`` of a steady step (``step.plan(..., steady=True)`` planned none): the
+    table's generation rows, each one token longer, no context request, no drafts; each
+    sequence's last token as the table holds it (a device that keeps the tokens knows the
+    new one)."""
+    rows = t.rows[: t.n_rows]
+    return step_view(t, [], rows, t.row_entries, t.generated[rows] + 1, t.last[rows, 0], t.ndraft)
+
+
 def flight_lists(
     t: RequestTable,
     ctx_slots: np.ndarray,

@@ -150,6 +150,7 @@ def plan(
         and not (t.changed or t.completing or t.waiting)
         and not (drafts or accepted or t.drafted or chunks)  # (chunks: refused in full)
         and t.n_rows
+        and t.rows_produced  # (the last step ran the rows: each has its new token)
     ):
         return _steady(t, tokens, blocks, on_device)
     undo_blocks: list[tuple[BlockTable, Any, Any]] = []

@@ -37,6 +37,7 @@ import torch
 from ..errors import BatchError
 from ..requests import device as device_limits
 from ..requests import step as request_step
+from ..requests.rows import decode_view
 from ..requests.values import show
 from .buckets import at_bucket
 from .decl import DEVICE, Mirror
@@ -68,7 +69,6 @@ class DeviceMirror:
         self.kv_len = torch.zeros(n, dtype=torch.int64, device=device)  # KV tokens so far
         self.last_token = torch.zeros(n, dtype=torch.int64, device=device)
         self.blocks = torch.zeros((groups, n, width), dtype=torch.int32, device=device)
-        self.tokens_in = torch.zeros(n, dtype=torch.int64, device=device)  # the caller's tokens
         self.flag = torch.full((2,), -1, dtype=torch.int64, device=device)  # bad slot, its token
 
     def state(self) -> tuple[torch.Tensor, ...]:
@@ -107,11 +107,15 @@ class DeviceBuild:
         self.host = [torch.zeros(top.size, dtype=torch.int64, pin_memory=cuda) for _ in (0, 1)]
         self.host_np = [h.numpy() for h in self.host]
         self.delta = torch.zeros(top.size, dtype=torch.int64, device=buffers.device)
-        self.copied = [torch.cuda.Event() if cuda else None for _ in (0, 1)]
+        # each half's last step done on the device: its delta copied (the half may be
+        # written again), its flag back (the next step reads it)
+        self.done = [torch.cuda.Event() if cuda else None for _ in (0, 1)]
         self.flag_host = torch.full((2,), -1, dtype=torch.int64, pin_memory=cuda)
-        self.flag_event = torch.cuda.Event() if cuda else None
         self.replays = Replays(buffers.device)
         self.half = 0
+        self.last_layout: tuple[Any, Any, Any] | None = None  # sizes, bucket, layout
+        self.rows_version = 0  # bumped by every step that is not steady (its rows may differ)
+        self.stamps: list[tuple[int, int, int] | None] = [None, None]  # each half's rows
         self.arrived: dict[int, None] = {}  # slots whose block rows the device lacks
         self.layouts: dict[tuple[int, int, int], Layout] = {}
         self.views: dict[Any, tuple[DeviceTargets, dict, dict]] = {}
@@ -163,6 +167,7 @@ class DeviceBuild:
                 chunks=chunks,
                 blocks=blocks,
                 generation=generation,
+                steady=True,
                 on_device=on_device,
             )
         except BatchError:
@@ -173,13 +178,16 @@ class DeviceBuild:
             ) from exc
         try:
             b = plan.batch
-            assert b is not None  # (not steady: every step has its batch)
+            steady = b is None  # the last step's rows, each a token longer
+            if steady:
+                b = decode_view(flight)
+            else:
+                self.rows_version += 1
             s = b.sizes
-            layout = s if bucket is None else at_bucket(s, bucket)
-            self._within(layout)
+            layout = self._layout_of(s, bucket)
             self.b._check(b)
             h = self.half ^ 1
-            key, lay = self._pack(h, b, plan, layout)
+            key, lay = self._pack(h, b, plan, layout, steady)
             step = self._step(s, layout)
         except BaseException:
             plan.undo()
@@ -195,6 +203,17 @@ class DeviceBuild:
         self.half = h
         return step
 
+    def _layout_of(self, s: Any, bucket: Any) -> Any:
+        """The sizes the step is laid out at (its bucket's), checked against the capacities;
+        a steady run repeats the last step's sizes and bucket: the last answer."""
+        last = self.last_layout
+        if last is not None and last[0] is s and last[1] == bucket:
+            return last[2]
+        layout = s if bucket is None else at_bucket(s, bucket)
+        self._within(layout)
+        self.last_layout = (s, bucket, layout)
+        return layout
+
     def _within(self, layout: Any) -> None:
         """BatchError, before anything is written, for a bucket beyond a tensor's capacity."""
         c = self.b.config
@@ -208,8 +227,9 @@ class DeviceBuild:
     def _flagged(self) -> None:
         """A token the last step took in was outside the vocabulary: its request is marked,
         and every step refuses until it is finished (as the host build's gather does)."""
-        if self.flag_event is not None:
-            self.flag_event.synchronize()  # the last step's device work (not the model)
+        event = self.done[self.half]
+        if event is not None:
+            event.synchronize()  # the last step's device work (not the model)
         slot, value = self.flag_host.tolist()
         if slot >= 0:
             self.flag_host.fill_(-1)
@@ -217,10 +237,13 @@ class DeviceBuild:
                 self.b._flight.bad[slot] = value
 
     # -------------------------------------------------------------------- the delta
-    def _pack(self, h: int, b: Any, plan: Any, layout: Any) -> tuple[tuple[int, int, int], Layout]:
-        """Write the step's delta into pinned half `h`; its graph key and layout."""
+    def _pack(
+        self, h: int, b: Any, plan: Any, layout: Any, steady: bool
+    ) -> tuple[tuple[int, int, int], Layout]:
+        """Write the step's delta into pinned half `h`; its graph key and layout. A steady
+        step's rows (the last step's, at the same bucket) are in the half already when it
+        holds their version: then only its block rows are written."""
         flight, S = self.b._flight, self.slots
-        s = b.sizes
         changed = self._block_rows(plan)
         k = sum(len(rows) for rows in changed)
         K = 0 if not k else 1 << (k - 1).bit_length()  # a power of two: few graphs
@@ -231,12 +254,30 @@ class DeviceBuild:
             if len(self.layouts) >= KEPT:
                 del self.layouts[next(iter(self.layouts))]
             lay = self.layouts[key] = Layout(T, R, K, S, self.width)
-        event = self.copied[h]
+        event = self.done[h]
         if event is not None:
             event.synchronize()  # the copy that last read this half
         a = self.host_np[h][: lay.size]
-        n, n_ctx, n_tok = s.num_sequences, s.num_context_requests, s.num_context_tokens
-        a[0] = n_tok
+        stamp = (self.rows_version, T, R)
+        if not (steady and self.stamps[h] == stamp):
+            self._pack_rows(a, lay, b, plan)
+            self.stamps[h] = stamp
+        index = a[lay.row_index : lay.row_index + K]
+        values = a[lay.row_values : lay.row_values + K * self.width].reshape(K, self.width)
+        j = 0
+        for g, rows in enumerate(changed):  # each group's rows in one gather
+            table = flight.kvs[g]
+            index[j : j + len(rows)] = g * (S + 1) + rows
+            values[j : j + len(rows)] = table.ids[rows * table.lists]  # (a slot's first list)
+            j += len(rows)
+        index[k:], values[k:] = S, 0  # the spare slot's row of group 0 stays zero
+        return key, lay
+
+    def _pack_rows(self, a: np.ndarray, lay: Layout, b: Any, plan: Any) -> None:
+        """The delta's rows, sampled-token slots and context tokens."""
+        S, R, s = self.slots, lay.rows, b.sizes
+        n, n_ctx = s.num_sequences, s.num_context_requests
+        a[0] = s.num_context_tokens
         slot = a[lay.slot : lay.slot + R]
         slot[:n] = b.seq_slot
         slot[n:] = S
@@ -250,21 +291,11 @@ class DeviceBuild:
         if p:
             taken[:p] = plan.gathered[0]
         taken[p:] = S
-        context = a[lay.context : lay.context + T]
+        context = a[lay.context : lay.context + lay.tokens]
         o = 0
         for i, (start, size) in enumerate(zip(b.ctx_begin.tolist(), b.ctx_chunk.tolist())):
             context[o : o + size] = b.prompt_array(i)[start : start + size]
             o += size
-        index = a[lay.row_index : lay.row_index + K]
-        values = a[lay.row_values : lay.row_values + K * self.width].reshape(K, self.width)
-        j = 0
-        for g, rows in enumerate(changed):  # each group's rows in one gather
-            table = flight.kvs[g]
-            index[j : j + len(rows)] = g * (S + 1) + rows
-            values[j : j + len(rows)] = table.ids[rows * table.lists]  # (a slot's first list)
-            j += len(rows)
-        index[k:], values[k:] = S, 0  # the spare slot's row of group 0 stays zero
-        return key, lay
 
     def _block_rows(self, plan: Any) -> list[np.ndarray]:
         """Per KV-cache group, the slots whose block row the device lacks: every slot that
@@ -304,36 +335,35 @@ class DeviceBuild:
         )
 
     def _launch(self, h: int, key: tuple[int, int, int], lay: Layout, tokens: Any) -> None:
-        """One copy of the delta, the tokens into the mirror's intake, one replay."""
-        S = self.slots
+        """One copy of the delta, one replay (the graph reads the tokens where the caller's
+        tensor lies: its address is part of the graph's key), one event."""
         m = self.mirror
-        if tokens is not None:
-            m.tokens_in[:S].copy_(tokens[:S] if tokens.ndim == 1 else tokens[:S, 0])
         self.delta[: lay.size].copy_(self.host[h][: lay.size], non_blocking=True)
         self.bytes_up += lay.size * 8
-        event = self.copied[h]
-        if event is not None:
-            event.record()
         targets = self.views[self.b._layout][0]
+        graph: tuple[Any, ...] = key
+        if tokens is not None:  # the slots' column of the caller's tokens
+            tokens = tokens if tokens.ndim == 1 else tokens[:, 0]
+            graph = (*key, tokens.data_ptr(), tokens.dtype, tokens.stride(0))
 
         def work() -> None:
-            self._device_step(lay, targets)
+            self._device_step(lay, targets, tokens)
 
-        if self.replays.captured(key):
-            self.replays.run(key, work, lambda: _nothing, _nothing)
+        if self.replays.captured(graph):
+            self.replays.run(graph, work, lambda: _nothing, _nothing)
         else:  # an eager run (the CPU, or a bucket's first step): undone if it fails
             saved = [t.clone() for t in (*m.state(), *vars(targets).values())]
             try:
-                self.replays.run(key, work, lambda: _nothing, _nothing)
+                self.replays.run(graph, work, lambda: _nothing, _nothing)
             except BaseException:
                 for t, before in zip((*m.state(), *vars(targets).values()), saved):
                     t.copy_(before)
                 raise
-        self.flag_host.copy_(m.flag, non_blocking=True)
-        if self.flag_event is not None:
-            self.flag_event.record()
+        event = self.done[h]
+        if event is not None:
+            event.record()
 
-    def _device_step(self, lay: Layout, targets: DeviceTargets) -> None:
+    def _device_step(self, lay: Layout, targets: DeviceTargets, tokens: Any) -> None:
         """The step's device work (captured per bucket): block rows, sampled tokens, the
         family's device program, each row's KV length after the step."""
         m, d, S, R = self.mirror, self.delta, self.slots, lay.rows
@@ -344,13 +374,17 @@ class DeviceBuild:
                 d[lay.row_index : lay.row_index + lay.block_rows],
                 values.view(lay.block_rows, self.width).to(torch.int32),
             )
-        taken = d[lay.taken : lay.taken + S]
-        token = m.tokens_in.index_select(0, taken)
-        bad = (taken < S) & ((token < 0) | (token >= self.token_limit))
-        m.last_token.index_copy_(0, taken, token.masked_fill(bad, 0))
-        first = bad.to(torch.int64).argmax().reshape(1)
-        found = torch.cat((taken.index_select(0, first), token.index_select(0, first)))
-        m.flag.copy_(found.where(bad.any(), -1))
+        if tokens is not None:  # the slots that produced take their token in
+            taken = d[lay.taken : lay.taken + S]
+            real = taken < S
+            token = tokens.index_select(0, taken.clamp(max=S - 1)).to(torch.int64)
+            bad = real & ((token < 0) | (token >= self.token_limit))
+            m.last_token.index_copy_(0, taken, token.masked_fill(bad | ~real, 0))
+            first = bad.to(torch.int64).argmax().reshape(1)
+            found = torch.cat((taken.index_select(0, first), token.index_select(0, first)))
+            m.flag.copy_(found.where(bad.any(), -1))
+        else:
+            m.flag.fill_(-1)
         rows = build(
             slot=d[lay.slot : lay.slot + R],
             begin=d[lay.begin : lay.begin + R],
@@ -364,6 +398,7 @@ class DeviceBuild:
         )
         self.b._device_fill(targets, rows)
         m.kv_len.index_copy_(0, rows.slot[:R], rows.kv[:R])
+        self.flag_host.copy_(m.flag, non_blocking=True)  # read by the next step
 
 
 def device_build(buffers: RuntimeBuffers[Any], build: str) -> DeviceBuild | None:

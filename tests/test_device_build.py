@@ -201,9 +201,8 @@ def test_the_comparison_fails_when_a_device_form_is_wrong(monkeypatch) -> None:
     )
     real_step = device_build_module.DeviceBuild._device_step
 
-    def no_intake(self, lay, targets):
-        self.mirror.tokens_in.zero_()
-        real_step(self, lay, targets)
+    def no_intake(self, lay, targets, tokens):
+        real_step(self, lay, targets, None)
 
     monkeypatch.setattr(device_build_module.DeviceBuild, "_device_step", no_intake)
     with pytest.raises(AssertionError, match="input_ids"):
