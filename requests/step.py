@@ -55,6 +55,8 @@ class Plan:
     # the step's generation rows when each produced one token, `tokens` (the table's counts
     # and last tokens are moved in place at commit, `generated` and `last` its own)
     in_place: np.ndarray | None = None
+    # the slots whose last step produced the tokens this step takes in
+    producers: np.ndarray = dataclasses.field(default_factory=lambda: EMPTY)
 
     def undo(self) -> None:
         """The step failed: the block lists and drafts it set are as they were."""
@@ -88,6 +90,8 @@ def commit(t: RequestTable, plan: Plan) -> None:
         widths = t.beam_width[rows] if t.n_wide else None
         if plan.gathered is not None:
             pass  # the tokens are the device's: tokens_back sets them
+        elif plan.tokens.values is EMPTY:
+            pass  # the device keeps them (a plan without a gather)
         elif widths is None or not (widths > 1).any():
             t.last[:, 0][rows] = plan.tokens.values  # one axis: a cheaper scatter
         else:
@@ -133,6 +137,7 @@ def plan(
     generation: bool = True,
     steady: bool = False,
     on_device: bool = False,
+    gather: bool = True,
 ) -> Plan:
     """Check the next step and lay it out; nothing is committed (``commit``) and only the
     block lists and drafts are set on the entries and the block table (``Plan.undo`` restores
@@ -140,7 +145,9 @@ def plan(
     in this step or waits.
 
     `steady`: the last step can be continued in place (generation only, no drafts); the
-    plan then has no batch when nothing but the tokens changed. `on_device`: `tokens` is ``OnDevice``, a tensor on the
+    plan then has no batch when nothing but the tokens changed. `gather`: False for tokens the
+    device keeps (the device build): no gather is laid out, the plan names the slots that
+    produced (``Plan.producers``). `on_device`: `tokens` is ``OnDevice``, a tensor on the
     buffers' device gathered there (``Plan.gather``)."""
     if t.bad:
         _refuse_bad(t)
@@ -152,7 +159,7 @@ def plan(
         and t.n_rows
         and t.rows_produced  # (the last step ran the rows: each has its new token)
     ):
-        return _steady(t, tokens, blocks, on_device)
+        return _steady(t, tokens, blocks, on_device, gather)  # (its `gathering`)
     undo_blocks: list[tuple[BlockTable, Any, Any]] = []
     undo_drafts: list[tuple[Entry, Any]] = []
     try:
@@ -197,9 +204,9 @@ def plan(
         _grow(t, blocks, undo_blocks)
         context, positions, completing = _context(t, chunks)
         batch = step_view(t, context, rows, row_entries, g_max, seq_last, ndraft)
-        gather, gathered = (
+        laid_out, gathered = (
             device_gather(t, batch, tokens.columns, producers)
-            if on_device and producers.size
+            if on_device and gather and producers.size
             else (None, None)
         )
         return Plan(
@@ -216,8 +223,9 @@ def plan(
             undo_blocks=undo_blocks,
             undo_drafts=undo_drafts,
             generation=generation,
-            gather=gather,
+            gather=laid_out,
             gathered=gathered,
+            producers=producers,
         )
     except BaseException:
         _undo(undo_blocks, undo_drafts)
@@ -342,7 +350,11 @@ def _grow(
 
 
 def _steady(
-    t: RequestTable, tokens: Any, blocks: Mapping[int, Any] | None, on_device: bool
+    t: RequestTable,
+    tokens: Any,
+    blocks: Mapping[int, Any] | None,
+    on_device: bool,
+    gathering: bool = True,
 ) -> Plan:
     """A step of the same generation rows where only the tokens changed (and block lists
     may grow): the fewest calls, the state updated at commit."""
@@ -367,6 +379,8 @@ def _steady(
         if values is None:
             values = _sequence_values(tok, rows, widths, t.n_wide)
         check_tokens(values, L)
+    elif not gathering:  # the device keeps the tokens: nothing to lay out
+        values = EMPTY
     else:  # the host writes the last tokens it knows; the device then writes the new
         values = _sequence_values(t.last, rows, widths, t.n_wide)
         held = t.steady_gather
@@ -404,6 +418,7 @@ def _steady(
         undo_drafts=[],
         gather=gather,
         gathered=gathered,
+        producers=rows,
     )
 
 

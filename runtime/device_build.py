@@ -38,7 +38,7 @@ from ..errors import BatchError
 from ..requests import device as device_limits
 from ..requests import step as request_step
 from ..requests.rows import decode_view
-from ..requests.values import show
+from ..requests.values import EMPTY, show
 from .buckets import at_bucket
 from .decl import DEVICE, Mirror
 from .device_rows import DeviceRows, build
@@ -78,15 +78,15 @@ class DeviceMirror:
 class Layout:
     """Where each part of a bucket's delta lies in the delta buffer (int64 elements)."""
 
-    def __init__(self, tokens: int, rows: int, block_rows: int, slots: int, width: int) -> None:
-        self.tokens, self.rows, self.block_rows = tokens, rows, block_rows
+    def __init__(self, tokens: int, rows: int, block_ids: int, slots: int) -> None:
+        self.tokens, self.rows, self.block_ids = tokens, rows, block_ids
         o = HEADER
         self.slot, self.begin, self.query, self.done = (o + k * rows for k in range(4))
         self.taken = o + 4 * rows
         self.context = self.taken + slots
-        self.row_index = self.context + tokens
-        self.row_values = self.row_index + block_rows
-        self.size = self.row_values + block_rows * width
+        self.id_index = self.context + tokens  # each block id's place in the mirror's blocks
+        self.ids = self.id_index + block_ids
+        self.size = self.ids + block_ids
 
 
 class DeviceBuild:
@@ -102,7 +102,8 @@ class DeviceBuild:
         bounds = dict(buffers._sizes_within.bounds)
         most_rows, most_tokens = bounds["num_sequences"], bounds["num_tokens"]
         self.mirror = DeviceMirror(self.slots, self.groups, self.width, buffers.device)
-        top = Layout(most_tokens, most_rows, self.groups * self.slots, self.slots, self.width)
+        # at most every block row of every group (arrivals), or every slot's row filled anew
+        top = Layout(most_tokens, most_rows, self.groups * self.slots * self.width, self.slots)
         cuda = buffers.device.type == "cuda"
         self.host = [torch.zeros(top.size, dtype=torch.int64, pin_memory=cuda) for _ in (0, 1)]
         self.host_np = [h.numpy() for h in self.host]
@@ -169,6 +170,7 @@ class DeviceBuild:
                 generation=generation,
                 steady=True,
                 on_device=on_device,
+                gather=False,
             )
         except BatchError:
             raise
@@ -198,7 +200,6 @@ class DeviceBuild:
             plan.undo()
             raise
         request_step.commit(flight, plan)
-        flight.pending = None  # the device keeps the tokens: nothing comes back
         self.arrived.clear()
         self.half = h
         return step
@@ -243,9 +244,9 @@ class DeviceBuild:
         """Write the step's delta into pinned half `h`; its graph key and layout. A steady
         step's rows (the last step's, at the same bucket) are in the half already when it
         holds their version: then only its block rows are written."""
-        flight, S = self.b._flight, self.slots
-        changed = self._block_rows(plan)
-        k = sum(len(rows) for rows in changed)
+        S = self.slots
+        where, ids = self._block_ids(plan)
+        k = len(where)
         K = 0 if not k else 1 << (k - 1).bit_length()  # a power of two: few graphs
         R, T = layout.num_sequences, layout.num_tokens
         key = (T, R, K)
@@ -253,7 +254,7 @@ class DeviceBuild:
         if lay is None:
             if len(self.layouts) >= KEPT:
                 del self.layouts[next(iter(self.layouts))]
-            lay = self.layouts[key] = Layout(T, R, K, S, self.width)
+            lay = self.layouts[key] = Layout(T, R, K, S)
         event = self.done[h]
         if event is not None:
             event.synchronize()  # the copy that last read this half
@@ -262,15 +263,9 @@ class DeviceBuild:
         if not (steady and self.stamps[h] == stamp):
             self._pack_rows(a, lay, b, plan)
             self.stamps[h] = stamp
-        index = a[lay.row_index : lay.row_index + K]
-        values = a[lay.row_values : lay.row_values + K * self.width].reshape(K, self.width)
-        j = 0
-        for g, rows in enumerate(changed):  # each group's rows in one gather
-            table = flight.kvs[g]
-            index[j : j + len(rows)] = g * (S + 1) + rows
-            values[j : j + len(rows)] = table.ids[rows * table.lists]  # (a slot's first list)
-            j += len(rows)
-        index[k:], values[k:] = S, 0  # the spare slot's row of group 0 stays zero
+        index, values = a[lay.id_index : lay.ids], a[lay.ids : lay.ids + K]
+        index[:k], values[:k] = where, ids
+        index[k:], values[k:] = S * self.width, 0  # the spare slot's row stays zero
         return key, lay
 
     def _pack_rows(self, a: np.ndarray, lay: Layout, b: Any, plan: Any) -> None:
@@ -287,9 +282,8 @@ class DeviceBuild:
         begin[n_ctx:n], query[n_ctx:n], done[n_ctx:n] = -1, 1, 1
         begin[n:], query[n:], done[n:] = 0, 0, 0
         taken = a[lay.taken : lay.taken + S]
-        p = 0 if plan.gathered is None else len(plan.gathered[0])
-        if p:
-            taken[:p] = plan.gathered[0]
+        p = len(plan.producers)
+        taken[:p] = plan.producers
         taken[p:] = S
         context = a[lay.context : lay.context + lay.tokens]
         o = 0
@@ -297,16 +291,32 @@ class DeviceBuild:
             context[o : o + size] = b.prompt_array(i)[start : start + size]
             o += size
 
-    def _block_rows(self, plan: Any) -> list[np.ndarray]:
-        """Per KV-cache group, the slots whose block row the device lacks: every slot that
-        arrived since the last step, and each one this step appended to (one list per slot:
-        one beam). A slot may be named twice: its row is written twice, alike."""
-        arrived = np.fromiter(self.arrived, np.int64, len(self.arrived))
-        out = []
-        for table in self.b._flight.kvs:
-            parts = [np.atleast_1d(r) // table.lists for t, r, _ in plan.undo_blocks if t is table]
-            out.append(np.concatenate([arrived, *parts]) if parts else arrived)
-        return out
+    def _block_ids(self, plan: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The block ids the device lacks, and where each goes in the mirror's blocks (flat:
+        group, slot, column): the whole row of every slot that arrived since the last step
+        (the ids past its list 0), and each id this step appended. An id may be named twice,
+        alike."""
+        S, W = self.slots, self.width
+        kvs = self.b._flight.kvs
+        where, ids = [EMPTY], [EMPTY]
+        if self.arrived:
+            slots = np.fromiter(self.arrived, np.int64, len(self.arrived))
+            columns = np.arange(W)
+            for g, table in enumerate(kvs):
+                where.append(((g * (S + 1) + slots)[:, None] * W + columns).ravel())
+                ids.append(table.ids[slots * table.lists].ravel())
+        for table, rows, before in plan.undo_blocks:  # (row, its list's length before)
+            g = next(g for g, t in enumerate(kvs) if t is table)
+            rows, before = np.atleast_1d(rows), np.atleast_1d(before)
+            n = table.count[rows] - before
+            if n.min() == n.max() == 1:  # the usual step: one new block per list
+                row, column = rows, before
+            else:
+                row = np.repeat(rows, n)
+                column = np.arange(len(row)) - np.repeat(np.cumsum(n) - n - before, n)
+            where.append((g * (S + 1) + row // table.lists) * W + column)
+            ids.append(table.ids[row, column])
+        return np.concatenate(where), np.concatenate(ids)
 
     # -------------------------------------------------------------------- the device
     def _step(self, s: Any, layout: Any) -> Step[Any]:
@@ -367,12 +377,9 @@ class DeviceBuild:
         """The step's device work (captured per bucket): block rows, sampled tokens, the
         family's device program, each row's KV length after the step."""
         m, d, S, R = self.mirror, self.delta, self.slots, lay.rows
-        if lay.block_rows:
-            values = d[lay.row_values : lay.row_values + lay.block_rows * self.width]
-            m.blocks.view(-1, self.width).index_copy_(
-                0,
-                d[lay.row_index : lay.row_index + lay.block_rows],
-                values.view(lay.block_rows, self.width).to(torch.int32),
+        if lay.block_ids:
+            m.blocks.view(-1).index_copy_(
+                0, d[lay.id_index : lay.ids], d[lay.ids : lay.size].to(torch.int32)
             )
         if tokens is not None:  # the slots that produced take their token in
             taken = d[lay.taken : lay.taken + S]
