@@ -141,6 +141,11 @@ class Views:
         step): the same storage as the step's views, with the rows past the step holding their
         pad values. The inputs are the family's typed record, with the last step's scalars and
         mode (padded rows run nothing)."""
+        if getattr(self, "_device", None) is not None:
+            raise BatchError(
+                "views() reads the host build's layout; these buffers build='device': build "
+                "each step at its bucket instead, step(..., bucket=(tokens, rows))"
+            )
         inputs, outputs = self._views_at(sizes)
         mode = StepMode.of(self._last) if self._last is not None else StepMode.IDLE
         return self.step_inputs(inputs, self._scalars_now, mode, self._each), outputs

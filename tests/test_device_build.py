@@ -343,5 +343,11 @@ def test_what_the_device_build_refuses_is_refused_by_the_call_that_hands_it_over
         device.step(torch.zeros(8, dtype=torch.int64), bucket=(513, 1))
     step = device.step(torch.zeros(8, dtype=torch.int64), bucket=(4, 2))
     assert step.inputs["seq_lens"].tolist() == [4, 0]
+    with pytest.raises(
+        BatchError,
+        match=r"^views\(\) reads the host build's layout; these buffers build='device': build "
+        r"each step at its bucket instead, step\(\.\.\., bucket=\(tokens, rows\)\)$",
+    ):
+        device.views(step.sizes.padded(8, 4))
     with pytest.raises(AttributeError, match="not among this step's inputs"):
         step.inputs.seq_lens_cpu  # noqa: B018 - host inputs are left out
