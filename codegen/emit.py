@@ -9,6 +9,7 @@ is parsed with ``ast`` before it is returned.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import shlex
 from collections.abc import Sequence
@@ -401,7 +402,8 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
         for chk in program.checks
         if chk.admit is not None
     ]
-    fills = []
+    fills, host_fills = [], []
+    bound = {pt.name: pt.bindings for pt in plan.tensors if pt.memory != "device"}
     for f in program.fills:
         args = [
             alias(f.impl),
@@ -411,6 +413,8 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
             *L.kwargs(f.reads),
         ]
         fills.append({"doc": L.fill_doc(f), "lines": L.write(f, args)})
+        if bound.get(f.tensor):  # a host input: the device build writes it on the host too
+            host_fills.append({"doc": L.fill_doc(f), "lines": _host_input(f, args, bound)})
     advance = not program.no_advance
     advance_checks: list[str] = []
     advance_results: list[dict[str, Any]] = []
@@ -445,6 +449,7 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
         "results": results,
         "checked_lines": L.construction("Checked", "b", results),
         "fills": fills,
+        "host_fills": host_fills,
         "advance": advance,
         "advance_checks": advance_checks,
         "advance_results": advance_results,
@@ -514,6 +519,17 @@ def _device_fills(plan: FamilyPlan, alias: _Aliases) -> list[dict[str, Any]] | N
             }
         )
     return out or None
+
+
+def _host_input(f: PlannedFill, args: list[str], bound: dict[str, Any]) -> list[str]:
+    """A host input's fill in the device build: under its binding's condition too (a binding
+    the Config leaves out is not written)."""
+    when = [b.when for b in bound[f.tensor]]
+    if any(w is None for w in when):
+        return L.write(f, args)
+    cond = when[0] if len(set(when)) == 1 else E.BoolOp("or", tuple(dict.fromkeys(when)))
+    guard = cond if f.guard is None else E.BoolOp("and", (f.guard, cond))
+    return L.write(dataclasses.replace(f, guard=guard), args)
 
 
 def _device_scalars(program: StepProgram, sizes: set[str]) -> list[dict[str, Any]]:

@@ -162,6 +162,7 @@ MEMBER_NAMES: frozenset[str] = frozenset(
         "_advance",
         "_advance_on_device",
         "_device_fill",
+        "_device_host_fill",
         "_device_scalars",
         "_scalars",
         "_capture",

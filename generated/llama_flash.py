@@ -48,6 +48,8 @@ class Config(rt.ConfigBase):
     """Most tokens (context chunks plus generation tokens) in one step."""
     max_draft_tokens: int = 0
     """Most speculative draft tokens per request (0 without speculative decoding)."""
+    host_inputs: bool = True
+    """The FlashAttention/vLLM and FlashInfer contracts bind their host inputs (*_cpu); false for an engine that reads none (under CUDA graphs), so a step built on the device skips them."""
     vocab_size: int
     """Vocabulary size of the model."""
     num_layers: int
@@ -97,6 +99,7 @@ class Config(rt.ConfigBase):
         rt.check_int(self, 'max_beam_width', minimum=1, errors=errors)
         rt.check_int(self, 'max_num_tokens', minimum=1, errors=errors)
         rt.check_int(self, 'max_draft_tokens', minimum=0, errors=errors)
+        rt.check_bool(self, 'host_inputs', errors)
         rt.check_int(self, 'vocab_size', minimum=1, errors=errors)
         rt.check_int(self, 'num_layers', minimum=1, errors=errors)
         rt.check_int(self, 'tp_size', minimum=1, errors=errors)
@@ -204,7 +207,7 @@ TENSORS = (
         shape=lambda c, s: (s.num_sequences,),
         fill=rt.Rule(core.row_slots),
         pad=-1,
-        inputs=(rt.Bind('row_slots_cpu'),),
+        inputs=(rt.Bind('row_slots_cpu', when=lambda c: c.host_inputs),),
     ),
     # Device copy of host_row_slots.
     rt.TensorDecl(
@@ -226,7 +229,7 @@ TENSORS = (
         shape=lambda c, s: (s.num_sequences + 1,),
         fill=rt.Rule(paged_attention.query_start_loc),
         pad=rt.REPEAT_LAST,
-        inputs=(rt.Bind('query_start_loc_cpu'),),
+        inputs=(rt.Bind('query_start_loc_cpu', when=lambda c: c.host_inputs),),
     ),
     # Device copy of host_query_start_loc.
     rt.TensorDecl(
@@ -258,7 +261,7 @@ TENSORS = (
         shape=lambda c, s: (s.num_sequences,),
         fill=rt.Rule(paged_attention.seq_lens),
         pad=0,
-        inputs=(rt.Bind('seq_lens_cpu'),),
+        inputs=(rt.Bind('seq_lens_cpu', when=lambda c: c.host_inputs),),
     ),
     # Device copy of host_seq_lens.
     rt.TensorDecl(
@@ -280,7 +283,7 @@ TENSORS = (
         shape=lambda c, s: (s.num_sequences + 1,),
         fill=rt.Rule(paged_attention.cu_seqlens_k),
         pad=rt.REPEAT_LAST,
-        inputs=(rt.Bind('cu_seqlens_k_cpu'),),
+        inputs=(rt.Bind('cu_seqlens_k_cpu', when=lambda c: c.host_inputs),),
     ),
     # Device copy of host_cu_seqlens_k.
     rt.TensorDecl(
@@ -455,7 +458,7 @@ TENSORS = (
         shape=lambda c, s: (s.num_logits,),
         fill=rt.Rule(paged_attention.produces_token),
         pad=0,
-        inputs=(rt.Bind('produces_token_cpu'),),
+        inputs=(rt.Bind('produces_token_cpu', when=lambda c: c.host_inputs),),
     ),
     # Device copy of host_produces_token.
     rt.TensorDecl(
@@ -904,6 +907,37 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
             )
         # produces_token: Device copy of host_produces_token.
         paged_attention.device_produces_token(o.produces_token, d, 0)
+
+    def _device_host_fill(self, t: rt.Targets, k: Checked) -> None:
+        """The host inputs of a step built on the device (build='device'): each bound host
+        tensor written by its rule, as the host build writes it (none the Config leaves out)."""
+        c, b = self.config, k.batch
+        # host_row_slots: Seq slot of each step row (each context request's, then each generation
+        # beam's; a request's beams share its slot), on the host.
+        if c.host_inputs:
+            t.host_row_slots.wrote(core.row_slots(t.host_row_slots.out, b))
+        # host_query_start_loc: 0, then the cumulative query tokens of each sequence
+        # (FlashAttention's cu_seqlens_q), on the host.
+        if c.host_inputs:
+            t.host_query_start_loc.wrote(
+                paged_attention.query_start_loc(
+                    t.host_query_start_loc.out,
+                    b,
+                )
+            )
+        # host_seq_lens: KV tokens of each sequence once this step's tokens are written
+        # (FlashAttention's seqused_k), on the host.
+        if c.host_inputs:
+            t.host_seq_lens.wrote(paged_attention.seq_lens(t.host_seq_lens.out, b))
+        # host_cu_seqlens_k: 0, then the cumulative KV tokens of each sequence once this step's
+        # tokens are written (FlashAttention's cu_seqlens_k), on the host.
+        if c.host_inputs:
+            t.host_cu_seqlens_k.wrote(paged_attention.cu_seqlens_k(t.host_cu_seqlens_k.out, b))
+        # host_produces_token: Whether each logit row produces a token (1 for every generation token
+        # and for a chunk that ends its prompt, 0 for a chunk that stops mid-prompt, whose sampled
+        # token is discarded), on the host.
+        if c.host_inputs:
+            t.host_produces_token.wrote(paged_attention.produces_token(t.host_produces_token.out, b))
 
     def _device_scalars(self, s: StepSizes) -> dict[str, int]:
         """The step scalars of a step built on the device, each from its device value."""

@@ -47,6 +47,8 @@ class Config(rt.ConfigBase):
     """Most tokens (context chunks plus generation tokens) in one step."""
     max_draft_tokens: int = 0
     """Most speculative draft tokens per request (0 without speculative decoding)."""
+    host_inputs: bool = True
+    """The FlashAttention/vLLM and FlashInfer contracts bind their host inputs (*_cpu); false for an engine that reads none (under CUDA graphs), so a step built on the device skips them."""
     vocab_size: int
     """Vocabulary size of the model."""
     num_layers: int
@@ -84,6 +86,7 @@ class Config(rt.ConfigBase):
         rt.check_int(self, 'max_beam_width', minimum=1, errors=errors)
         rt.check_int(self, 'max_num_tokens', minimum=1, errors=errors)
         rt.check_int(self, 'max_draft_tokens', minimum=0, errors=errors)
+        rt.check_bool(self, 'host_inputs', errors)
         rt.check_int(self, 'vocab_size', minimum=1, errors=errors)
         rt.check_int(self, 'num_layers', minimum=1, errors=errors)
         rt.check_int(self, 'tp_size', minimum=1, errors=errors)
@@ -181,7 +184,7 @@ TENSORS = (
         shape=lambda c, s: (s.num_sequences,),
         fill=rt.Rule(core.row_slots),
         pad=-1,
-        inputs=(rt.Bind('row_slots_cpu'),),
+        inputs=(rt.Bind('row_slots_cpu', when=lambda c: c.host_inputs),),
     ),
     # Device copy of host_row_slots.
     rt.TensorDecl(
@@ -276,7 +279,7 @@ TENSORS = (
         shape=lambda c, s: (s.num_logits,),
         fill=rt.Rule(paged_attention.produces_token),
         pad=0,
-        inputs=(rt.Bind('produces_token_cpu'),),
+        inputs=(rt.Bind('produces_token_cpu', when=lambda c: c.host_inputs),),
     ),
     # Device copy of host_produces_token.
     rt.TensorDecl(
@@ -298,7 +301,7 @@ TENSORS = (
         shape=lambda c, s: (s.num_sequences + 1,),
         fill=rt.Rule(paged_attention.query_start_loc),
         pad=rt.REPEAT_LAST,
-        inputs=(rt.Bind('qo_indptr_cpu'),),
+        inputs=(rt.Bind('qo_indptr_cpu', when=lambda c: c.host_inputs),),
     ),
     # Device copy of host_qo_indptr.
     rt.TensorDecl(
@@ -320,7 +323,7 @@ TENSORS = (
         shape=lambda c, s: (s.num_sequences + 1,),
         fill=rt.Rule(paged_attention.paged_kv_indptr),
         pad=rt.REPEAT_LAST,
-        inputs=(rt.Bind('paged_kv_indptr_cpu'),),
+        inputs=(rt.Bind('paged_kv_indptr_cpu', when=lambda c: c.host_inputs),),
     ),
     # Device copy of host_paged_kv_indptr.
     rt.TensorDecl(
@@ -363,7 +366,7 @@ TENSORS = (
         shape=lambda c, s: (s.num_sequences,),
         fill=rt.Rule(paged_attention.paged_kv_last_page_len),
         pad=0,
-        inputs=(rt.Bind('paged_kv_last_page_len_cpu'),),
+        inputs=(rt.Bind('paged_kv_last_page_len_cpu', when=lambda c: c.host_inputs),),
     ),
     # Device copy of host_paged_kv_last_page_len.
     rt.TensorDecl(

@@ -85,11 +85,14 @@ class Relayout:
                     "it is written on the device or has no constant pad): run this step unpadded"
                 )
 
-    def apply(self, targets: Targets, sizes: Any, layout: Any) -> None:
+    def apply(
+        self, targets: Targets, sizes: Any, layout: Any, names: list[str] | None = None
+    ) -> None:
         """Each moved tensor's step values (the first elements of its storage, laid out at
-        `sizes`) into its layout at `layout`, every other element of that layout its pad."""
+        `sizes`) into its layout at `layout`, every other element of that layout its pad
+        (`names`: those of the moved tensors alone)."""
         c = self._config
-        for name in self.moved(sizes, layout):
+        for name in self.moved(sizes, layout) if names is None else names:
             d, target = self._decls[name], getattr(targets, name)
             step, bucket = tuple(d.shape(c, sizes)), tuple(d.shape(c, layout))
             n, size = math.prod(step), math.prod(bucket)

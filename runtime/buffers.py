@@ -25,8 +25,9 @@ from .decl import TensorDecl
 from .device_build import device_build
 from .failures import Failures
 from .guards import exclusive as _exclusive
+from .program import Program
 from .project import ProjectImpl, reading, rule_error
-from .staging import HALVES, DeviceStep, Targets
+from .staging import HALVES, Targets
 from .step import NO_SCALARS, InputsT, Step
 from .storage import allocate, check_allocatable, records
 from .tokens import Gather, sampled_tokens, tokens_on_device, tokens_on_host
@@ -34,7 +35,7 @@ from .transfer import Transfer
 from .views import Views
 
 
-class RuntimeBuffers(Views, Failures, Generic[InputsT]):
+class RuntimeBuffers(Views, Failures, Program, Generic[InputsT]):
     """Subclassed by each generated module, which sets these and defines the step program
     (``_limits``, ``_check``, ``_fill`` and, where every rule has an advance form,
     ``_advance_check`` and ``_advance``)."""
@@ -126,47 +127,6 @@ class RuntimeBuffers(Views, Failures, Generic[InputsT]):
         # the Request fields the family never reads: refused when set (add, prepare_step)
         self.limits = self._flight.limits = reading(self)
         self._device = device_build(self, build)  # None: the host build
-
-    # the step program, generated per family
-    def _limits(self) -> Any:
-        raise NotImplementedError
-
-    def _size_bounds(self) -> Any:  # each step size's capacity: rt.SizeBounds
-        raise NotImplementedError
-
-    def _batch(self, context: Sequence[Any], generation: Sequence[Any]) -> Any:
-        raise NotImplementedError
-
-    def _in_flight(self) -> Any:
-        raise NotImplementedError
-
-    def _admit(self, r: Any) -> None:
-        """The family's checks of a request arriving in flight (none unless generated)."""
-
-    def _check(self, b: Any) -> Any:
-        raise NotImplementedError
-
-    def _fill(self, targets: Targets, checked: Any) -> Any:
-        raise NotImplementedError
-
-    def _advance_check(self, last: Any, tokens: Any, holds_run: bool) -> Any:
-        raise NotImplementedError
-
-    def _advance(self, targets: Targets, prev: Targets, advancing: Any) -> None:
-        raise NotImplementedError
-
-    def _advance_on_device(self, v: DeviceStep, advancing: Any) -> None:
-        raise NotImplementedError
-
-    def _device_fill(self, targets: Any, rows: Any) -> None:
-        raise NotImplementedError
-
-    def _device_scalars(self, sizes: Any) -> Mapping[str, int]:
-        raise NotImplementedError
-
-    def _scalars(self, targets: Targets, sizes: Any) -> Mapping[str, int]:
-        """The step scalars of the step just written (none unless the family declares any)."""
-        return NO_SCALARS
 
     # ------------------------------------------------------------------------- helpers
     def _rule_error(self, exc: Exception, where: str = "") -> RuleError | None:

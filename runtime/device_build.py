@@ -22,7 +22,9 @@ to its KV length after the step. The mirror is written by the graph alone: a ste
 failed before its launch leaves the mirror and the request table at the last step (an eager
 run, on the CPU or a bucket's first step, restores what it wrote if it fails).
 
-Host inputs (the ``*_cpu`` mirrors) are left out: an engine under CUDA graphs reads none.
+The bound host inputs (the ``*_cpu`` tensors, FlashInfer's plan arrays) are written on the
+host by their rules (the generated ``_device_host_fill``) into a staging half, as the host
+build writes them; ``host_inputs=False`` in the Config binds none.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from ..requests import step as request_step
 from ..requests.rows import decode_view
 from ..requests.values import EMPTY, show
 from .buckets import at_bucket
-from .decl import DEVICE, Mirror
+from .decl import DEVICE, Mirror, Rule
 from .device_rows import DeviceRows, build
 from .graphs import Replays
 from .step import Step, StepMode
@@ -128,6 +130,12 @@ class DeviceBuild:
             if d.memory == DEVICE and isinstance(d.fill, Mirror) and d.inputs
         }
         self.capacity = {n: math.prod(d.capacity(c)) for n, d in self.written.items()}
+        bound = {n for _, n, _, _ in buffers._bind.inputs}  # (this Config's bindings)
+        self.host_written = {  # the host inputs the host writes (_device_host_fill)
+            n
+            for n in bound
+            if buffers.decls[n].memory != DEVICE and isinstance(buffers.decls[n].fill, Rule)
+        }
         self.bytes_up = 0
 
     # ------------------------------------------------------------------------- arrivals
@@ -187,22 +195,39 @@ class DeviceBuild:
                 self.rows_version += 1
             s = b.sizes
             layout = self._layout_of(s, bucket)
-            self.b._check(b)
+            checked = self.b._check(b)
             h = self.half ^ 1
             key, lay = self._pack(h, b, plan, layout, steady)
-            step = self._step(s, layout)
         except BaseException:
             plan.undo()
             raise
+        bufs = self.b
+        hh = bufs._half ^ 1  # the staging half the host inputs go to
         try:
-            self._launch(h, key, lay, tokens)
+            self._host_inputs(hh, checked, s, layout)
+            step, targets = self._step(s, layout, hh)
+            self._launch(h, key, lay, tokens, targets)
         except BaseException:
+            bufs._abandon_half(hh)
             plan.undo()
             raise
         request_step.commit(flight, plan)
         self.arrived.clear()
-        self.half = h
+        self.half, bufs._half = h, hh
         return step
+
+    def _host_inputs(self, hh: int, checked: Any, s: Any, layout: Any) -> None:
+        """The bound host inputs, written by their rules into staging half `hh` (the family's
+        generated ``_device_host_fill``; nothing where the Config leaves them out), padded to
+        the bucket."""
+        bufs = self.b
+        bufs._staging.wait(hh)
+        targets = bufs._targets[hh]
+        bufs._device_host_fill(targets, checked)
+        if layout is not s:  # a host input whose rows do not lead: moved to the bucket
+            moved = [n for n in bufs._relayout.moved(s, layout) if n in self.host_written]
+            if moved:
+                bufs._relayout.apply(targets, s, layout, moved)
 
     def _layout_of(self, s: Any, bucket: Any) -> Any:
         """The sizes the step is laid out at (its bucket's), checked against the capacities;
@@ -319,38 +344,42 @@ class DeviceBuild:
         return np.concatenate(where), np.concatenate(ids)
 
     # -------------------------------------------------------------------- the device
-    def _step(self, s: Any, layout: Any) -> Step[Any]:
-        """The step's views: every bound device tensor at its bucket (host inputs left out)."""
-        cached = self.views.get(layout)
+    def _step(self, s: Any, layout: Any, hh: int) -> tuple[Step[Any], DeviceTargets]:
+        """The step's views at its bucket (the host inputs in staging half `hh`), and the
+        device tensors the device program writes."""
+        cached = self.views.get((layout, hh))
         if cached is None:
             bufs, c = self.b, self.b.config
-            bufs._layout = layout
-            inputs, outputs = bufs._views_at(layout)
-            device = {n for n, d in bufs.decls.items() if d.memory == DEVICE}
-            names = {e: n for e, n, _, _ in bufs._bind.inputs}
-            inputs = {e: v for e, v in inputs.items() if names[e] in device}
+            bufs._layout, half = layout, bufs._half
+            bufs._half = hh
+            try:
+                inputs, outputs = bufs._views_at(layout)
+            finally:
+                bufs._half = half
             targets = DeviceTargets(
                 {n: bufs._view(n, tuple(d.shape(c, layout))) for n, d in self.written.items()}
             )
             if len(self.views) >= KEPT:  # the oldest layout's views (a bucket's stay hot)
                 del self.views[next(iter(self.views))]
-            cached = self.views[layout] = (targets, inputs, outputs)
+            cached = self.views[layout, hh] = (targets, inputs, outputs)
         scalars = self.b._device_scalars(s)
         self.b._scalars_now, self.b._last, self.b._layout = scalars, s, layout
-        return Step(
+        step = Step(
             inputs=self.b.step_inputs(cached[1], scalars, StepMode.of(s), self.b._each),
             outputs=dict(cached[2]),
             sizes=s,
             scalars=scalars,
         )
+        return step, cached[0]
 
-    def _launch(self, h: int, key: tuple[int, int, int], lay: Layout, tokens: Any) -> None:
+    def _launch(
+        self, h: int, key: tuple[int, int, int], lay: Layout, tokens: Any, targets: DeviceTargets
+    ) -> None:
         """One copy of the delta, one replay (the graph reads the tokens where the caller's
         tensor lies: its address is part of the graph's key), one event."""
         m = self.mirror
         self.delta[: lay.size].copy_(self.host[h][: lay.size], non_blocking=True)
         self.bytes_up += lay.size * 8
-        targets = self.views[self.b._layout][0]
         graph: tuple[Any, ...] = key
         if tokens is not None:  # the slots' column of the caller's tokens
             tokens = tokens if tokens.ndim == 1 else tokens[:, 0]

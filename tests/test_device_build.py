@@ -26,6 +26,7 @@ VARIANTS = {
     "two_windows": {"num_layers": 3, "attention_windows": [8, 64, 8]},
     "read_index": {"max_kv_read_tokens": 600},
     "beam_capacity": {"max_beam_width": 3, "max_draft_tokens": 3},  # one beam each, still
+    "no_host_inputs": {"host_inputs": False},  # an engine that reads only device inputs
 }
 
 
@@ -147,7 +148,7 @@ def _same(host_step, device_step) -> None:
     device's max_* are their declared bounds)."""
     assert device_step.sizes == host_step.sizes
     assert device_step.mode == host_step.mode
-    assert set(device_step.inputs) == {n for n in host_step.inputs if not n.endswith("_cpu")}
+    assert set(device_step.inputs) == set(host_step.inputs)
     for name, value in device_step.inputs.items():
         want = host_step.inputs[name]
         assert value.shape == want.shape, name
@@ -349,5 +350,17 @@ def test_what_the_device_build_refuses_is_refused_by_the_call_that_hands_it_over
         r"each step at its bucket instead, step\(\.\.\., bucket=\(tokens, rows\)\)$",
     ):
         device.views(step.sizes.padded(8, 4))
-    with pytest.raises(AttributeError, match="not among this step's inputs"):
-        step.inputs.seq_lens_cpu  # noqa: B018 - host inputs are left out
+    assert step.inputs.seq_lens_cpu.tolist() == [4, 0]  # host inputs: on the host, alike
+
+
+def test_host_inputs_false_leaves_every_host_input_out_of_both_builds() -> None:
+    """An engine that reads only device inputs (a FlashAttention engine under CUDA graphs):
+    no *_cpu input is bound, by either build, and the device build writes none on the host."""
+    host, device = _pair(host_inputs=False)
+    for b in (host, device):
+        b.add(Request(0, [1, 2, 3], kv_block_ids=[[1]]))
+        step = b.step()
+        assert not [n for n in step.inputs if n.endswith("_cpu")]
+        with pytest.raises(AttributeError, match="not among this step's inputs"):
+            step.inputs.seq_lens_cpu  # noqa: B018
+    assert int(device.tensors["host_seq_lens"].abs().sum()) == 0  # never written
