@@ -539,7 +539,7 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
     tensor_decls = TENSORS
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     advances_on_device = False  # decode steps without a copy
-    device_build = False  # step() may run on the device (build='device')
+    device_build = True  # step() may run on the device (build='device')
     no_advance = ('query_lens', 'token_positions', 'kv_slot_mapping', 'logits_indices', 'produces_token', 'query_start_loc', 'paged_kv_indptr', 'paged_kv_indices', 'paged_kv_last_page_len')  # rules without an advance form
     # what the step calls on requests: a Request field none of them reads is refused when set
     request_readers = ('check_kv_blocks', 'kv_slot_mapping', 'logits_indices', 'paged_kv_indices', 'paged_kv_indptr', 'paged_kv_last_page_len', 'produces_token', 'query_lens', 'query_start_loc', 'row_slots', 'seq_slots', 'token_ids', 'token_positions')
@@ -681,6 +681,104 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
         # max_seqlen_q); built on the device, an upper bound, exact when at most one sequence has
         # more than one token.
         scalars['max_query_len'] = rt.written_max(t.host_query_lens)
+        # num_actual_tokens: Tokens of this step before any CUDA-graph padding.
+        scalars['num_actual_tokens'] = s.num_tokens
+        return scalars
+
+    def _device_fill(self, o: rt.DeviceTargets, d: rt.DeviceRows) -> None:
+        """The device build's step (build='device'): every bound device tensor written on the
+        device from the step's rows, at its bucket shape (captured once per bucket as a CUDA
+        graph and replayed)."""
+        c = self.config
+        # input_ids: Token ids of the packed batch; context chunks first, then each generation beam.
+        core.device_token_ids(o.input_ids, d, 0)
+        # row_slots: Device copy of host_row_slots.
+        core.device_row_slots(o.row_slots, d, -1)
+        # positions: Device copy of host_positions (the rotary embedding's positions).
+        paged_attention.device_token_positions(o.positions, d, 0)
+        # kv_slot_mapping: Device copy of host_kv_slot_mapping.
+        paged_attention.device_kv_slot_mapping(
+            o.kv_slot_mapping,
+            d,
+            -1,
+            max_blocks_per_seq=c.max_blocks_per_seq,
+            tokens_per_block=c.tokens_per_block,
+        )
+        # logits_indices: Device copy of host_logits_indices; the engine computes logits at these
+        # rows.
+        paged_attention.device_logits_indices(o.logits_indices, d, 0)
+        # produces_token: Device copy of host_produces_token.
+        paged_attention.device_produces_token(o.produces_token, d, 0)
+        # qo_indptr: Device copy of host_qo_indptr.
+        paged_attention.device_query_start_loc(o.qo_indptr, d, 'repeat_last')
+        # paged_kv_indptr: Device copy of host_paged_kv_indptr.
+        paged_attention.device_paged_kv_indptr(
+            o.paged_kv_indptr,
+            d,
+            'repeat_last',
+            tokens_per_block=c.tokens_per_block,
+        )
+        # paged_kv_indices: Device copy of host_paged_kv_indices.
+        paged_attention.device_paged_kv_indices(
+            o.paged_kv_indices,
+            d,
+            0,
+            max_blocks_per_seq=c.max_blocks_per_seq,
+            tokens_per_block=c.tokens_per_block,
+        )
+        # paged_kv_last_page_len: Device copy of host_paged_kv_last_page_len.
+        paged_attention.device_paged_kv_last_page_len(
+            o.paged_kv_last_page_len,
+            d,
+            0,
+            tokens_per_block=c.tokens_per_block,
+        )
+
+    def _device_host_fill(self, t: rt.Targets, k: Checked) -> None:
+        """The host inputs of a step built on the device (build='device'): each bound host
+        tensor written by its rule, as the host build writes it (none the Config leaves out)."""
+        c, b = self.config, k.batch
+        # host_row_slots: Seq slot of each step row (each context request's, then each generation
+        # beam's; a request's beams share its slot), on the host.
+        if c.host_inputs:
+            t.host_row_slots.wrote(core.row_slots(t.host_row_slots.out, b))
+        # host_produces_token: Whether each logit row produces a token (1 for every generation token
+        # and for a chunk that ends its prompt, 0 for a chunk that stops mid-prompt, whose sampled
+        # token is discarded), on the host.
+        if c.host_inputs:
+            t.host_produces_token.wrote(paged_attention.produces_token(t.host_produces_token.out, b))
+        # host_qo_indptr: 0, then the cumulative query tokens of each sequence (FlashInfer's
+        # qo_indptr), on the host.
+        if c.host_inputs:
+            t.host_qo_indptr.wrote(paged_attention.query_start_loc(t.host_qo_indptr.out, b))
+        # host_paged_kv_indptr: 0, then the cumulative KV pages of each sequence (the pages its KV
+        # after the step fills), on the host.
+        if c.host_inputs:
+            t.host_paged_kv_indptr.wrote(
+                paged_attention.paged_kv_indptr(
+                    t.host_paged_kv_indptr.out,
+                    b,
+                    tokens_per_block=c.tokens_per_block,
+                )
+            )
+        # host_paged_kv_last_page_len: KV tokens in each sequence's last page (1 .. page size), on
+        # the host.
+        if c.host_inputs:
+            t.host_paged_kv_last_page_len.wrote(
+                paged_attention.paged_kv_last_page_len(
+                    t.host_paged_kv_last_page_len.out,
+                    b,
+                    tokens_per_block=c.tokens_per_block,
+                )
+            )
+
+    def _device_scalars(self, s: StepSizes) -> dict[str, int]:
+        """The step scalars of a step built on the device, each from its device value."""
+        scalars: dict[str, int] = {}
+        # max_query_len: The most query tokens of one sequence in this step (FlashAttention's
+        # max_seqlen_q); built on the device, an upper bound, exact when at most one sequence has
+        # more than one token.
+        scalars['max_query_len'] = s.num_tokens - s.num_sequences + 1
         # num_actual_tokens: Tokens of this step before any CUDA-graph padding.
         scalars['num_actual_tokens'] = s.num_tokens
         return scalars

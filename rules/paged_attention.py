@@ -462,3 +462,42 @@ def device_kv_read_index(
     row, pos, valid = d.runs(d.kv_start, out.shape[0])
     slots = d.kv_slots(d.blocks[0], d.slot.index_select(0, row), pos, tokens_per_block)
     out.copy_(slots.where(valid, int(pad)))
+
+
+def _device_pages(d: DeviceRows, tokens_per_block: int) -> torch.Tensor:
+    """_pages on the device: each row's KV pages after the step ([R + 1]; 0 for none)."""
+    return (d.kv - 1).div(tokens_per_block, rounding_mode="floor") + 1
+
+
+def device_paged_kv_indptr(
+    out: torch.Tensor, d: DeviceRows, pad: int | str, *, tokens_per_block: int
+) -> None:
+    """paged_kv_indptr: 0, then the cumulative KV pages (a pad row adds none)."""
+    out[0] = 0
+    out[1:].copy_(_device_pages(d, tokens_per_block)[:-1].cumsum(0))
+
+
+def device_paged_kv_indices(
+    out: torch.Tensor,
+    d: DeviceRows,
+    pad: int | str,
+    *,
+    max_blocks_per_seq: int,
+    tokens_per_block: int,
+) -> None:
+    """paged_kv_indices: each row's first pages, row after row, over the whole capacity (past
+    them, the pad)."""
+    pages = _device_pages(d, tokens_per_block)
+    starts = pages.new_zeros(len(pages) + 1)
+    starts[1:] = pages.cumsum(0)
+    row, page, valid = d.runs(starts[:-1], out.shape[0])
+    ids = d.blocks[0][d.slot.index_select(0, row), page.clamp(0, max_blocks_per_seq - 1)]
+    out.copy_(ids.where(valid, int(pad)))
+
+
+def device_paged_kv_last_page_len(
+    out: torch.Tensor, d: DeviceRows, pad: int | str, *, tokens_per_block: int
+) -> None:
+    """paged_kv_last_page_len: KV tokens in each row's last page."""
+    last = d.kv - (_device_pages(d, tokens_per_block) - 1) * tokens_per_block
+    out.copy_(d.rows(last[:-1], pad))

@@ -27,13 +27,14 @@ VARIANTS = {
     "read_index": {"max_kv_read_tokens": 600},
     "beam_capacity": {"max_beam_width": 3, "max_draft_tokens": 3},  # one beam each, still
     "no_host_inputs": {"host_inputs": False},  # an engine that reads only device inputs
+    "flashinfer": {"family": "llama_flashinfer"},
 }
 
 
-def _pair(**overrides):
-    """A host build and a device build of one llama_flash Config."""
+def _pair(family_name: str = "llama_flash", **overrides):
+    """A host build and a device build of one Config (llama_flash's by default)."""
     config = make_config(
-        "llama_flash",
+        family_name,
         **{
             "max_beam_width": 1,
             "max_draft_tokens": 0,
@@ -42,7 +43,7 @@ def _pair(**overrides):
             **overrides,
         },
     )
-    mod = family("llama_flash")
+    mod = family(family_name)
     host = mod.RuntimeBuffers(config, device="cpu")
     return host, mod.RuntimeBuffers(config, device=DEVICE, build="device")
 
@@ -154,13 +155,14 @@ def _same(host_step, device_step) -> None:
         assert value.shape == want.shape, name
         assert torch.equal(value.cpu(), want), (name, value, want)
     h, d = host_step.scalars, device_step.scalars
-    assert d["num_actual_tokens"] == h["num_actual_tokens"]
-    assert d["max_query_len"] >= h["max_query_len"] and d["max_seq_len"] >= h["max_seq_len"]
+    assert set(d) == set(h) and d["num_actual_tokens"] == h["num_actual_tokens"]
+    assert all(d[n] >= h[n] for n in ("max_query_len", "max_seq_len") if n in h)
 
 
 def _drive(seed: int, variant: str, steps: int = 30) -> None:
-    host, device = _pair(**VARIANTS[variant])
-    traffic = Traffic(seed, [host, device], host.config.attention_window_sizes)
+    overrides = dict(VARIANTS[variant])
+    host, device = _pair(overrides.pop("family", "llama_flash"), **overrides)
+    traffic = Traffic(seed, [host, device], getattr(host.config, "attention_window_sizes", (0,)))
     for slot in range(3):
         traffic.arrive(slot)
     for _ in range(steps):
