@@ -76,6 +76,7 @@ RULE_MODULES: frozenset[str] = frozenset(
         "kv_offsets",
         "kv_rows",
         "paged_attention",
+        "paged_device",
         "pools",
     }
 )

@@ -27,6 +27,7 @@ from bufc.rules import decode
 from bufc.rules import core
 from bufc.rules import kv_rows
 from bufc.rules import paged_attention
+from bufc.rules import paged_device
 from bufc.rules import pools
 from bufc.requests.sizes import StepSizes
 
@@ -853,22 +854,22 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
         # row_slots: Device copy of host_row_slots.
         core.device_row_slots(o.row_slots, d, -1)
         # query_start_loc: Device copy of host_query_start_loc.
-        paged_attention.device_query_start_loc(o.query_start_loc, d, 'repeat_last')
+        paged_device.device_query_start_loc(o.query_start_loc, d, 'repeat_last')
         # seq_lens: Device copy of host_seq_lens.
-        paged_attention.device_seq_lens(o.seq_lens, d, 0)
+        paged_device.device_seq_lens(o.seq_lens, d, 0)
         # cu_seqlens_k: Device copy of host_cu_seqlens_k.
-        paged_attention.device_cu_seqlens_k(o.cu_seqlens_k, d, 'repeat_last')
+        paged_device.device_cu_seqlens_k(o.cu_seqlens_k, d, 'repeat_last')
         # positions: Device copy of host_positions (the rotary embedding's positions).
-        paged_attention.device_token_positions(o.positions, d, 0)
+        paged_device.device_token_positions(o.positions, d, 0)
         # block_table: Device copy of host_block_table.
-        paged_attention.device_block_table(
+        paged_device.device_block_table(
             o.block_table,
             d,
             0,
             max_blocks_per_seq=c.max_blocks_per_seq,
         )
         # kv_slot_mapping: Device copy of host_kv_slot_mapping.
-        paged_attention.device_kv_slot_mapping(
+        paged_device.device_kv_slot_mapping(
             o.kv_slot_mapping,
             d,
             -1,
@@ -878,7 +879,7 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
         # group_block_tables: Device copy of host_group_block_tables; layer l reads row group l of
         # it.
         if c.num_kv_groups > 1:
-            paged_attention.device_group_block_tables(
+            paged_device.device_group_block_tables(
                 o.group_block_tables,
                 d,
                 0,
@@ -886,7 +887,7 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
             )
         # group_slot_mappings: Device copy of host_group_slot_mappings.
         if c.num_kv_groups > 1:
-            paged_attention.device_group_slot_mappings(
+            paged_device.device_group_slot_mappings(
                 o.group_slot_mappings,
                 d,
                 -1,
@@ -894,11 +895,11 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
             )
         # logits_indices: Device copy of host_logits_indices; the engine computes logits at these
         # rows.
-        paged_attention.device_logits_indices(o.logits_indices, d, 0)
+        paged_device.device_logits_indices(o.logits_indices, d, 0)
         # kv_read_index: Device copy of host_kv_read_index (the rows a gather of each sequence's K/V
         # reads).
         if c.max_kv_read_tokens > 0:
-            paged_attention.device_kv_read_index(
+            paged_device.device_kv_read_index(
                 o.kv_read_index,
                 d,
                 -1,
@@ -906,7 +907,7 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
                 tokens_per_block=c.tokens_per_block,
             )
         # produces_token: Device copy of host_produces_token.
-        paged_attention.device_produces_token(o.produces_token, d, 0)
+        paged_device.device_produces_token(o.produces_token, d, 0)
 
     def _device_host_fill(self, t: rt.Targets, k: Checked) -> None:
         """The host inputs of a step built on the device (build='device'): each bound host

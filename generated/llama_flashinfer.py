@@ -27,6 +27,7 @@ from bufc.rules import decode
 from bufc.rules import core
 from bufc.rules import kv_rows
 from bufc.rules import paged_attention
+from bufc.rules import paged_device
 from bufc.requests.sizes import StepSizes
 
 import torch
@@ -695,9 +696,9 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
         # row_slots: Device copy of host_row_slots.
         core.device_row_slots(o.row_slots, d, -1)
         # positions: Device copy of host_positions (the rotary embedding's positions).
-        paged_attention.device_token_positions(o.positions, d, 0)
+        paged_device.device_token_positions(o.positions, d, 0)
         # kv_slot_mapping: Device copy of host_kv_slot_mapping.
-        paged_attention.device_kv_slot_mapping(
+        paged_device.device_kv_slot_mapping(
             o.kv_slot_mapping,
             d,
             -1,
@@ -706,20 +707,20 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
         )
         # logits_indices: Device copy of host_logits_indices; the engine computes logits at these
         # rows.
-        paged_attention.device_logits_indices(o.logits_indices, d, 0)
+        paged_device.device_logits_indices(o.logits_indices, d, 0)
         # produces_token: Device copy of host_produces_token.
-        paged_attention.device_produces_token(o.produces_token, d, 0)
+        paged_device.device_produces_token(o.produces_token, d, 0)
         # qo_indptr: Device copy of host_qo_indptr.
-        paged_attention.device_query_start_loc(o.qo_indptr, d, 'repeat_last')
+        paged_device.device_query_start_loc(o.qo_indptr, d, 'repeat_last')
         # paged_kv_indptr: Device copy of host_paged_kv_indptr.
-        paged_attention.device_paged_kv_indptr(
+        paged_device.device_paged_kv_indptr(
             o.paged_kv_indptr,
             d,
             'repeat_last',
             tokens_per_block=c.tokens_per_block,
         )
         # paged_kv_indices: Device copy of host_paged_kv_indices.
-        paged_attention.device_paged_kv_indices(
+        paged_device.device_paged_kv_indices(
             o.paged_kv_indices,
             d,
             0,
@@ -727,7 +728,7 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
             tokens_per_block=c.tokens_per_block,
         )
         # paged_kv_last_page_len: Device copy of host_paged_kv_last_page_len.
-        paged_attention.device_paged_kv_last_page_len(
+        paged_device.device_paged_kv_last_page_len(
             o.paged_kv_last_page_len,
             d,
             0,

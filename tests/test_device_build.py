@@ -187,15 +187,15 @@ def test_the_device_build_equals_the_host_build(seed: int, variant: str) -> None
 def test_the_comparison_fails_when_a_device_form_is_wrong(monkeypatch) -> None:
     """A mutated device form (slot mapping one slot off) or a mutated intake (the sampled
     token not taken in) is caught by the comparison."""
-    from bufc.rules import paged_attention
+    from bufc.rules import paged_device
 
-    real = paged_attention.device_kv_slot_mapping
+    real = paged_device.device_kv_slot_mapping
 
     def off_by_one(out, d, pad, **reads):
         real(out, d, pad, **reads)
         out.add_(1)
 
-    monkeypatch.setattr(paged_attention, "device_kv_slot_mapping", off_by_one)
+    monkeypatch.setattr(paged_device, "device_kv_slot_mapping", off_by_one)
     with pytest.raises(AssertionError, match="slot_mapping"):
         _drive(0, "one_group", steps=5)
     monkeypatch.undo()
@@ -230,7 +230,7 @@ STAGES = {
     "views": (lambda: (device_build_module.DeviceBuild, "_step", _boom)),
     "a device form": (
         lambda: (
-            __import__("bufc.rules.paged_attention", fromlist=["x"]),
+            __import__("bufc.rules.paged_device", fromlist=["x"]),
             "device_seq_lens",
             _boom,
         )
