@@ -1,7 +1,8 @@
 """A fast engine served in flight: FastLlama (examples/fast_llama.py, a Llama of about 1.1B
 parameters with random weights in bf16) through examples/serving.py's server, its inputs
-prepared by bufc's llama_flash buffers or by the plain torch preparation of bench/plain_flash.py,
-each case run for both in turn on the same model.
+prepared by bufc's llama_flash buffers (`bufc`: the host build; `device`: the step built on the
+device, `build='device'`, `host_inputs=False`) or by the plain torch preparation of
+bench/plain_flash.py (`plain`), each case run for each in turn on the same model.
 
 Cases, for each batch B: `steady` (B requests decode, none leaves: every step is generation-only)
 and `churn` (about B // 128 requests, at least 1, finish each step and as many arrive with
@@ -45,7 +46,7 @@ from overlap import model_1b  # noqa: E402
 from plain_flash import PlainFeeder  # noqa: E402
 
 from bufc.examples.fast_llama import FastLlama  # noqa: E402
-from bufc.examples.serving import BufcFeeder, Server, churn_jobs  # noqa: E402
+from bufc.examples.serving import BufcFeeder, DeviceFeeder, Server, churn_jobs  # noqa: E402
 from bufc.generated import llama_flash  # noqa: E402
 
 CHUNK = 256  # prompt tokens per chunk
@@ -88,7 +89,8 @@ def serve_case(engine, args, batch: int, case: str, feeder_name: str) -> dict:
         tokens_per_block=args.tokens_per_block,
         logits_dtype=args.dtype,
     )
-    feeder = (BufcFeeder if feeder_name == "bufc" else PlainFeeder)(config, args.device)
+    feeders = {"bufc": BufcFeeder, "plain": PlainFeeder, "device": DeviceFeeder}
+    feeder = feeders[feeder_name](config, args.device)
     server = Server(
         engine,
         feeder,

@@ -47,6 +47,7 @@ class Prepared:
     logits: torch.Tensor
     rows: int  # logit rows (one per request: no drafts, one beam)
     bucket_inputs: Callable[[int, int], tuple[dict[str, torch.Tensor], torch.Tensor]]
+    tokens: int | None = None  # the step's tokens, where `batch` is laid out at its bucket
 
 
 class Feeder(Protocol):
@@ -113,6 +114,56 @@ class BufcFeeder:
             inputs, outputs = self.buffers.views(self._last.padded(tokens, rows))
             held = self._buckets[tokens, rows] = (inputs, outputs["logits"])
         return held
+
+
+class DeviceFeeder:
+    """llama_flash's buffers built on the device (``build='device'``, ``host_inputs=False``):
+    each step laid out at the bucket its CUDA graph runs (the server's ``bucket``, told
+    before the step: ``bucketing``), the sampled tokens never read on the host. The feeder
+    keeps each slot's prompt position, for the batch's host integers (context KV)."""
+
+    name = "device"
+
+    def __init__(self, config: llama_flash.Config, device: str | torch.device) -> None:
+        config = dataclasses.replace(config, host_inputs=False)
+        self.buffers = llama_flash.RuntimeBuffers(config, device=device, build="device")
+        n = config.max_batch_size
+        self.prompt_len, self.position = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        self.live = np.zeros(n, bool)
+        self.bucketing: Callable[[int, int], tuple[int, int] | None] = lambda t, r: None
+
+    def add(self, slot: int, prompt: Sequence[int], blocks: list[int]) -> None:
+        self.buffers.add(Request(seq_slot=slot, prompt=prompt, kv_block_ids=[blocks]))
+        self.prompt_len[slot], self.position[slot], self.live[slot] = len(prompt), 0, True
+
+    def finish(self, slot: int) -> None:
+        self.buffers.finish(slot)
+        self.live[slot] = False
+
+    def step(
+        self, tokens: torch.Tensor | None, chunks: dict[int, int], blocks: dict[int, list[int]]
+    ) -> Prepared:
+        decoding = int(np.count_nonzero(self.live & (self.position == self.prompt_len)))
+        context_tokens = sum(chunks.values())
+        n = context_tokens + decoding
+        bucket = self.bucketing(n, len(chunks) + decoding)
+        step = self.buffers.step(tokens, chunks=chunks, blocks=blocks, bucket=bucket)
+        s, inp = step.sizes, step.inputs
+        context_kv = sum(int(self.position[slot]) + size for slot, size in chunks.items())
+        for slot, size in chunks.items():
+            self.position[slot] += size
+        batch = Batch(
+            inp,
+            s.num_context_requests,
+            s.num_context_tokens,
+            context_kv,
+            step.scalars["max_query_len"],
+            step.scalars["max_seq_len"],
+        )
+        logits = step.outputs["logits"]
+        return Prepared(
+            batch, inp["row_slots"], logits, s.num_logits, lambda t, r: (inp, logits), n
+        )
 
 
 @dataclasses.dataclass
@@ -244,6 +295,12 @@ class Server:
         )
         self.graphs = StepGraphs(engine, self.cache, graphs)
         self.graph_tokens = token_budget if graph_tokens is None else graph_tokens
+        if hasattr(feeder, "bucketing"):  # it lays each step out at its bucket itself
+            feeder.bucketing = self._graph_bucket
+
+    def _graph_bucket(self, tokens: int, rows: int) -> tuple[int, int] | None:
+        """The bucket a step of `tokens` and `rows` runs at (None: eagerly, unpadded)."""
+        return self.bucket(tokens, rows) if tokens <= self.graph_tokens else None
 
     def bucket(self, tokens: int, rows: int) -> tuple[int, int]:
         """A step's (tokens, rows) bucket: powers of two, tokens past 256 in steps of 256
@@ -317,7 +374,7 @@ class Server:
             if start is not None:
                 start.record()
             rows = prepared.rows
-            n_tokens = prepared.batch.inputs["input_ids"].shape[0]
+            n_tokens = prepared.tokens or prepared.batch.inputs["input_ids"].shape[0]
             graphed = n_tokens <= self.graph_tokens
             captured_before = len(self.graphs.graphs)
             if graphed:

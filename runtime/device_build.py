@@ -104,8 +104,10 @@ class DeviceBuild:
         bounds = dict(buffers._sizes_within.bounds)
         most_rows, most_tokens = bounds["num_sequences"], bounds["num_tokens"]
         self.mirror = DeviceMirror(self.slots, self.groups, self.width, buffers.device)
-        # at most every block row of every group (arrivals), or every slot's row filled anew
-        top = Layout(most_tokens, most_rows, self.groups * self.slots * self.width, self.slots)
+        # block ids: every row of every group (arrivals), and as many appended (a slot that
+        # arrived and grew in one step is sent twice)
+        self.most_ids = 2 * self.groups * self.slots * self.width
+        top = Layout(most_tokens, most_rows, self.most_ids, self.slots)
         cuda = buffers.device.type == "cuda"
         self.host = [torch.zeros(top.size, dtype=torch.int64, pin_memory=cuda) for _ in (0, 1)]
         self.host_np = [h.numpy() for h in self.host]
@@ -272,7 +274,7 @@ class DeviceBuild:
         S = self.slots
         where, ids = self._block_ids(plan)
         k = len(where)
-        K = 0 if not k else 1 << (k - 1).bit_length()  # a power of two: few graphs
+        K = 0 if not k else min(1 << (k - 1).bit_length(), self.most_ids)  # few graphs
         R, T = layout.num_sequences, layout.num_tokens
         key = (T, R, K)
         lay = self.layouts.get(key)

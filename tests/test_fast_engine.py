@@ -21,7 +21,13 @@ from hypothesis import strategies as st  # noqa: E402
 from bufc.examples.compare import reference_tokens, tiny_llama, workload  # noqa: E402
 from bufc.examples.executor import Job  # noqa: E402
 from bufc.examples.fast_llama import FastLlama, paged_decode_reference  # noqa: E402
-from bufc.examples.serving import BufcFeeder, Prepared, Server, churn_jobs  # noqa: E402
+from bufc.examples.serving import (  # noqa: E402
+    BufcFeeder,
+    DeviceFeeder,
+    Prepared,
+    Server,
+    churn_jobs,
+)
 from bufc.generated import llama_flash  # noqa: E402
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -64,7 +70,7 @@ def feeder(name: str):
         tokens_per_block=TPB,
         logits_dtype=torch.float64,
     )
-    return (BufcFeeder if name == "bufc" else PlainFeeder)(config, "cpu")
+    return {"bufc": BufcFeeder, "plain": PlainFeeder, "device": DeviceFeeder}[name](config, "cpu")
 
 
 def serve(engine, source, jobs, chunk: int = 24, graph_tokens: int | None = None):
@@ -90,8 +96,15 @@ def first_difference(got: dict, want: dict) -> str | None:
 
 @pytest.mark.parametrize(
     "name, graph_tokens",
-    [("bufc", None), ("plain", None), ("bufc", 0), ("plain", 0)],
-    ids=["bufc-bucketed", "plain-bucketed", "bufc-eager", "plain-eager"],
+    [("bufc", None), ("plain", None), ("device", None), ("bufc", 0), ("plain", 0), ("device", 0)],
+    ids=[
+        "bufc-bucketed",
+        "plain-bucketed",
+        "device-bucketed",
+        "bufc-eager",
+        "plain-eager",
+        "device-eager",
+    ],
 )
 def test_served_tokens_equal_transformers_generate(engine, jobs, reference, name, graph_tokens):
     """Every step at a token and batch bucket (each query token a decode row: what the CUDA
@@ -114,6 +127,13 @@ class Mutated:
 
     def __init__(self, inner, at: int, mutate) -> None:
         self.inner, self.at, self.mutate, self.count = inner, at, mutate, 0
+        if hasattr(inner, "bucketing"):  # the device build lays its step out at the bucket
+            self.bucketing = None
+
+    def __setattr__(self, name, value):
+        if name == "bucketing" and hasattr(self, "inner") and value is not None:
+            self.inner.bucketing = value
+        object.__setattr__(self, name, value)
 
     def add(self, slot, prompt, blocks):
         self.inner.add(slot, prompt, blocks)
@@ -158,15 +178,21 @@ def long_jobs():
     ]
 
 
-@pytest.mark.parametrize("graph_tokens", [None, 0], ids=["bucketed", "eager"])
+@pytest.mark.parametrize(
+    "build, graph_tokens",
+    [("bufc", None), ("bufc", 0), ("device", 0)],
+    ids=["bucketed", "eager", "device-eager"],
+)
 @pytest.mark.parametrize("what", MUTATIONS)
-def test_one_wrong_input_breaks_the_run(engine, model, long_jobs, what, graph_tokens):
-    """Each input the engine reads matters, on both paths: one wrong element in one step
-    changes tokens (the fourth step: context chunks beside generation rows)."""
-    clean = serve(engine, feeder("bufc"), long_jobs, graph_tokens=graph_tokens)
+def test_one_wrong_input_breaks_the_run(engine, model, long_jobs, what, graph_tokens, build):
+    """Each input the engine reads matters, on both paths and in both builds: one wrong
+    element in one step changes tokens (the fourth step: context chunks beside generation
+    rows). The device build runs eagerly here, at the step's own shapes (laid out at its
+    bucket, a step's last element is a pad)."""
+    clean = serve(engine, feeder(build), long_jobs, graph_tokens=graph_tokens)
     assert first_difference(clean.tokens, reference_tokens(model, long_jobs)) is None
     assert clean.steps[3].context_requests and clean.steps[3].generation_requests
-    mutated = Mutated(feeder("bufc"), 3, MUTATIONS[what])
+    mutated = Mutated(feeder(build), 3, MUTATIONS[what])
     served = serve(engine, mutated, long_jobs, graph_tokens=graph_tokens)
     assert first_difference(served.tokens, clean.tokens) is not None
 
