@@ -366,3 +366,15 @@ def test_host_inputs_false_leaves_every_host_input_out_of_both_builds() -> None:
         with pytest.raises(AttributeError, match="not among this step's inputs"):
             step.inputs.seq_lens_cpu  # noqa: B018
     assert int(device.tensors["host_seq_lens"].abs().sum()) == 0  # never written
+
+
+def test_every_slot_arriving_and_growing_in_one_step_fits_the_delta() -> None:
+    """Every slot's whole block row (its arrival) and an appended id each, in one step: the
+    most block ids a delta carries, past the next power of two of one row per slot."""
+    host, device = _pair(max_attention_window=4 * TPB - 1)  # 4 blocks per row
+    assert host.config.max_blocks_per_seq == 4
+    for slot in range(8):
+        for b in (host, device):
+            b.add(Request(slot, [1, 2, 3, 4, 5], kv_block_ids=[[10 * slot + 1, 10 * slot + 2]]))
+    grown = {slot: [10 * slot + 3] for slot in range(8)}
+    _same(host.step(blocks=copy.deepcopy(grown)), device.step(blocks=copy.deepcopy(grown)))
