@@ -28,9 +28,19 @@ def admit(entry: Any) -> None:
 
 
 def refuse_drafts(drafts: Any, accepted: Any) -> None:
-    """BatchError for a step handing over draft tokens or accepted counts."""
-    if drafts or accepted:
+    """BatchError for a step handing over draft tokens or accepted counts (anything but None
+    or an empty mapping)."""
+    if _given(drafts) or _given(accepted):
         raise BatchError(
             "step(): the device build (build='device') runs no draft tokens; use build='host' "
             "for speculative decoding"
         )
+
+
+def _given(value: Any) -> bool:
+    if value is None:
+        return False
+    try:
+        return len(value) > 0
+    except TypeError:  # not even sized: given, and refused
+        return True

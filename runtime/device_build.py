@@ -71,7 +71,8 @@ class DeviceMirror:
         self.kv_len = torch.zeros(n, dtype=torch.int64, device=device)  # KV tokens so far
         self.last_token = torch.zeros(n, dtype=torch.int64, device=device)
         self.blocks = torch.zeros((groups, n, width), dtype=torch.int32, device=device)
-        self.flag = torch.full((2,), -1, dtype=torch.int64, device=device)  # bad slot, its token
+        # per slot: 1 where the token taken in was outside the vocabulary, then that token
+        self.flag = torch.zeros((2, n), dtype=torch.int64, device=device)
 
     def state(self) -> tuple[torch.Tensor, ...]:
         return (self.kv_len, self.last_token, self.blocks, self.flag)
@@ -115,12 +116,13 @@ class DeviceBuild:
         # each half's last step done on the device: its delta copied (the half may be
         # written again), its flag back (the next step reads it)
         self.done = [torch.cuda.Event() if cuda else None for _ in (0, 1)]
-        self.flag_host = torch.full((2,), -1, dtype=torch.int64, pin_memory=cuda)
+        self.flag_host = torch.zeros((2, self.slots + 1), dtype=torch.int64, pin_memory=cuda)
+        self.flag_np = self.flag_host.numpy()
         self.replays = Replays(buffers.device)
         self.half = 0
         self.last_layout: tuple[Any, Any, Any] | None = None  # sizes, bucket, layout
         self.rows_version = 0  # bumped by every step that is not steady (its rows may differ)
-        self.stamps: list[tuple[int, int, int] | None] = [None, None]  # each half's rows
+        self.stamps: list[tuple[int, int, int, bool] | None] = [None, None]  # each half's rows
         self.arrived: dict[int, None] = {}  # slots whose block rows the device lacks
         self.layouts: dict[tuple[int, int, int], Layout] = {}
         self.views: dict[Any, tuple[DeviceTargets, dict, dict]] = {}
@@ -235,11 +237,13 @@ class DeviceBuild:
         """The sizes the step is laid out at (its bucket's), checked against the capacities;
         a steady run repeats the last step's sizes and bucket: the last answer."""
         last = self.last_layout
-        if last is not None and last[0] is s and last[1] == bucket:
+        plain = bucket is None or (type(bucket) is tuple and all(type(x) is int for x in bucket))
+        if plain and last is not None and last[0] is s and last[1] == bucket:
             return last[2]
-        layout = s if bucket is None else at_bucket(s, bucket)
+        layout = s if bucket is None else at_bucket(s, bucket)  # (checks what it is given)
         self._within(layout)
-        self.last_layout = (s, bucket, layout)
+        if plain:
+            self.last_layout = (s, bucket, layout)
         return layout
 
     def _within(self, layout: Any) -> None:
@@ -258,11 +262,14 @@ class DeviceBuild:
         event = self.done[self.half]
         if event is not None:
             event.synchronize()  # the last step's device work (not the model)
-        slot, value = self.flag_host.tolist()
-        if slot >= 0:
-            self.flag_host.fill_(-1)
-            if self.b._flight.entries[slot] is not None:
-                self.b._flight.bad[slot] = value
+        marked = np.flatnonzero(self.flag_np[0])
+        if not len(marked):
+            return
+        flight = self.b._flight
+        for slot in marked.tolist():  # a request finished since is gone, flag and all
+            if slot not in flight.left:
+                flight.bad[slot] = int(self.flag_np[1, slot])
+        self.flag_np[0] = 0
 
     # -------------------------------------------------------------------- the delta
     def _pack(
@@ -286,7 +293,7 @@ class DeviceBuild:
         if event is not None:
             event.synchronize()  # the copy that last read this half
         a = self.host_np[h][: lay.size]
-        stamp = (self.rows_version, T, R)
+        stamp = (self.rows_version, T, R, steady)  # (a steady step's producers: its rows)
         if not (steady and self.stamps[h] == stamp):
             self._pack_rows(a, lay, b, plan)
             self.stamps[h] = stamp
@@ -418,11 +425,11 @@ class DeviceBuild:
             token = tokens.index_select(0, taken.clamp(max=S - 1)).to(torch.int64)
             bad = real & ((token < 0) | (token >= self.token_limit))
             m.last_token.index_copy_(0, taken, token.masked_fill(bad | ~real, 0))
-            first = bad.to(torch.int64).argmax().reshape(1)
-            found = torch.cat((taken.index_select(0, first), token.index_select(0, first)))
-            m.flag.copy_(found.where(bad.any(), -1))
+            m.flag.zero_()  # every bad slot marked (a pad entry marks the spare slot with 0)
+            m.flag[0].index_copy_(0, taken, bad.to(torch.int64))
+            m.flag[1].index_copy_(0, taken, token)
         else:
-            m.flag.fill_(-1)
+            m.flag.zero_()
         rows = build(
             slot=d[lay.slot : lay.slot + R],
             begin=d[lay.begin : lay.begin + R],

@@ -11,6 +11,7 @@ import copy
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 from conftest import family, make_config
@@ -378,3 +379,75 @@ def test_every_slot_arriving_and_growing_in_one_step_fits_the_delta() -> None:
             b.add(Request(slot, [1, 2, 3, 4, 5], kv_block_ids=[[10 * slot + 1, 10 * slot + 2]]))
     grown = {slot: [10 * slot + 3] for slot in range(8)}
     _same(host.step(blocks=copy.deepcopy(grown)), device.step(blocks=copy.deepcopy(grown)))
+
+
+def test_steady_steps_after_a_context_only_step_take_in_every_token() -> None:
+    """A scheduler that runs prompts in steps of their own (generation=False): the steady
+    steps after one take in the tokens of every row, in both staging halves."""
+    host, device = _pair()
+    S = host.config.max_batch_size
+
+    def step(value: int | None, **kw) -> None:
+        tokens = None if value is None else torch.full((S,), value)
+        want = host.step(None if tokens is None else tokens.numpy(), **copy.deepcopy(kw))
+        _same(want, device.step(None if tokens is None else tokens.to(DEVICE), **kw))
+
+    for b in (host, device):
+        b.add(Request(0, [1, 2, 3], kv_block_ids=[[1, 2, 3]]))
+    step(None)
+    step(10)
+    for b in (host, device):
+        b.add(Request(1, [4, 5, 6], kv_block_ids=[[4, 5, 6]]))
+    step(11, generation=False)
+    for value in (12, 13, 14, 15, 16):
+        step(value)
+
+
+def test_every_token_outside_the_vocabulary_is_refused_until_its_request_finishes() -> None:
+    """Two slots sample out-of-range tokens in one step: each is refused in turn until its
+    request is finished; a new request in a finished slot is not refused for its
+    predecessor's token."""
+    _, device = _pair()
+    vocab = device.config.vocab_size
+    for slot in range(3):
+        device.add(Request(slot, [1, 2], kv_block_ids=[[slot + 1]]))
+    device.step()
+    device.step(torch.tensor([7, vocab + 5, -3] + [0] * 5, device=DEVICE))
+    zeros = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(BatchError, match=rf"token {vocab + 5} for seq_slot 1"):
+        device.step(zeros)
+    device.finish(1)
+    with pytest.raises(BatchError, match=r"token -3 for seq_slot 2"):
+        device.step(zeros)
+    device.finish(2)
+    device.add(Request(2, [4, 5], kv_block_ids=[[9]]))
+    assert device.step(zeros).sizes.num_sequences == 2  # slot 0 decodes, slot 2's prompt runs
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"drafts": np.array([1, 2])},
+        {"accepted": np.array([0, 0])},
+        {"drafts": torch.tensor([1, 2])},
+        {"bucket": np.array([8, 8])},
+        {"bucket": (8.0, 8)},
+    ],
+    ids=["drafts-array", "accepted-array", "drafts-tensor", "bucket-array", "bucket-float"],
+)
+def test_a_hostile_argument_is_a_batch_error_and_changes_nothing(kw) -> None:
+    """What the host build refuses with a BatchError, the device build refuses alike, also
+    after steady steps at a bucket (the layout it remembers is no shortcut)."""
+    host, device = _pair()
+    for b in (host, device):
+        b.add(Request(0, [1, 2, 3], kv_block_ids=[[1, 2]]))
+    S = host.config.max_batch_size
+    for value in (None, 5, 6):
+        tokens = None if value is None else torch.full((S,), value)
+        want = host.step(None if tokens is None else tokens.numpy(), bucket=(8, 8))
+        _same(want, device.step(None if tokens is None else tokens.to(DEVICE), bucket=(8, 8)))
+    tokens = torch.full((S,), 7)
+    for b, t in ((host, tokens.numpy()), (device, tokens.to(DEVICE))):
+        with pytest.raises(BatchError):
+            b.step(t, **kw)
+    _same(host.step(tokens.numpy(), bucket=(8, 8)), device.step(tokens.to(DEVICE), bucket=(8, 8)))
