@@ -61,6 +61,7 @@ class Traffic:
         self.left: dict[int, int] = {}  # prompt tokens each context-phase slot has left
         self.produced: set[int] = set()
         self.next_block = 1
+        self.quiet = 0  # steps left without an arrival or a finish
 
     def _blocks(self, n: int) -> list[int]:
         out = list(range(self.next_block, self.next_block + n))
@@ -111,6 +112,11 @@ class Traffic:
                     self.tokens_of[slot] += 1
                     produced.add(slot)
         self.produced = produced
+        if self.quiet:  # a run of decode steps: nothing arrives or leaves
+            self.quiet -= 1
+            return
+        if self.rng.random() < 0.2:
+            self.quiet = self.rng.randint(2, 5)
         if self.rng.random() < 0.3 and self.lists:
             slot = self.rng.choice(sorted(self.lists))
             for b in self.builds:
@@ -133,12 +139,15 @@ class Traffic:
     def bucket(self, kw: dict) -> tuple[int, int] | None:
         """None, or a bucket at least the step's (tokens, rows): one beam, so a padded row is a
         request, within max_batch_size."""
-        if self.rng.random() < 0.3:
+        roll = self.rng.random()
+        if roll < 0.3:
             return None
+        c = self.builds[0].config
+        if roll < 0.6:  # a CUDA graph's fixed bucket: steady runs repeat it
+            return c.max_num_tokens, c.max_batch_size
         gen = sum(1 for s in self.lists if s not in self.left) if kw["generation"] else 0
         rows = len(kw["chunks"]) + gen
         tokens = sum(kw["chunks"].values()) + gen
-        c = self.builds[0].config
         return (
             min(c.max_num_tokens, tokens + self.rng.randint(0, 5)),
             rows + self.rng.randint(0, c.max_batch_size - rows),
@@ -160,7 +169,7 @@ def _same(host_step, device_step) -> None:
     assert all(d[n] >= h[n] for n in ("max_query_len", "max_seq_len") if n in h)
 
 
-def _drive(seed: int, variant: str, steps: int = 30) -> None:
+def _drive(seed: int, variant: str, steps: int = 60) -> None:
     overrides = dict(VARIANTS[variant])
     host, device = _pair(overrides.pop("family", "llama_flash"), **overrides)
     traffic = Traffic(seed, [host, device], getattr(host.config, "attention_window_sizes", (0,)))
