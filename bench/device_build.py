@@ -9,13 +9,15 @@ Traffic: B requests decode; each step `changes` of them finish and as many arriv
 slots with a PROMPT-token prompt, run whole in their first step; every decoding request's KV
 grows by a token, with a new block appended when it needs one. The tokens the last step
 sampled are a tensor on the device (indexed by slot) for bufc's two builds, and a host array
-for the feeder, which reads them on the host. Both bufc builds run each step at the bucket
+for the feeder, which reads them on the host. The device build runs with `host_inputs=False`
+(an engine under CUDA graphs reads no host input); the host build writes them. Both bufc builds run each step at the bucket
 (B + changes x PROMPT tokens, B rows); the feeder pads nothing. Ratios are to the feeder.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -97,8 +99,11 @@ def run(kind: str, batch: int, changes: int, steps: int, device: str, wait: bool
     traffic = Traffic(batch, changes, seed=batch * 10 + changes)
     if kind == "feeder":
         b: Any = GatherFlash(c, device)
+    elif kind == "device":  # an engine under CUDA graphs: no host input (host_inputs=False)
+        c = dataclasses.replace(c, host_inputs=False)
+        b = llama_flash.RuntimeBuffers(c, device, build="device")
     else:
-        b = llama_flash.RuntimeBuffers(c, device, build=kind)
+        b = llama_flash.RuntimeBuffers(c, device)
     sampled = torch.randint(0, 32000, (batch,), device=device)
     host_sampled = sampled.cpu().numpy().astype(np.int64)
     bucket = (batch + changes * PROMPT, batch)
@@ -166,6 +171,7 @@ def stages(batch: int, changes: int, steps: int, device: str) -> dict[str, float
         (build.request_step, "plan", "plan"),
         (llama_flash.RuntimeBuffers, "_check", "checks"),
         (build.DeviceBuild, "_pack", "delta"),
+        (build.DeviceBuild, "_host_inputs", "host inputs"),
         (build.DeviceBuild, "_step", "views"),
         (build.DeviceBuild, "_launch", "copy + replay"),
         (build.DeviceBuild, "step", "step"),

@@ -224,6 +224,8 @@ class DeviceBuild:
         """The bound host inputs, written by their rules into staging half `hh` (the family's
         generated ``_device_host_fill``; nothing where the Config leaves them out), padded to
         the bucket."""
+        if not self.host_written:  # the Config binds none (host_inputs=False)
+            return
         bufs = self.b
         bufs._staging.wait(hh)
         targets = bufs._targets[hh]
