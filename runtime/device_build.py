@@ -11,10 +11,13 @@ Per step, the host:
 2. packs the delta into one pinned half: each row's slot, the first position and size of a
    context row's chunk (-1, 1 for a generation row: the device knows where it is), whether a
    context chunk ends its prompt, the context chunks' tokens, the slots whose sampled token the
-   device takes in, and the block rows of the slots whose lists arrived or grew;
-3. copies that half to the device (one copy) and replays the bucket's graph (one launch).
+   device takes in, and the block ids the device lacks (an arrival's whole row, each id
+   appended). A steady step (the last step's rows, a token longer: ``rows.decode_view``)
+   leaves the rows the half holds from two steps before;
+3. copies that half to the device (one copy) and replays the bucket's graph (one launch; the
+   graph's key holds the tokens tensor's address, which it reads in place).
 
-The graph applies the block rows to the device mirror, takes in the last step's sampled tokens
+The graph writes the block ids into the device mirror, takes in the last step's sampled tokens
 (the caller's tensor, indexed by slot, never read on the host; one outside the vocabulary is
 written as 0 and flagged, and the next step is refused as in the host build), derives the
 step's rows (``device_rows.build``), runs the family's device forms, and moves each row's slot
@@ -98,7 +101,7 @@ class DeviceBuild:
     def __init__(self, buffers: RuntimeBuffers[Any]) -> None:
         self.b = buffers
         flight, limits = buffers._flight, buffers.limits
-        if flight.kv is None or limits.max_beam_width < 1:  # pragma: no cover - generate-time
+        if flight.kv is None:  # pragma: no cover - a family's device forms read its blocks
             raise ValueError("the device build needs a paged KV cache")
         self.slots = limits.max_batch_size
         self.groups, self.width = len(flight.kvs), limits.kv_width
