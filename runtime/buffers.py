@@ -22,7 +22,7 @@ from ..requests import step as request_step
 from .bindings import bindings, repeated
 from .buckets import Relayout, at_bucket
 from .decl import TensorDecl
-from .device_build import device_build
+from .device_build import device_build_of
 from .failures import Failures
 from .guards import exclusive as _exclusive
 from .program import Program
@@ -126,7 +126,7 @@ class RuntimeBuffers(Views, Failures, Program, Generic[InputsT]):
         self._flight = self._in_flight()  # the requests in flight (add, finish, step)
         # the Request fields the family never reads: refused when set (add, prepare_step)
         self.limits = self._flight.limits = reading(self)
-        self._device = device_build(self, build)  # None: the host build
+        self._device = device_build_of(self, build)  # None: the host build
 
     # ------------------------------------------------------------------------- helpers
     def _rule_error(self, exc: Exception, where: str = "") -> RuleError | None:

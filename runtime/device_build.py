@@ -451,7 +451,7 @@ class DeviceBuild:
         self.flag_host.copy_(m.flag, non_blocking=True)  # read by the next step
 
 
-def device_build(buffers: RuntimeBuffers[Any], build: str) -> DeviceBuild | None:
+def device_build_of(buffers: RuntimeBuffers[Any], build: str) -> DeviceBuild | None:
     """The device build of `buffers` for ``build='device'``, None for ``'host'``."""
     if build == "host":
         return None
@@ -471,4 +471,4 @@ def _nothing() -> None:
     """No host effect to repeat on a replay."""
 
 
-__all__ = ["DeviceBuild", "DeviceRows", "DeviceTargets", "device_build"]
+__all__ = ["DeviceBuild", "DeviceRows", "DeviceTargets", "device_build_of"]
