@@ -436,6 +436,7 @@ def _program(plan: FamilyPlan, alias: _Aliases, sizes: set[str]) -> dict[str, An
     device_fills = _device_fills(plan, alias)
     return {
         "device_fills": device_fills,
+        "device_tensors": tuple(f["tensor"] for f in device_fills or ()),
         "device_scalars": _device_scalars(program, sizes) if device_fills is not None else None,
         "device_advances": device,
         # the device form reads the Config only under a construct-time condition
@@ -514,6 +515,7 @@ def _device_fills(plan: FamilyPlan, alias: _Aliases) -> list[dict[str, Any]] | N
         args = [alias(f.device_fill), f"o.{m.name}", "d", repr(m.pad), *L.kwargs(f.reads)]
         out.append(
             {
+                "tensor": m.name,
                 "doc": L.wrapped(f"{m.name}: {L.comment(m.doc)}"),
                 "lines": L.guarded(m.when, args[0], args[1:]),
             }

@@ -145,6 +145,7 @@ MEMBER_NAMES: frozenset[str] = frozenset(
         "sampled_tokens",
         "advances_on_device",
         "device_build",
+        "device_tensors",
         "captures",
         "no_advance",
         "request_readers",

@@ -665,6 +665,7 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     advances_on_device = False  # decode steps without a copy
     device_build = True  # step() may run on the device (build='device')
+    device_tensors = ('input_ids', 'row_slots', 'query_start_loc', 'seq_lens', 'cu_seqlens_k', 'positions', 'block_table', 'kv_slot_mapping', 'group_block_tables', 'group_slot_mappings', 'logits_indices', 'kv_read_index', 'produces_token')  # what _device_fill writes
     no_advance = ('query_start_loc', 'query_lens', 'seq_lens', 'cu_seqlens_k', 'token_positions', 'block_table', 'kv_slot_mapping', 'group_block_tables', 'group_slot_mappings', 'logits_indices', 'kv_read_index', 'produces_token')  # rules without an advance form
     # what the step calls on requests: a Request field none of them reads is refused when set
     request_readers = ('block_table', 'check_kv_blocks', 'check_kv_tokens', 'cu_seqlens_k', 'group_block_tables', 'group_slot_mappings', 'kv_read_index', 'kv_slot_mapping', 'logits_indices', 'produces_token', 'query_lens', 'query_start_loc', 'row_slots', 'seq_lens', 'seq_slots', 'token_ids', 'token_positions')

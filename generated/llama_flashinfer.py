@@ -541,6 +541,7 @@ class RuntimeBuffers(rt.RuntimeBuffers[StepInputs]):
     sampled_tokens = 'host_input_ids'  # generation rows take the sampled tokens
     advances_on_device = False  # decode steps without a copy
     device_build = True  # step() may run on the device (build='device')
+    device_tensors = ('input_ids', 'row_slots', 'positions', 'kv_slot_mapping', 'logits_indices', 'produces_token', 'qo_indptr', 'paged_kv_indptr', 'paged_kv_indices', 'paged_kv_last_page_len')  # what _device_fill writes
     no_advance = ('query_lens', 'token_positions', 'kv_slot_mapping', 'logits_indices', 'produces_token', 'query_start_loc', 'paged_kv_indptr', 'paged_kv_indices', 'paged_kv_last_page_len')  # rules without an advance form
     # what the step calls on requests: a Request field none of them reads is refused when set
     request_readers = ('check_kv_blocks', 'kv_slot_mapping', 'logits_indices', 'paged_kv_indices', 'paged_kv_indptr', 'paged_kv_last_page_len', 'produces_token', 'query_lens', 'query_start_loc', 'row_slots', 'seq_slots', 'token_ids', 'token_positions')

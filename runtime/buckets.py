@@ -70,19 +70,23 @@ class Relayout:
         """BatchError, before anything is written, for a tensor no bucket can lay out here: one
         a rule writes on the device, or one whose pad repeats its last value; and for a bucket
         beyond a tensor's capacity."""
-        c = self._config
-        for name, d in self._all.items():
-            if math.prod(d.shape(c, layout)) > math.prod(d.capacity(c)):
-                raise BatchError(
-                    f"at the bucket {name} would be {list(d.shape(c, layout))}, beyond its "
-                    f"capacity {list(d.capacity(c))}: pick a smaller bucket"
-                )
+        self.within_capacity(layout)
         for name in self.moved(sizes, layout):
             target = getattr(targets, name)
             if not isinstance(target.out, np.ndarray) or target.repeat or target.pad is None:
                 raise BatchError(
                     f"{name} cannot be laid out at a bucket (its rows do not lead its shape, and "
                     "it is written on the device or has no constant pad): run this step unpadded"
+                )
+
+    def within_capacity(self, layout: Any) -> None:
+        """BatchError for a bucket beyond the capacity of a tensor the engine reads."""
+        c = self._config
+        for name, d in self._all.items():
+            if math.prod(d.shape(c, layout)) > math.prod(d.capacity(c)):
+                raise BatchError(
+                    f"at the bucket {name} would be {list(d.shape(c, layout))}, beyond its "
+                    f"capacity {list(d.capacity(c))}: pick a smaller bucket"
                 )
 
     def apply(

@@ -48,6 +48,7 @@ class RuntimeBuffers(Views, Failures, Program, Generic[InputsT]):
     sampled_tokens: ClassVar[str | None] = None
     advances_on_device: ClassVar[bool] = False  # the family has ``_advance_on_device``
     device_build: ClassVar[bool] = False  # the family has ``_device_fill`` (build='device')
+    device_tensors: ClassVar[tuple[str, ...]] = ()  # the device tensors ``_device_fill`` writes
     # the spec's own implementations the step calls: an exception one raises names it
     project_impls: ClassVar[tuple[ProjectImpl, ...]] = ()
 

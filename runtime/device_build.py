@@ -32,7 +32,6 @@ build writes them; ``host_inputs=False`` in the Config binds none.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +44,7 @@ from ..requests import step as request_step
 from ..requests.rows import decode_view
 from ..requests.values import EMPTY, show
 from .buckets import at_bucket
-from .decl import DEVICE, Mirror, Rule
+from .decl import DEVICE, Rule
 from .device_rows import DeviceRows, build
 from .graphs import Replays
 from .step import Step, StepMode
@@ -130,20 +129,15 @@ class DeviceBuild:
         self.layouts: dict[tuple[int, int, int], Layout] = {}
         self.views: dict[Any, tuple[DeviceTargets, dict, dict]] = {}
         self.token_limit = limits.token_limit
-        c = buffers.config
-        self.written = {  # the device tensors the device program writes, by name
-            n: d
-            for n, d in buffers.decls.items()
-            if d.memory == DEVICE and isinstance(d.fill, Mirror) and d.inputs
+        self.written = {  # what the generated device program writes (under this Config)
+            n: buffers.decls[n] for n in buffers.device_tensors if n in buffers.decls
         }
-        self.capacity = {n: math.prod(d.capacity(c)) for n, d in self.written.items()}
         bound = {n for _, n, _, _ in buffers._bind.inputs}  # (this Config's bindings)
         self.host_written = {  # the host inputs the host writes (_device_host_fill)
             n
             for n in bound
             if buffers.decls[n].memory != DEVICE and isinstance(buffers.decls[n].fill, Rule)
         }
-        self.bytes_up = 0
 
     # ------------------------------------------------------------------------- arrivals
     def admitting(self, entry: Any) -> None:
@@ -246,20 +240,10 @@ class DeviceBuild:
         if plain and last is not None and last[0] is s and last[1] == bucket:
             return last[2]
         layout = s if bucket is None else at_bucket(s, bucket)  # (checks what it is given)
-        self._within(layout)
+        self.b._relayout.within_capacity(layout)  # the host build's check, alike
         if plain:
             self.last_layout = (s, bucket, layout)
         return layout
-
-    def _within(self, layout: Any) -> None:
-        """BatchError, before anything is written, for a bucket beyond a tensor's capacity."""
-        c = self.b.config
-        for name, d in self.written.items():
-            if math.prod(d.shape(c, layout)) > self.capacity[name]:
-                raise BatchError(
-                    f"at the bucket {name} would be {list(d.shape(c, layout))}, beyond its "
-                    f"capacity {list(d.capacity(c))}: pick a smaller bucket"
-                )
 
     def _flagged(self) -> None:
         """A token the last step took in was outside the vocabulary: its request is marked,
@@ -393,7 +377,7 @@ class DeviceBuild:
         tensor lies: its address is part of the graph's key), one event."""
         m = self.mirror
         self.delta[: lay.size].copy_(self.host[h][: lay.size], non_blocking=True)
-        self.bytes_up += lay.size * 8
+        self.b._staging.bytes_up += lay.size * 8  # (RuntimeBuffers.bytes_to_device)
         graph: tuple[Any, ...] = key
         if tokens is not None:  # the slots' column of the caller's tokens
             tokens = tokens if tokens.ndim == 1 else tokens[:, 0]

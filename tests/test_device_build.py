@@ -350,12 +350,14 @@ def test_what_the_device_build_refuses_is_refused_by_the_call_that_hands_it_over
         device.step([5] * 8)
     with pytest.raises(
         BatchError,
-        match=r"^at the bucket input_ids would be \[513\], beyond its capacity \[512\]: pick a "
+        match=r"^at the bucket host_input_ids would be \[513\], beyond its capacity \[512\]: pick a "
         r"smaller bucket$",
     ):
         device.step(torch.zeros(8, dtype=torch.int64), bucket=(513, 1))
+    sent = device.bytes_to_device
     step = device.step(torch.zeros(8, dtype=torch.int64), bucket=(4, 2))
     assert step.inputs["seq_lens"].tolist() == [4, 0]
+    assert device.bytes_to_device > sent  # the delta, counted like the host build's copy
     with pytest.raises(
         BatchError,
         match=r"^views\(\) reads the host build's layout; these buffers build='device': build "
