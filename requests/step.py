@@ -159,7 +159,7 @@ def plan(
         and t.n_rows
         and t.rows_produced  # (the last step ran the rows: each has its new token)
     ):
-        return _steady(t, tokens, blocks, on_device, gather)  # (its `gathering`)
+        return _steady(t, tokens, blocks, on_device, gather)
     undo_blocks: list[tuple[BlockTable, Any, Any]] = []
     undo_drafts: list[tuple[Entry, Any]] = []
     try:
@@ -354,7 +354,7 @@ def _steady(
     tokens: Any,
     blocks: Mapping[int, Any] | None,
     on_device: bool,
-    gathering: bool = True,
+    gather: bool = True,
 ) -> Plan:
     """A step of the same generation rows where only the tokens changed (and block lists
     may grow): the fewest calls, the state updated at commit."""
@@ -374,12 +374,12 @@ def _steady(
             f"step(): tokens has {k} column(s) per slot, but a request in flight has "
             f"{int(widths.max())} beams"
         )
-    gather, gathered = None, None
+    laid_out, gathered = None, None
     if not on_device:
         if values is None:
             values = _sequence_values(tok, rows, widths, t.n_wide)
         check_tokens(values, L)
-    elif not gathering:  # the device keeps the tokens: nothing to lay out
+    elif not gather:  # the device keeps the tokens: nothing to lay out
         values = EMPTY
     else:  # the host writes the last tokens it knows; the device then writes the new
         values = _sequence_values(t.last, rows, widths, t.n_wide)
@@ -396,7 +396,7 @@ def _steady(
                 slots,
                 beams,
             )
-        gather = TokenGather(held[1], held[2])
+        laid_out = TokenGather(held[1], held[2])
         gathered = (held[3], held[4])
     undo: list[tuple[BlockTable, Any, Any]] = []
     try:
@@ -416,7 +416,7 @@ def _steady(
         completing=[],
         undo_blocks=undo,
         undo_drafts=[],
-        gather=gather,
+        gather=laid_out,
         gathered=gathered,
         producers=rows,
     )
